@@ -1,0 +1,21 @@
+"""Errors raised by prefixlab. Every message says what went wrong and what to do about it."""
+
+
+class PrefixlabError(Exception):
+    """Base class of every error prefixlab raises on purpose."""
+
+
+class InvalidInputError(PrefixlabError, ValueError):
+    """An argument is malformed (wrong type, shape, range, order, dtype or device)."""
+
+
+class TraceFormatError(PrefixlabError, ValueError):
+    """A trace file line cannot be parsed; the message names file:line."""
+
+
+class ModelMismatchError(PrefixlabError, ValueError):
+    """A store or cache built for one model is used with another (config or dtype differ)."""
+
+
+class UnsupportedModelError(PrefixlabError, TypeError):
+    """A model or layer class prefixlab cannot serve; the message names the class."""
