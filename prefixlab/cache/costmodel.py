@@ -1,0 +1,241 @@
+"""Bytes and FLOPs of a hybrid LLM, per layer type: what a cached prefix costs to keep and saves to reuse.
+
+A model is a tuple of `LayerGroup`s (`count` identical layers of one kind). Each group knows, per layer:
+- `linear_flops_per_token`: FLOPs per prefilled token that do not depend on context (projections, MLP, SSM scan);
+- `pair_flops`: attention FLOPs per (query, key) pair, so L tokens cost `pair_flops * L**2` (the quadratic term);
+- `kv_bytes_per_token`: attention K and V bytes per cached token;
+- `state_bytes`: bytes of one recurrent checkpoint (SSM / GatedDeltaNet recurrent state + conv state).
+
+Prefilling `n_new` tokens after `n_past` cached ones costs
+`linear * n_new + pair * ((n_past + n_new)**2 - n_past**2)`, so costs add up along a prefix:
+`prefill_flops(a) + prefill_flops(b, a) == prefill_flops(a + b)`.
+
+FLOP conventions follow the Marconi paper (Pan et al., MLSys 2025, Appendix A): a (m x k) @ (k x n) matmul is
+`2 m k n` FLOPs, attention counts the full L x L score and value products (`4 L^2 d`, no causal halving), and the
+SSM scan costs `8 d_inner N` per token (decay, discretised input, scan update, output contraction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+
+# An A100's 312 TFLOP/s fp16 dense peak at 50% model-FLOPs utilisation, typical of long prefills (Marconi's testbed).
+DEFAULT_EFFECTIVE_FLOPS_PER_SECOND = 312e12 * 0.5
+
+LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "mlp", "moe")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """`count` identical layers of one `kind`; all costs are per layer."""
+
+    kind: str
+    count: int
+    linear_flops_per_token: float
+    pair_flops: float = 0.0
+    kv_bytes_per_token: int = 0
+    state_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise InvalidInputError(f"LayerGroup kind={self.kind!r} is unknown; use one of {LAYER_KINDS}")
+        if self.count < 0:
+            raise InvalidInputError(f"LayerGroup count={self.count} must be >= 0")
+
+
+def attention_layers(
+    count: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, gated: bool = False
+) -> LayerGroup:
+    """Softmax attention (MHA/GQA). Q, K, V projections `2 h (q + 2 kv)` (+`2 h q` for a sigmoid output gate, as
+    Qwen3-Next / Qwen3.5 project Q twice as wide), output projection `2 q h`, scores and values `4 q` per pair."""
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * hidden
+    return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes)
+
+
+def mlp_layers(count: int, hidden: int, intermediate: int, gated: bool = True) -> LayerGroup:
+    """Dense MLP: up (+ gate for SwiGLU) and down projections, `2 h i` each."""
+    return LayerGroup("mlp", count, 2 * hidden * intermediate * (3 if gated else 2))
+
+
+def moe_layers(
+    count: int,
+    hidden: int,
+    expert_intermediate: int,
+    num_experts: int,
+    top_k: int,
+    shared_intermediate: int = 0,
+    gated: bool = True,
+) -> LayerGroup:
+    """Mixture of experts: router `2 h E`, `top_k` routed expert MLPs and an always-on shared MLP per token."""
+    matrices = 3 if gated else 2
+    experts = 2 * hidden * (top_k * expert_intermediate + shared_intermediate) * matrices
+    return LayerGroup("moe", count, 2 * hidden * num_experts + experts)
+
+
+def _ssm_layers(
+    kind: str, count: int, hidden: int, d_inner: int, in_proj_width: int, conv_dim: int, conv_kernel: int,
+    state_elems: int, scan_flops: int, dtype_bytes: int,
+) -> LayerGroup:
+    """Shared shape of every recurrent mixer: in_proj, depthwise causal conv, scan, out_proj."""
+    flops = 2 * hidden * in_proj_width + 2 * conv_dim * conv_kernel + scan_flops + 2 * d_inner * hidden
+    return LayerGroup(kind, count, flops, state_bytes=(state_elems + conv_dim * conv_kernel) * dtype_bytes)
+
+
+def mamba2_layers(
+    count: int, hidden: int, num_heads: int, head_dim: int, state_size: int, n_groups: int, conv_kernel: int,
+    dtype_bytes: int,
+) -> LayerGroup:
+    """Mamba2 (SSD): in_proj emits z, x, B, C (`2 G N`) and dt (`H`); conv runs over x, B, C;
+    the state holds `H * P * N` values and the conv state `conv_kernel` columns of x, B, C."""
+    d_inner = num_heads * head_dim
+    conv_dim = d_inner + 2 * n_groups * state_size
+    return _ssm_layers(
+        "mamba2", count, hidden, d_inner, d_inner + conv_dim + num_heads, conv_dim, conv_kernel,
+        d_inner * state_size, 8 * d_inner * state_size, dtype_bytes,
+    )
+
+
+def mamba_layers(
+    count: int, hidden: int, d_inner: int, state_size: int, dt_rank: int, conv_kernel: int, dtype_bytes: int
+) -> LayerGroup:
+    """Mamba1 (selective scan, Jamba): in_proj emits x and z, x_proj emits dt (rank r), B, C, dt_proj expands dt;
+    the conv runs over x only and the state is `d_inner * N`."""
+    layers = _ssm_layers(
+        "mamba", count, hidden, d_inner, 2 * d_inner, d_inner, conv_kernel, d_inner * state_size,
+        8 * d_inner * state_size, dtype_bytes,
+    )
+    selective = 2 * d_inner * (dt_rank + 2 * state_size) + 2 * dt_rank * d_inner
+    return LayerGroup("mamba", count, layers.linear_flops_per_token + selective, state_bytes=layers.state_bytes)
+
+
+def gated_deltanet_layers(
+    count: int, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
+    dtype_bytes: int,
+) -> LayerGroup:
+    """GatedDeltaNet (Qwen3-Next / Qwen3.5): in_proj emits q, k, v, z and the gates b, a (one per value head);
+    conv runs over q, k, v; the delta-rule state is `Hv * dk * dv`, costing `8` FLOPs per element per token
+    (decay, S^T k, rank-1 update, q^T S)."""
+    key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+    conv_dim = 2 * key_dim + value_dim
+    state_elems = num_v_heads * head_k_dim * head_v_dim
+    return _ssm_layers(
+        "gated_deltanet", count, hidden, value_dim, conv_dim + value_dim + 2 * num_v_heads, conv_dim, conv_kernel,
+        state_elems, 8 * state_elems, dtype_bytes,
+    )
+
+
+def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:
+    """LFM2 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h` channels, out_proj."""
+    return _ssm_layers("short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Bytes and FLOPs of one model, by layer group. Build with `from_name` or `from_config`.
+
+    `kv_bytes_per_token` (all attention layers, K and V) and `state_bytes` (one recurrent checkpoint across all
+    recurrent layers, recurrent + conv state) are exact byte counts; FLOPs follow the module docstring.
+    """
+
+    name: str
+    hidden_size: int
+    dtype_bytes: int
+    layers: tuple[LayerGroup, ...]
+    effective_flops_per_second: float = DEFAULT_EFFECTIVE_FLOPS_PER_SECOND
+    kv_bytes_per_token: int = field(init=False)
+    state_bytes: int = field(init=False)
+    linear_flops_per_token: float = field(init=False)
+    pair_flops: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise InvalidInputError(f"ModelSpec {self.name!r} has no layers; pass at least one LayerGroup")
+        if self.effective_flops_per_second <= 0:
+            raise InvalidInputError(
+                f"effective_flops_per_second={self.effective_flops_per_second} must be > 0 (FLOP/s of prefill)"
+            )
+        totals = {
+            "kv_bytes_per_token": sum(g.count * g.kv_bytes_per_token for g in self.layers),
+            "state_bytes": sum(g.count * g.state_bytes for g in self.layers),
+            "linear_flops_per_token": float(sum(g.count * g.linear_flops_per_token for g in self.layers)),
+            "pair_flops": float(sum(g.count * g.pair_flops for g in self.layers)),
+        }
+        for name, value in totals.items():
+            object.__setattr__(self, name, value)
+
+    def layer_count(self, kind: str) -> int:
+        """Number of layers of `kind` (one of LAYER_KINDS)."""
+        if kind not in LAYER_KINDS:
+            raise InvalidInputError(f"kind={kind!r} is unknown; use one of {LAYER_KINDS}")
+        return sum(g.count for g in self.layers if g.kind == kind)
+
+    def prefill_flops(self, n_new, n_past=0):
+        """FLOPs to prefill `n_new` tokens after `n_past` cached ones. Ints give a float; integer numpy arrays
+        (broadcast together) give a float64 array, so a simulator can price many requests at once."""
+        new, past = _tokens("n_new", n_new), _tokens("n_past", n_past)
+        flops = self.linear_flops_per_token * new + self.pair_flops * new * (2.0 * past + new)
+        return flops if isinstance(flops, np.ndarray) else float(flops)
+
+    def flops_saved(self, hit_tokens):
+        """FLOPs a hit of `hit_tokens` tokens avoids: the prefill of that prefix from scratch."""
+        return self.prefill_flops(hit_tokens)
+
+    def entry_bytes(self, n_tokens):
+        """Bytes of a cached prefix of `n_tokens` tokens with one recurrent checkpoint at its end."""
+        return self.state_bytes + self.kv_bytes_per_token * _tokens("n_tokens", n_tokens)
+
+    def flop_efficiency(self, n_tokens):
+        """Marconi's FLOP efficiency: FLOPs saved by reusing an `n_tokens` prefix per byte it occupies."""
+        return self.flops_saved(n_tokens) / self.entry_bytes(n_tokens)
+
+    def prefill_seconds(self, n_new, n_past=0):
+        """Modeled prefill time: `prefill_flops / effective_flops_per_second` (compute-bound prefill)."""
+        return self.prefill_flops(n_new, n_past) / self.effective_flops_per_second
+
+    @classmethod
+    def from_name(cls, name: str) -> ModelSpec:
+        """A built-in spec: "marconi-7b" (the Marconi paper's 7B Mamba2 hybrid)."""
+        builders = {"marconi-7b": _marconi_7b}
+        if name not in builders:
+            raise UnsupportedModelError(f"unknown model name {name!r}; built-in names are {sorted(builders)}")
+        return builders[name]()
+
+
+def _tokens(arg: str, value):
+    """Validate a token count (int >= 0 or an integer array of them) and return it as float / float64 array."""
+    if isinstance(value, np.ndarray):
+        if value.dtype.kind not in "iu":
+            raise InvalidInputError(f"{arg} must be an integer array, got dtype {value.dtype}")
+        if value.size and value.min() < 0:
+            raise InvalidInputError(f"{arg} has negative entries (min {value.min()}); token counts are >= 0")
+        return value.astype(np.float64)
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise InvalidInputError(f"{arg} must be an int token count, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidInputError(f"{arg}={value} is negative; token counts are >= 0")
+    return float(value)
+
+
+def _marconi_7b() -> ModelSpec:
+    """The 7B hybrid of Marconi's evaluation: 24 Mamba2 + 4 attention + 28 MLP layers, d=4096, N=128, fp16.
+
+    Reproduces the paper's accounting exactly, which is coarser than `mamba2_layers`:
+    - attention `8 L d^2 + 4 L^2 d` (MHA, q = kv = d), KV `2 d` fp16 values per token;
+    - MLP `16 L d^2` (two matrices, intermediate 4d);
+    - Mamba `12 L d^2 + 16 L d N + 10 L d` (in/out projections with expand 2, scan, elementwise; the B, C, dt
+      projections and the conv are left out);
+    - SSM state `d * N` values plus a conv state of `(expand d + 2 N) * conv_kernel` values, fp16.
+    """
+    d, n, expand, conv_kernel, dtype_bytes = 4096, 128, 2, 4, 2
+    mamba = LayerGroup(
+        "mamba2", 24, 12 * d * d + 16 * d * n + 10 * d,
+        state_bytes=(d * n + (expand * d + 2 * n) * conv_kernel) * dtype_bytes,
+    )
+    attention = attention_layers(4, d, num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=dtype_bytes)
+    mlp = mlp_layers(28, d, 4 * d, gated=False)
+    return ModelSpec("marconi-7b", d, dtype_bytes, (mamba, attention, mlp))

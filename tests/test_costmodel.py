@@ -1,0 +1,90 @@
+"""Cost model: Marconi's accounting reproduced, FLOP algebra, vectorised calls, bad input."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixlab.cache.costmodel import LayerGroup, ModelSpec
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+
+MARCONI = ModelSpec.from_name("marconi-7b")
+
+
+def marconi_paper_flops(length: int, d: int = 4096, n: int = 128) -> int:
+    """Marconi Appendix A totals for the 7B hybrid, written out term by term (integer arithmetic)."""
+    mamba = 12 * length * d**2 + 16 * length * d * n + 10 * length * d
+    attention = 8 * length * d**2 + 4 * length**2 * d
+    mlp = 16 * length * d**2
+    return 24 * mamba + 4 * attention + 28 * mlp
+
+
+def test_marconi_bytes_match_paper():
+    d, n = 4096, 128
+    assert MARCONI.kv_bytes_per_token == 4 * (2 * d * 2)
+    assert MARCONI.state_bytes == 24 * (d * n * 2 + (2 * d + 2 * n) * 4 * 2)
+    assert MARCONI.dtype_bytes == 2
+    assert (MARCONI.layer_count("mamba2"), MARCONI.layer_count("attention"), MARCONI.layer_count("mlp")) == (24, 4, 28)
+
+
+@pytest.mark.parametrize("length", [1, 17, 1000, 8192, 100_000])
+def test_marconi_flops_and_efficiency_match_paper(length):
+    expected = marconi_paper_flops(length)
+    assert MARCONI.prefill_flops(length) == pytest.approx(expected, rel=1e-12)
+    assert MARCONI.flops_saved(length) == pytest.approx(expected, rel=1e-12)
+    paper_bytes = MARCONI.state_bytes + 4 * 2 * length * 4096 * 2
+    assert MARCONI.flop_efficiency(length) == pytest.approx(expected / paper_bytes, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 50_000), st.integers(0, 50_000))
+def test_prefill_flops_add_up_along_a_prefix(first, second):
+    whole = MARCONI.prefill_flops(first + second)
+    assert MARCONI.prefill_flops(first) + MARCONI.prefill_flops(second, first) == pytest.approx(whole, rel=1e-12)
+
+
+def test_attention_makes_resumed_prefill_cost_more_than_fresh():
+    assert MARCONI.prefill_flops(100, n_past=10_000) > MARCONI.prefill_flops(100)
+    assert MARCONI.prefill_flops(0, n_past=10_000) == 0.0
+
+
+def test_vectorised_matches_scalar():
+    new = np.array([0, 1, 5, 4096, 70_000])
+    past = np.array([3, 0, 100, 4096, 1])
+    flops = MARCONI.prefill_flops(new, past)
+    assert flops.dtype == np.float64
+    one_by_one = [MARCONI.prefill_flops(int(a), int(b)) for a, b in zip(new, past, strict=True)]
+    np.testing.assert_allclose(flops, one_by_one, rtol=1e-12)
+    seconds = MARCONI.prefill_seconds(new, past)
+    np.testing.assert_allclose(seconds, flops / MARCONI.effective_flops_per_second, rtol=1e-12)
+    np.testing.assert_allclose(MARCONI.entry_bytes(new), MARCONI.state_bytes + MARCONI.kv_bytes_per_token * new)
+
+
+def test_prefill_seconds_is_flops_over_throughput():
+    assert MARCONI.prefill_seconds(2048, 512) == MARCONI.prefill_flops(2048, 512) / MARCONI.effective_flops_per_second
+
+
+@pytest.mark.parametrize(
+    ("n_new", "n_past", "argument"),
+    [(-1, 0, "n_new"), (3, -2, "n_past"), (1.5, 0, "n_new"), (True, 0, "n_new"), ("3", 0, "n_new"),
+     (np.array([1, -1]), 0, "n_new"), (np.array([1.0]), 0, "n_new")],
+)
+def test_bad_token_counts_raise_naming_the_argument(n_new, n_past, argument):
+    with pytest.raises(InvalidInputError, match=argument):
+        MARCONI.prefill_flops(n_new, n_past)
+
+
+def test_unknown_name_lists_built_ins():
+    with pytest.raises(UnsupportedModelError, match="marconi-7b"):
+        ModelSpec.from_name("llama-9000")
+
+
+def test_bad_specs_are_refused():
+    with pytest.raises(InvalidInputError, match="kind"):
+        LayerGroup("transformer", 1, 1.0)
+    with pytest.raises(InvalidInputError, match="no layers"):
+        ModelSpec("empty", 8, 2, ())
+    with pytest.raises(InvalidInputError, match="effective_flops_per_second"):
+        ModelSpec("slow", 8, 2, (LayerGroup("mlp", 1, 1.0),), effective_flops_per_second=0)
+    with pytest.raises(InvalidInputError, match="kind"):
+        MARCONI.layer_count("conv1d")
