@@ -1,0 +1,235 @@
+"""Trace files: read Marconi JSONL or Mooncake JSONL (auto-detected), write Marconi JSONL.
+
+Marconi JSONL, one request a line: ``session_id, turn_id, ts`` (seconds), ``input_tokens``, ``output_tokens``
+(token-id lists; the input holds the whole history). Mooncake JSONL: ``timestamp`` (ms), ``input_length``,
+``output_length``, ``hash_ids`` — one id per 512-token block, equal ids meaning equal blocks; token ids are
+synthesised per hash id so that shared ids give shared token prefixes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from prefixlab.errors import InvalidInputError, TraceFormatError
+from prefixlab.sim.trace import Request
+
+MOONCAKE_BLOCK_TOKENS = 512
+ON_ERROR_CHOICES = ("stop", "skip")
+
+# splitmix64 constants: a cheap bijective mixer, so distinct (hash id, offset) keys give independent-looking ids.
+_MIX_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_MIX_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX_M2 = np.uint64(0x94D049BB133111EB)
+# Synthetic ids span 2**31 values so two different blocks practically never share a first token (a spurious hit).
+_SYNTHETIC_ID_SHIFT = np.uint64(33)
+# Key spaces: input token j of block h is keyed h*512 + j (< 2**63); output token j of request i is keyed
+# 2**63 + i*2**32 + j. Both maps are injective and disjoint, so outputs never coincide with input blocks.
+MAX_HASH_ID = (1 << 54) - 1
+_OUTPUT_KEY_BASE = np.uint64(1 << 63)
+_OUTPUT_KEY_STRIDE = np.uint64(1 << 32)
+
+
+class LineError(ValueError):
+    """What is wrong with one line; the reader adds file:line."""
+
+
+def splitmix64(keys: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser applied elementwise to uint64 keys (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = keys.astype(np.uint64) + _MIX_GAMMA
+        z = (z ^ (z >> np.uint64(30))) * _MIX_M1
+        z = (z ^ (z >> np.uint64(27))) * _MIX_M2
+        return z ^ (z >> np.uint64(31))
+
+
+def synthetic_ids(keys: np.ndarray) -> np.ndarray:
+    """Deterministic token ids in [0, 2**31) for uint64 keys: equal keys give equal ids."""
+    return (splitmix64(keys) >> _SYNTHETIC_ID_SHIFT).astype(np.int64)
+
+
+def read_json_lines(
+    path: str | Path, parse: Callable[[Any], Any], on_error: str = "stop"
+) -> Iterator[Any]:
+    """Yield `parse(obj)` for each non-blank JSON line; a bad line raises TraceFormatError naming file:line.
+
+    `parse` raises LineError (or KeyError/TypeError/ValueError) to reject a line. With on_error="skip" the line is
+    reported with a warning and reading goes on.
+    """
+    if on_error not in ON_ERROR_CHOICES:
+        raise InvalidInputError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+    with path.open("r", encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield parse(json.loads(line))
+            except (ValueError, KeyError, TypeError) as err:
+                reason = f"missing field {err}" if isinstance(err, KeyError) else str(err)
+                message = f"{path}:{line_number}: {reason}"
+                if on_error == "stop":
+                    hint = "use on_error='skip' (--on-error skip) to skip such lines"
+                    raise TraceFormatError(f"{message} ({hint})") from None
+                warnings.warn(f"skipping {message}", stacklevel=2)
+
+
+def token_array(values: Any, field: str) -> np.ndarray:
+    """A 1-D int64 array of non-negative token ids, or LineError saying what is wrong with `field`."""
+    if not isinstance(values, list):
+        raise LineError(f"{field} must be a list of token ids, got {type(values).__name__}")
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        array = np.asarray(values)
+    except (ValueError, OverflowError) as err:
+        raise LineError(f"{field} must be a flat list of integer token ids ({err})") from None
+    if array.ndim != 1 or array.dtype.kind not in "iu":
+        raise LineError(f"{field} must be a flat list of integer token ids, found {_first_non_int(values)!r}")
+    if array.min() < 0 or (array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max):
+        raise LineError(f"{field} holds a token id out of range (ids are integers in [0, 2**63))")
+    return array.astype(np.int64, copy=False)
+
+
+def _first_non_int(values: list) -> Any:
+    return next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), values[0])
+
+
+def _field(obj: Any, name: str, kinds: tuple[type, ...], what: str) -> Any:
+    if not isinstance(obj, dict):
+        raise LineError(f"expected a JSON object, got {type(obj).__name__}")
+    if name not in obj:
+        raise LineError(f"missing field {name!r}")
+    value = obj[name]
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise LineError(f"{name} must be {what}, got {value!r}")
+    return value
+
+
+def _non_negative_int(obj: Any, name: str) -> int:
+    value = _field(obj, name, (int,), "a non-negative integer")
+    if value < 0:
+        raise LineError(f"{name} must be a non-negative integer, got {value}")
+    return value
+
+
+def _finite_number(obj: Any, name: str) -> float:
+    value = float(_field(obj, name, (int, float), "a number"))
+    if not math.isfinite(value):
+        raise LineError(f"{name} must be finite, got {value}")
+    return value
+
+
+def parse_marconi(obj: Any) -> Request:
+    """One Marconi JSONL object -> Request (output_tokens may be absent: an empty output)."""
+    session_id = _field(obj, "session_id", (str, int), "a string or integer")
+    return Request(
+        session_id=str(session_id),
+        turn_id=_non_negative_int(obj, "turn_id"),
+        ts=_finite_number(obj, "ts"),
+        input_tokens=token_array(_field(obj, "input_tokens", (list,), "a list of token ids"), "input_tokens"),
+        output_tokens=token_array(obj.get("output_tokens", []), "output_tokens"),
+    )
+
+
+class MooncakeParser:
+    """Mooncake JSONL objects -> Requests; counts requests so each gets its own synthetic output tokens."""
+
+    def __init__(self) -> None:
+        self.num_parsed = 0
+
+    def __call__(self, obj: Any) -> Request:
+        input_length = _non_negative_int(obj, "input_length")
+        output_length = _non_negative_int(obj, "output_length")
+        timestamp_ms = _finite_number(obj, "timestamp")
+        hash_ids = _field(obj, "hash_ids", (list,), "a list of block hash ids")
+        num_blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
+        if len(hash_ids) != num_blocks:
+            raise LineError(
+                f"hash_ids has {len(hash_ids)} ids but input_length {input_length} needs "
+                f"ceil({input_length}/{MOONCAKE_BLOCK_TOKENS}) = {num_blocks}"
+            )
+        if any(isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= MAX_HASH_ID for h in hash_ids):
+            raise LineError(f"hash_ids must be integers in [0, 2**54), got {hash_ids[:8]!r}...")
+        with np.errstate(over="ignore"):
+            output_keys = (
+                _OUTPUT_KEY_BASE
+                + np.uint64(self.num_parsed) * _OUTPUT_KEY_STRIDE
+                + np.arange(output_length, dtype=np.uint64)
+            )
+        request = Request(
+            session_id=f"mooncake-{self.num_parsed}",
+            turn_id=0,
+            ts=timestamp_ms / 1000.0,
+            input_tokens=mooncake_input_tokens(hash_ids, input_length),
+            output_tokens=synthetic_ids(output_keys),
+        )
+        self.num_parsed += 1
+        return request
+
+
+def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
+    """Concatenated synthetic blocks for `hash_ids`, the last one cut to `input_length`."""
+    if not hash_ids:
+        return np.zeros(0, dtype=np.int64)
+    blocks = np.asarray(hash_ids, dtype=np.uint64)[:, None]
+    offsets = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64)[None, :]
+    return synthetic_ids(blocks * np.uint64(MOONCAKE_BLOCK_TOKENS) + offsets).reshape(-1)[:input_length]
+
+
+def detect_format(path: str | Path) -> str:
+    """'marconi' or 'mooncake', from the first non-blank line that is a JSON object; TraceFormatError otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+    with path.open("r", encoding="utf-8") as lines:
+        for line in lines:
+            try:
+                obj = json.loads(line) if line.strip() else None
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "hash_ids" in obj:
+                return "mooncake"
+            if isinstance(obj, dict) and "input_tokens" in obj:
+                return "marconi"
+    raise TraceFormatError(
+        f"{path}: no line looks like a trace record; expected Marconi JSONL (session_id, turn_id, ts, input_tokens, "
+        "output_tokens) or Mooncake JSONL (timestamp, input_length, output_length, hash_ids)"
+    )
+
+
+def read_trace(path: str | Path, on_error: str = "stop") -> list[Request]:
+    """Requests of a Marconi or Mooncake JSONL trace (format auto-detected), in arrival order (stable by ts)."""
+    parse = MooncakeParser() if detect_format(path) == "mooncake" else parse_marconi
+    requests = list(read_json_lines(path, parse, on_error))
+    return sorted(requests, key=lambda r: r.ts)
+
+
+def marconi_record(request: Request) -> dict[str, Any]:
+    """The Marconi JSONL object of one request (num_* fields included for readers that want counts only)."""
+    return {
+        "session_id": request.session_id,
+        "turn_id": int(request.turn_id),
+        "ts": float(request.ts),
+        "num_input_tokens": int(len(request.input_tokens)),
+        "num_output_tokens": int(len(request.output_tokens)),
+        "input_tokens": np.asarray(request.input_tokens).tolist(),
+        "output_tokens": np.asarray(request.output_tokens).tolist(),
+    }
+
+
+def write_trace(path: str | Path, requests: list[Request]) -> None:
+    """Write `requests` as Marconi JSONL (one object a line)."""
+    records = [marconi_record(r) for r in requests]  # all converted first, so a bad request writes nothing
+    with Path(path).open("w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record, separators=(",", ":")))
+            out.write("\n")

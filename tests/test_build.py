@@ -1,0 +1,166 @@
+"""Trace builders: structure, timing, determinism, bad input — on tiny local files and on the shared data."""
+
+import json
+
+import numpy as np
+import pytest
+from conftest import require_shared
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixlab.errors import InvalidInputError, TraceFormatError
+from prefixlab.sim.build import build_conversation_trace, conversation_requests, load_encoder
+
+
+@pytest.fixture(scope="module")
+def word_tokenizer(tmp_path_factory):
+    """A tiny word-level tokenizers JSON (whitespace + punctuation split), so tests need no shared data."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = "role content user assistant hello there how are you fine thanks what is up bye".split()
+    vocab = {"[UNK]": 0, **{w: i + 1 for i, w in enumerate(words)}}
+    punctuation = '{}":,'
+    vocab.update({p: len(vocab) + i for i, p in enumerate(punctuation)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace(), pre_tokenizers.Punctuation()])
+    path = tmp_path_factory.mktemp("tok") / "words.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def chat(*texts: str) -> dict:
+    roles = ("user", "assistant")
+    return {"conversation": [{"role": roles[i % 2], "content": text} for i, text in enumerate(texts)]}
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def check_session_structure(requests, encode, conversations):
+    """Turn t's input == turn t-1's input + output + the tokens of the json-encoded user message t."""
+    by_session = {}
+    for r in requests:
+        by_session.setdefault(r.session_id, []).append(r)
+    for session_id, turns in by_session.items():
+        messages = conversations[int(session_id)]["conversation"]
+        assert [r.turn_id for r in turns] == list(range(len(turns)))
+        for t, r in enumerate(turns):
+            user_ids, reply_ids = encode([json.dumps(messages[2 * t]), json.dumps(messages[2 * t + 1])])
+            previous = turns[t - 1].tokens if t else np.zeros(0, dtype=np.int64)
+            np.testing.assert_array_equal(r.input_tokens, np.concatenate([previous, user_ids]))
+            np.testing.assert_array_equal(r.output_tokens, reply_ids)
+
+
+def test_conversation_trace_structure_and_timing(tmp_path, word_tokenizer):
+    conversations = [
+        chat("hello there", "hello", "how are you", "fine thanks", "bye bye bye", "bye"),
+        chat("what is up", "fine"),
+    ]
+    path = write_jsonl(tmp_path / "c.jsonl", conversations)
+    requests = build_conversation_trace(path, word_tokenizer, sessions_per_second=0.5)
+    encode = load_encoder(word_tokenizer)
+    check_session_structure(requests, encode, conversations)
+    assert [(r.session_id, r.turn_id) for r in requests] == [("0", 0), ("0", 1), ("1", 0), ("0", 2)]
+    # session 1 starts at 1 / 0.5 s; turns 1 and 2 of session 0 each wait for 2 typed words (spaces) at 90 wpm.
+    assert [r.ts for r in requests] == pytest.approx([0.0, 2 * 60 / 90, 2.0, 4 * 60 / 90])
+    assert requests[0].input_tokens.dtype == np.int64 and requests[0].input_tokens[0] != 0  # not all [UNK]
+
+
+def test_conversation_trace_reply_time_context_cap_and_filters(tmp_path, word_tokenizer):
+    conversations = [chat("hello", "fine thanks", "how are you", "fine"), chat("bye", "bye")]
+    path = write_jsonl(tmp_path / "c.jsonl", conversations)
+    slow = build_conversation_trace(path, word_tokenizer, seconds_per_output_token=1.0, min_turns=2)
+    assert {r.session_id for r in slow} == {"0"}  # the one-turn chat is filtered out
+    reply_tokens = len(slow[0].output_tokens)
+    assert slow[1].ts == pytest.approx(reply_tokens * 1.0 + 2 * 60 / 90)
+    first_turn_tokens = len(slow[0].tokens)
+    capped = build_conversation_trace(path, word_tokenizer, max_context_tokens=first_turn_tokens)
+    assert [(r.session_id, r.turn_id) for r in capped] == [("0", 0), ("1", 0)]
+    assert len(build_conversation_trace(path, word_tokenizer, max_sessions=1)) == 2
+
+
+def test_conversation_trace_drops_trailing_unanswered_turn(tmp_path, word_tokenizer):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "fine", "bye")])
+    assert [r.turn_id for r in build_conversation_trace(path, word_tokenizer)] == [0]
+
+
+def test_conversation_trace_bad_lines_name_file_and_line(tmp_path, word_tokenizer):
+    wrong_role = {"conversation": [{"role": "assistant", "content": "x"}]}
+    rows = [chat("hello", "fine"), "{not json", wrong_role, chat("a", "b")]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(TraceFormatError, match=r"c\.jsonl:2: "):
+        build_conversation_trace(path, word_tokenizer)
+    with pytest.warns(UserWarning) as caught:
+        requests = build_conversation_trace(path, word_tokenizer, on_error="skip")
+    messages = [str(w.message) for w in caught]
+    assert any("c.jsonl:2" in m for m in messages) and any("c.jsonl:3" in m and "role" in m for m in messages)
+    assert [r.session_id for r in requests] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"sessions_per_second": 0}, "sessions_per_second"),
+        ({"sessions_per_second": "fast"}, "sessions_per_second"),
+        ({"words_per_minute": -1}, "words_per_minute"),
+        ({"max_context_tokens": 0}, "max_context_tokens"),
+        ({"max_sessions": 0}, "max_sessions"),
+        ({"seconds_per_output_token": -0.5}, "seconds_per_output_token"),
+    ],
+)
+def test_conversation_trace_rejects_bad_arguments(tmp_path, word_tokenizer, kwargs, match):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "fine")])
+    with pytest.raises(InvalidInputError, match=match):
+        build_conversation_trace(path, word_tokenizer, **kwargs)
+
+
+def test_conversation_trace_missing_files(tmp_path, word_tokenizer):
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "fine")])
+    with pytest.raises(InvalidInputError, match="tokenizer_path"):
+        build_conversation_trace(path, tmp_path / "nope.json")
+    with pytest.raises(InvalidInputError, match="does not exist"):
+        build_conversation_trace(tmp_path / "nope.jsonl", word_tokenizer)
+
+
+turn_strategy = st.tuples(
+    st.lists(st.integers(0, 99), min_size=1, max_size=6),
+    st.lists(st.integers(0, 99), max_size=6),
+    st.integers(0, 30),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(turn_strategy, max_size=8), st.integers(1, 40), st.floats(0, 10))
+def test_conversation_requests_invariants(turns, max_context_tokens, start_s):
+    requests = conversation_requests("s", turns, start_s, max_context_tokens=max_context_tokens)
+    assert len(requests) <= len(turns)
+    history = np.zeros(0, dtype=np.int64)
+    for t, r in enumerate(requests):
+        user, reply, words = turns[t]
+        np.testing.assert_array_equal(r.input_tokens, np.concatenate([history, user]).astype(np.int64))
+        np.testing.assert_array_equal(r.output_tokens, np.asarray(reply, dtype=np.int64))
+        assert len(r.tokens) <= max_context_tokens
+        expected_ts = start_s if t == 0 else requests[t - 1].ts + words * 60 / 90
+        assert r.ts == pytest.approx(expected_ts)
+        history = r.tokens
+    if len(requests) < len(turns):  # it stopped exactly at the first turn that would overflow
+        user, reply, _ = turns[len(requests)]
+        assert len(history) + len(user) + len(reply) > max_context_tokens
+
+
+def test_lmsys_trace_on_shared_data():
+    conversations_path = require_shared("traces/lmsys_chat_1000.jsonl")
+    tokenizer_path = require_shared("tokenizers/gpt-neox-20b.json")
+    requests = build_conversation_trace(conversations_path, tokenizer_path, sessions_per_second=1.0)
+    again = build_conversation_trace(conversations_path, tokenizer_path, sessions_per_second=1.0)
+    assert all(
+        a.session_id == b.session_id and a.ts == b.ts and np.array_equal(a.tokens, b.tokens)
+        for a, b in zip(requests, again, strict=True)
+    )
+    assert [r.ts for r in requests] == sorted(r.ts for r in requests)
+    assert len({r.session_id for r in requests}) == 191 and 900 < len(requests) <= 1001
+    assert max(len(r.tokens) for r in requests) <= 8192
+    conversations = [json.loads(line) for line in open(conversations_path)]
+    check_session_structure(requests[:200], load_encoder(tokenizer_path), conversations)
