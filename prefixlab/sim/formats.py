@@ -54,19 +54,13 @@ def synthetic_ids(keys: np.ndarray) -> np.ndarray:
     return (splitmix64(keys) >> _SYNTHETIC_ID_SHIFT).astype(np.int64)
 
 
-def read_json_lines(
-    path: str | Path, parse: Callable[[Any], Any], on_error: str = "stop"
-) -> Iterator[Any]:
+def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str = "stop") -> Iterator[Any]:
     """Yield `parse(obj)` for each non-blank JSON line; a bad line raises TraceFormatError naming file:line.
 
     `parse` raises LineError (or KeyError/TypeError/ValueError) to reject a line. With on_error="skip" the line is
     reported with a warning and reading goes on.
     """
-    if on_error not in ON_ERROR_CHOICES:
-        raise InvalidInputError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+    path = _existing_file(path, on_error)
     with path.open("r", encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -80,6 +74,15 @@ def read_json_lines(
                     hint = "use on_error='skip' (--on-error skip) to skip such lines"
                     raise TraceFormatError(f"{message} ({hint})") from None
                 warnings.warn(f"skipping {message}", stacklevel=2)
+
+
+def _existing_file(path: str | Path, on_error: str = "stop") -> Path:
+    if on_error not in ON_ERROR_CHOICES:
+        raise InvalidInputError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+    return path
 
 
 def token_array(values: Any, field: str) -> np.ndarray:
@@ -178,8 +181,6 @@ class MooncakeParser:
 
 def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
     """Concatenated synthetic blocks for `hash_ids`, the last one cut to `input_length`."""
-    if not hash_ids:
-        return np.zeros(0, dtype=np.int64)
     blocks = np.asarray(hash_ids, dtype=np.uint64)[:, None]
     offsets = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64)[None, :]
     return synthetic_ids(blocks * np.uint64(MOONCAKE_BLOCK_TOKENS) + offsets).reshape(-1)[:input_length]
@@ -187,9 +188,7 @@ def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
 
 def detect_format(path: str | Path) -> str:
     """'marconi' or 'mooncake', from the first non-blank line that is a JSON object; TraceFormatError otherwise."""
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+    path = _existing_file(path)
     with path.open("r", encoding="utf-8") as lines:
         for line in lines:
             try:
@@ -208,6 +207,7 @@ def detect_format(path: str | Path) -> str:
 
 def read_trace(path: str | Path, on_error: str = "stop") -> list[Request]:
     """Requests of a Marconi or Mooncake JSONL trace (format auto-detected), in arrival order (stable by ts)."""
+    _existing_file(path, on_error)
     parse = MooncakeParser() if detect_format(path) == "mooncake" else parse_marconi
     requests = list(read_json_lines(path, parse, on_error))
     return sorted(requests, key=lambda r: r.ts)
@@ -228,7 +228,10 @@ def marconi_record(request: Request) -> dict[str, Any]:
 
 def write_trace(path: str | Path, requests: list[Request]) -> None:
     """Write `requests` as Marconi JSONL (one object a line)."""
-    records = [marconi_record(r) for r in requests]  # all converted first, so a bad request writes nothing
+    for index, request in enumerate(requests):
+        if not isinstance(request, Request):
+            raise InvalidInputError(f"requests[{index}] is a {type(request).__name__}; write_trace takes Requests")
+    records = [marconi_record(r) for r in requests]  # all converted before the file is opened
     with Path(path).open("w", encoding="utf-8") as out:
         for record in records:
             out.write(json.dumps(record, separators=(",", ":")))

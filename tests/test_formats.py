@@ -1,0 +1,171 @@
+"""Trace formats: auto-detection, Marconi round trip, Mooncake block semantics, malformed lines."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixlab.errors import InvalidInputError, TraceFormatError
+from prefixlab.sim.formats import MOONCAKE_BLOCK_TOKENS, detect_format, read_trace, write_trace
+from prefixlab.sim.trace import Request
+
+
+def write_lines(path, rows) -> str:
+    path.write_text("".join((row if isinstance(row, str) else json.dumps(row)) + "\n" for row in rows))
+    return str(path)
+
+
+def marconi_row(session_id=0, turn_id=0, ts=0.0, inputs=(1, 2, 3), outputs=(4,)):
+    return {
+        "session_id": session_id,
+        "turn_id": turn_id,
+        "ts": ts,
+        "input_tokens": list(inputs),
+        "output_tokens": list(outputs),
+    }
+
+
+def mooncake_row(timestamp_ms, input_length, hash_ids, output_length=3):
+    return {
+        "timestamp": timestamp_ms,
+        "input_length": input_length,
+        "output_length": output_length,
+        "hash_ids": hash_ids,
+    }
+
+
+def same_requests(a: list[Request], b: list[Request]) -> bool:
+    return len(a) == len(b) and all(
+        x.session_id == y.session_id
+        and x.turn_id == y.turn_id
+        and x.ts == y.ts
+        and np.array_equal(x.input_tokens, y.input_tokens)
+        and np.array_equal(x.output_tokens, y.output_tokens)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+request_strategy = st.builds(
+    Request,
+    session_id=st.text(min_size=1, max_size=8),
+    turn_id=st.integers(0, 50),
+    ts=st.floats(0, 1e6, allow_nan=False),
+    input_tokens=st.lists(st.integers(0, 2**40), max_size=20).map(lambda v: np.asarray(v, dtype=np.int64)),
+    output_tokens=st.lists(st.integers(0, 2**40), max_size=20).map(lambda v: np.asarray(v, dtype=np.int64)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(request_strategy, max_size=6))
+def test_marconi_round_trip(tmp_path_factory, requests):
+    requests = sorted(requests, key=lambda r: r.ts)
+    path = tmp_path_factory.mktemp("rt") / "trace.jsonl"
+    write_trace(path, requests)
+    if requests:
+        assert detect_format(path) == "marconi"
+        loaded = read_trace(path)
+        assert same_requests(loaded, requests)
+        assert all(r.input_tokens.dtype == np.int64 and r.output_tokens.dtype == np.int64 for r in loaded)
+
+
+def test_marconi_reader_accepts_reference_layout_and_sorts_by_ts(tmp_path):
+    rows = [
+        {**marconi_row(7, 1, 2.5, inputs=[5, 6]), "num_input_tokens": 2, "num_output_tokens": 1},
+        {k: v for k, v in marconi_row(3, 0, 1.0).items() if k != "output_tokens"},  # an absent output is empty
+    ]
+    requests = read_trace(write_lines(tmp_path / "t.jsonl", rows))
+    assert [(r.session_id, r.turn_id, r.ts) for r in requests] == [("3", 0, 1.0), ("7", 1, 2.5)]
+    assert requests[0].output_tokens.size == 0 and requests[1].input_tokens.tolist() == [5, 6]
+
+
+def test_mooncake_block_semantics(tmp_path):
+    rows = [
+        mooncake_row(1500, 1100, [10, 11, 12]),  # 3 blocks, the last one 76 tokens long
+        mooncake_row(0, 900, [10, 13]),  # shares block 10 only
+        mooncake_row(3000, 1024, [10, 11]),  # exactly two full blocks, same as the first request's first two
+    ]
+    path = write_lines(tmp_path / "mc.jsonl", rows)
+    assert detect_format(path) == "mooncake"
+    second, first, third = read_trace(path)  # sorted by arrival: timestamps are milliseconds
+    assert [r.ts for r in (second, first, third)] == [0.0, 1.5, 3.0]
+    assert [len(r.input_tokens) for r in (first, second, third)] == [1100, 900, 1024]
+    block = MOONCAKE_BLOCK_TOKENS
+    np.testing.assert_array_equal(first.input_tokens[:block], second.input_tokens[:block])
+    np.testing.assert_array_equal(first.input_tokens[: 2 * block], third.input_tokens)
+    # different hash ids give different blocks from their very first token (no spurious shared prefix)
+    assert first.input_tokens[block] != second.input_tokens[block]
+    # outputs are synthetic, per request, and never repeat an input block
+    assert [len(r.output_tokens) for r in (first, second, third)] == [3, 3, 3]
+    assert not np.array_equal(first.output_tokens, third.output_tokens)
+    assert not np.isin(first.output_tokens, first.input_tokens).any()
+    assert same_requests(read_trace(path), [second, first, third])  # deterministic
+
+
+def test_mooncake_partial_last_block_is_prefix_of_full_block(tmp_path):
+    path = write_lines(tmp_path / "mc.jsonl", [mooncake_row(0, 700, [4, 5]), mooncake_row(1, 1024, [4, 5])])
+    partial, full = read_trace(path)
+    np.testing.assert_array_equal(partial.input_tokens, full.input_tokens[:700])
+
+
+@pytest.mark.parametrize(
+    "bad_row, reason",
+    [
+        ("{truncated", "Expecting|Unterminated|delimiter"),
+        ("[1, 2]", "expected a JSON object"),
+        ({k: v for k, v in marconi_row().items() if k != "ts"}, "missing field 'ts'"),
+        (marconi_row(inputs=[1, "x", 3]), "input_tokens must be a flat list of integer token ids, found 'x'"),
+        (marconi_row(inputs=[1, 2.5]), "input_tokens must be a flat list of integer token ids, found 2.5"),
+        (marconi_row(outputs=[[1], [2]]), "output_tokens must be a flat list"),
+        (marconi_row(inputs=[1, -4]), "out of range"),
+        ({**marconi_row(), "input_tokens": "1 2 3"}, "input_tokens must be a list of token ids"),
+        (marconi_row(turn_id=-1), "turn_id must be a non-negative integer"),
+        (marconi_row(ts="soon"), "ts must be a number"),
+        ({**marconi_row(), "ts": float("nan")}, "ts must be finite"),
+        (marconi_row(session_id=None), "session_id must be a string or integer"),
+    ],
+)
+def test_marconi_malformed_line_names_file_and_line(tmp_path, bad_row, reason):
+    path = write_lines(tmp_path / "bad.jsonl", [marconi_row(ts=0.0), "", bad_row, marconi_row(1, ts=1.0)])
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:3: .*({reason})"):
+        read_trace(path)
+    with pytest.warns(UserWarning, match=r"bad\.jsonl:3"):
+        kept = read_trace(path, on_error="skip")
+    assert [r.session_id for r in kept] == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "bad_row, reason",
+    [
+        (mooncake_row(0, 1100, [1, 2]), r"hash_ids has 2 ids but input_length 1100 needs ceil\(1100/512\) = 3"),
+        (mooncake_row(0, 10, [True]), "hash_ids must be integers"),
+        (mooncake_row(0, 10, [-1]), "hash_ids must be integers"),
+        ({**mooncake_row(0, 10, [1]), "output_length": 1.5}, "output_length must be a non-negative integer"),
+        ({k: v for k, v in mooncake_row(0, 10, [1]).items() if k != "timestamp"}, "missing field 'timestamp'"),
+    ],
+)
+def test_mooncake_malformed_line(tmp_path, bad_row, reason):
+    path = write_lines(tmp_path / "bad.jsonl", [mooncake_row(0, 10, [1]), bad_row, mooncake_row(5, 10, [1])])
+    with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:2: {reason}"):
+        read_trace(path)
+    with pytest.warns(UserWarning, match=r"bad\.jsonl:2"):
+        assert len(read_trace(path, on_error="skip")) == 2
+
+
+def test_unrecognised_or_missing_files(tmp_path):
+    path = write_lines(tmp_path / "other.jsonl", ["not json", {"prompt": "hi"}])
+    with pytest.raises(TraceFormatError, match="other.jsonl: no line looks like a trace record"):
+        read_trace(path)
+    with pytest.raises(InvalidInputError, match="does not exist"):
+        read_trace(tmp_path / "absent.jsonl")
+    with pytest.raises(InvalidInputError, match="on_error"):
+        read_trace(path, on_error="ignore")
+
+
+def test_write_trace_converts_everything_before_writing(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text("previous contents\n")
+    with pytest.raises(InvalidInputError, match=r"requests\[1\] is a str"):
+        write_trace(path, [Request("a", 0, 0.0, np.arange(3)), "not a request"])
+    assert path.read_text() == "previous contents\n"
