@@ -1,0 +1,96 @@
+"""Input checks shared by the recurrent kernels: each failure is an InvalidInputError naming the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from prefixlab.errors import InvalidInputError
+
+BACKENDS = ("auto", "naive", "torch", "compiled", "fla", "mamba_ssm")
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidInputError(message)
+
+
+def check_tensor(name: str, tensor: object, shape: Sequence[int | None], *, floating: bool = True) -> torch.Tensor:
+    """`tensor` is a torch.Tensor whose shape matches `shape` (None = any size on that dim)."""
+    require(isinstance(tensor, torch.Tensor), f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    assert isinstance(tensor, torch.Tensor)
+    expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+    require(
+        tensor.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, tensor.shape, strict=True)),
+        f"{name} has shape {list(tensor.shape)}, expected {expected}",
+    )
+    if floating:
+        require(tensor.is_floating_point(), f"{name} must be a floating point tensor, got {tensor.dtype}")
+    return tensor
+
+
+def check_same_device(named: dict[str, torch.Tensor | None]) -> torch.device:
+    """All given tensors live on one device; returns it."""
+    present = {name: t for name, t in named.items() if t is not None}
+    first_name, first = next(iter(present.items()))
+    for name, tensor in present.items():
+        require(
+            tensor.device == first.device,
+            f"{name} is on {tensor.device} but {first_name} is on {first.device}: move them to one device",
+        )
+    return first.device
+
+
+def check_same_dtype(named: dict[str, torch.Tensor]) -> torch.dtype:
+    first_name, first = next(iter(named.items()))
+    for name, tensor in named.items():
+        require(
+            tensor.dtype == first.dtype,
+            f"{name} has dtype {tensor.dtype} but {first_name} has {first.dtype}: cast them to one dtype",
+        )
+    return first.dtype
+
+
+def check_state(name: str, state: torch.Tensor | None, shape: Sequence[int], compute_dtype: torch.dtype) -> None:
+    """A recurrent state has exactly `shape` and is float32 or the inputs' dtype (it is computed in float32)."""
+    if state is None:
+        return
+    check_tensor(name, state, shape)
+    require(
+        state.dtype in (torch.float32, compute_dtype),
+        f"{name} has dtype {state.dtype}; pass it as torch.float32 (or the inputs' dtype {compute_dtype})",
+    )
+
+
+def check_capture(capture: Iterable[int], length: int, name: str = "capture") -> tuple[int, ...]:
+    """Capture positions: sorted, distinct ints in [0, length] (p = state after the first p tokens)."""
+    require(
+        not isinstance(capture, (str, bytes, torch.Tensor)) and hasattr(capture, "__iter__"),
+        f"{name} must be a sequence of ints, got {type(capture).__name__}",
+    )
+    positions = tuple(capture)
+    for p in positions:
+        require(
+            isinstance(p, int) and not isinstance(p, bool),
+            f"{name} must hold ints, got {p!r} ({type(p).__name__})",
+        )
+        require(0 <= p <= length, f"{name} position {p} is outside [0, {length}] for a call over {length} tokens")
+    require(
+        all(a < b for a, b in zip(positions, positions[1:], strict=False)),
+        f"{name} must be sorted and distinct, got {list(positions)}",
+    )
+    return positions
+
+
+def check_chunk_size(chunk_size: int) -> int:
+    require(
+        isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0,
+        f"chunk_size must be a positive int, got {chunk_size!r}",
+    )
+    return chunk_size
+
+
+def check_backend(backend: str, allowed: Sequence[str]) -> str:
+    require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
+    return backend

@@ -1,0 +1,89 @@
+"""Chunk bookkeeping shared by the chunked kernels: padding, reshaping, and exact states at any position.
+
+Every chunked kernel here computes the state at each chunk start; the state after the first j tokens of a chunk
+is then one small masked matmul away (the "split the last chunk" trick), so capture positions need not be aligned:
+
+    S[start + j] = S[start] * exp(G[j-1]) + (left[:j] * exp(G[j-1] - G[:j]))^T @ right[:j]
+
+where G is the within-chunk cumulative log decay and left/right are the kernel's per-token write vectors
+(keys and corrected values for the delta rule, dt*x and B for SSD).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def padded_length(length: int, chunk_size: int) -> int:
+    return -(-length // chunk_size) * chunk_size
+
+
+def chunked(x: torch.Tensor, chunk_size: int, seq_dim: int = 2) -> torch.Tensor:
+    """Zero-pad dim `seq_dim` to a multiple of chunk_size and split it into [num_chunks, chunk_size]."""
+    length = x.shape[seq_dim]
+    pad = padded_length(length, chunk_size) - length
+    if pad:
+        # F.pad lists (left, right) pairs from the last dim backwards.
+        x = F.pad(x, (0, 0) * (x.dim() - 1 - seq_dim) + (0, pad))
+    return x.unflatten(seq_dim, (-1, chunk_size))
+
+
+def causal_mask(chunk_size: int, device: torch.device) -> torch.Tensor:
+    """[C, C] bool, True where position i may read position j (j <= i)."""
+    return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()
+
+
+def decayed_scores(left: torch.Tensor, right: torch.Tensor, log_decay_cum: torch.Tensor) -> torch.Tensor:
+    """scores[i, j] = sum_k left_i[k] right_j[k] exp(G_i[k] - G_j[k]) for j <= i, else 0.
+
+    left, right [..., C, K]; log_decay_cum G [..., C, 1] (one decay per head) or [..., C, K] (per key channel,
+    which materialises a [..., C, C, K] decay: KDA's chunked path costs K times more memory than GDN's)."""
+    chunk_size = left.shape[-2]
+    keep = causal_mask(chunk_size, left.device)
+    if log_decay_cum.shape[-1] == 1:
+        diff = log_decay_cum - log_decay_cum.transpose(-1, -2)
+        return (left @ right.transpose(-1, -2)) * diff.masked_fill(~keep, float("-inf")).exp()
+    diff = log_decay_cum[..., :, None, :] - log_decay_cum[..., None, :, :]
+    decay = diff.masked_fill(~keep[..., None], float("-inf")).exp()
+    return torch.einsum("...ik,...jk,...ijk->...ij", left, right, decay)
+
+
+def state_within_chunk(
+    start: torch.Tensor, log_decay_cum: torch.Tensor, left: torch.Tensor, right: torch.Tensor, j: int
+) -> torch.Tensor:
+    """State after the first j (>= 1) tokens of a chunk that began in `start`.
+
+    start [..., R, S]; log_decay_cum [..., C, 1 or R] (cumulative within the chunk); left [..., C, R];
+    right [..., C, S]. The decay scales rows of the state (one per key channel, or one for all).
+    """
+    last = log_decay_cum[..., j - 1 : j, :]  # [..., 1, 1 or R]
+    weights = (last - log_decay_cum[..., :j, :]).exp()
+    return start * last.transpose(-1, -2).exp() + (left[..., :j, :] * weights).transpose(-1, -2) @ right[..., :j, :]
+
+
+def states_at_positions(
+    positions: tuple[int, ...],
+    chunk_starts: torch.Tensor,
+    final_state: torch.Tensor,
+    log_decay_cum: torch.Tensor,
+    left: torch.Tensor,
+    right: torch.Tensor,
+    length: int,
+) -> dict[int, torch.Tensor]:
+    """{p: state after p tokens} from chunk-start states [B, H, N, R, S] and chunked per-token tensors [B, H, N, C, *].
+
+    Returned states are fresh tensors (never views of the kernel's buffers)."""
+    chunk_size = left.shape[-2]
+    captured = {}
+    for p in positions:
+        chunk, offset = divmod(p, chunk_size)
+        if p == length:
+            captured[p] = final_state.clone()
+        elif offset == 0:
+            captured[p] = chunk_starts[:, :, chunk].clone()
+        else:
+            captured[p] = state_within_chunk(
+                chunk_starts[:, :, chunk], log_decay_cum[:, :, chunk], left[:, :, chunk], right[:, :, chunk], offset
+            )
+    return captured

@@ -1,0 +1,137 @@
+"""Gated delta rule (GatedDeltaNet: Qwen3.5, Qwen3-Next, OLMo-hybrid; Kimi KDA with per-channel decay).
+
+Per token, with state S [K, V] (decay per head, or per key channel for KDA):
+    S = S * exp(g_t);   S = S + k_t (beta_t (v_t - k_t^T S))^T;   o_t = (scale q_t)^T S
+`gated_delta_rule` returns the outputs, the final state and the states at the requested positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from prefixlab.recurrent import _checks
+from prefixlab.recurrent._checks import require
+from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled
+from prefixlab.recurrent.dispatch import resolve_backend
+
+States = dict[int, torch.Tensor]
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's / transformers' l2norm (eps inside the rsqrt)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    capture: Sequence[int] = (),
+    chunk_size: int = 64,
+    use_qk_l2norm: bool = False,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor, States]:
+    """Gated delta rule over T tokens, returning states at the `capture` positions too.
+
+    Layouts as transformers' torch fallback: q, k [B, T, Hk, K]; v [B, T, Hv, V]; beta [B, T, Hv]; g (log decay,
+    <= 0) [B, T, Hv] or [B, T, Hv, K] (KDA); Hv a multiple of Hk, value head h reading key head h // (Hv // Hk).
+    initial_state [B, Hv, K, V] (zeros if None). capture: sorted positions p in [0, T], p = state after the first
+    p tokens of this call. scale defaults to K ** -0.5.
+
+    Returns (o [B, T, Hv, V] in q's dtype, final state [B, Hv, K, V] float32, {p: state float32}).
+    backend: "naive" (token loop), "torch" (chunked), "compiled" (chunked, torch.compile), "fla" (CUDA only), or
+    "auto" (fla for CUDA tensors when installed, else torch).
+    """
+    batch, length, heads_k, dim_k, heads_v, dim_v = _check_delta_inputs(q, k, v, g, beta)
+    _checks.check_state("initial_state", initial_state, (batch, heads_v, dim_k, dim_v), q.dtype)
+    _checks.check_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
+    positions = _checks.check_capture(capture, length)
+    _checks.check_chunk_size(chunk_size)
+    require(scale is None or isinstance(scale, (int, float)), f"scale must be a float or None, got {scale!r}")
+    backend = resolve_backend(backend, q.device, cuda_package="fla")
+
+    out_dtype = q.dtype
+    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    if heads_k != heads_v:
+        q, k = (x.repeat_interleave(heads_v // heads_k, dim=2) for x in (q, k))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    q = q * (dim_k**-0.5 if scale is None else scale)
+    if initial_state is None:
+        state = torch.zeros(batch, heads_v, dim_k, dim_v, dtype=torch.float32, device=q.device)
+    else:
+        state = initial_state.to(torch.float32)
+
+    kernel = _KERNELS["naive" if length == 0 else backend]
+    o, final, captured = kernel(q, k, v, g, beta, state, positions, chunk_size)
+    return o.to(out_dtype), final, captured
+
+
+def _check_delta_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
+    _checks.check_tensor("q", q, (None, None, None, None))
+    batch, length, heads_k, dim_k = q.shape
+    _checks.check_tensor("k", k, (batch, length, heads_k, dim_k))
+    _checks.check_tensor("v", v, (batch, length, None, None))
+    heads_v, dim_v = v.shape[2:]
+    require(
+        heads_v % heads_k == 0,
+        f"v has {heads_v} heads, not a multiple of q/k's {heads_k} heads (each key head serves Hv // Hk value heads)",
+    )
+    _checks.check_same_dtype({"q": q, "k": k, "v": v})
+    require(
+        g.dim() in (3, 4) if isinstance(g, torch.Tensor) else False,
+        f"g must be a tensor [B, T, Hv] or [B, T, Hv, K], got {getattr(g, 'shape', type(g).__name__)}",
+    )
+    _checks.check_tensor("g", g, (batch, length, heads_v) + ((dim_k,) if g.dim() == 4 else ()))
+    _checks.check_tensor("beta", beta, (batch, length, heads_v))
+    return batch, length, heads_k, dim_k, heads_v, dim_v
+
+
+def delta_rule_naive(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    positions: tuple[int, ...],
+    chunk_size: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, States]:
+    """Reference: one token at a time. Inputs prepared (fp32, heads expanded, q scaled), [B, T, H, D] layouts;
+    g [B, T, H] or [B, T, H, K]. chunk_size is unused (kept for a uniform kernel signature)."""
+    wanted = set(positions)
+    captured: States = {}
+    outputs = []
+    for t in range(q.shape[1]):
+        if t in wanted:
+            captured[t] = state.clone()
+        decay = g[:, t].exp()
+        state = state * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
+        predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
+        delta = (v[:, t] - predicted) * beta[:, t, :, None]
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    if q.shape[1] in wanted:
+        captured[q.shape[1]] = state.clone()
+    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    return o, state, captured
+
+
+def _fla_kernel(*args):
+    from prefixlab.recurrent.cuda_fla import delta_rule_fla  # imported only for CUDA tensors
+
+    return delta_rule_fla(*args)
+
+
+_KERNELS = {
+    "naive": delta_rule_naive,
+    "torch": delta_rule_chunked,
+    "compiled": delta_rule_compiled,
+    "fla": _fla_kernel,
+}

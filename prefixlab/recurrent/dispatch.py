@@ -1,0 +1,37 @@
+"""Backend choice (by the tensors' device, never by what is importable) and the torch.compile cache."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from prefixlab.recurrent._checks import require
+
+PORTABLE_BACKENDS = ("naive", "torch", "compiled")
+
+
+def resolve_backend(backend: str, device: torch.device, cuda_package: str) -> str:
+    """'auto' -> `cuda_package` for CUDA tensors when it is installed, else 'torch'. Explicit names are checked."""
+    allowed = ("auto", *PORTABLE_BACKENDS, cuda_package)
+    require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
+    if backend == "auto":
+        return cuda_package if device.type == "cuda" and _installed(cuda_package) else "torch"
+    if backend == cuda_package:
+        require(device.type == "cuda", f"backend={backend!r} needs CUDA tensors, got tensors on {device}")
+        require(_installed(cuda_package), f"backend={backend!r} needs the {cuda_package} package: pip install it")
+    return backend
+
+
+@functools.cache
+def _installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+@functools.cache
+def compiled(fn: Callable) -> Callable:
+    """torch.compile(fn) made once per function; torch's own guards then recompile once per shape family
+    (static first, then dynamic in the sequence length)."""
+    return torch.compile(fn, fullgraph=True)
