@@ -1,6 +1,7 @@
 """Trace builders: structure, timing, determinism, bad input — on tiny local files and on the shared data."""
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -9,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixlab.errors import InvalidInputError, TraceFormatError
-from prefixlab.sim.build import build_conversation_trace, conversation_requests, load_encoder
+from prefixlab.sim.build import (
+    TextEncoder,
+    build_conversation_trace,
+    build_shared_prefix_trace,
+    builtin_trace,
+    conversation_requests,
+)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def test_conversation_trace_structure_and_timing(tmp_path, word_tokenizer):
     ]
     path = write_jsonl(tmp_path / "c.jsonl", conversations)
     requests = build_conversation_trace(path, word_tokenizer, sessions_per_second=0.5)
-    encode = load_encoder(word_tokenizer)
+    encode = TextEncoder(word_tokenizer)
     check_session_structure(requests, encode, conversations)
     assert [(r.session_id, r.turn_id) for r in requests] == [("0", 0), ("0", 1), ("1", 0), ("0", 2)]
     # session 1 starts at 1 / 0.5 s; turns 1 and 2 of session 0 each wait for 2 typed words (spaces) at 90 wpm.
@@ -163,4 +170,124 @@ def test_lmsys_trace_on_shared_data():
     assert len({r.session_id for r in requests}) == 191 and 900 < len(requests) <= 1001
     assert max(len(r.tokens) for r in requests) <= 8192
     conversations = [json.loads(line) for line in open(conversations_path)]
-    check_session_structure(requests[:200], load_encoder(tokenizer_path), conversations)
+    check_session_structure(requests[:200], TextEncoder(tokenizer_path), conversations)
+
+
+def quality_row(article_lines, questions):
+    row = {"article": article_lines}
+    for i, (question, options, gold) in enumerate(questions, start=1):
+        row[f"question{i}"] = question
+        row.update({f"question{i}option{k}": option for k, option in enumerate(options, start=1)})
+        row[f"question{i}_gold_label"] = gold
+    return row
+
+
+def test_document_qa_trace(tmp_path, word_tokenizer):
+    rows = [
+        quality_row(["<p>hello there</p>\n", " <b>how</b> are you"], [("what is up", ["fine", "bye"], 2)]),
+        quality_row(["thanks"], [("how are you", ["fine", "bye"], 1), ("what", ["up", "fine"], 1)]),
+    ]
+    path = write_jsonl(tmp_path / "quality.jsonl", rows)
+    requests = build_shared_prefix_trace(path, word_tokenizer, num_requests=60, requests_per_second=2.0, seed=3)
+    encode = TextEncoder(word_tokenizer)
+    documents = [np.asarray(ids) for ids in encode(["hello there how are you", "thanks"])]
+    answers = {tuple(ids) for ids in encode([" bye", " fine", " up"])}
+    assert len(requests) == 60 and {r.turn_id for r in requests} == {0}
+    for r in requests:
+        document = documents[int(r.session_id.split("-")[0][1:])]
+        np.testing.assert_array_equal(r.input_tokens[: len(document)], document)  # html tags are stripped
+        assert len(r.input_tokens) > len(document) and tuple(r.output_tokens.tolist()) in answers
+    assert {len(r.input_tokens) for r in requests if r.session_id.startswith("p1")} == {
+        len(documents[1]) + len(q)
+        for q in encode(
+            ["\n\nQuestion: how are you\n1. fine\n2. bye\nAnswer:", "\n\nQuestion: what\n1. up\n2. fine\nAnswer:"]
+        )
+    }
+    gaps = np.diff([r.ts for r in requests])
+    assert requests[0].ts == 0.0 and (gaps >= 0).all() and 0.25 < gaps.mean() < 0.8  # Poisson at 2/s
+
+
+def test_system_prompt_trace_popularity_determinism_and_queries(tmp_path, word_tokenizer):
+    prompts = [{"path": f"p{i}.md", "text": " ".join(["hello there how are you"] * (i + 1))} for i in range(6)]
+    path = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    kwargs = dict(num_requests=400, query_tokens=(3, 5), output_tokens=(2, 2), seed=7)
+    requests = build_shared_prefix_trace(path, word_tokenizer, **kwargs)
+    again = build_shared_prefix_trace(path, word_tokenizer, **kwargs)
+    assert all(np.array_equal(a.tokens, b.tokens) and a.ts == b.ts for a, b in zip(requests, again, strict=True))
+    counts = sorted(Counter(r.session_id.split("-")[0] for r in requests).values(), reverse=True)
+    assert counts[0] > 2.5 * counts[-1]  # Zipf(1): the most popular prompt is asked far more than the least
+    uniform = build_shared_prefix_trace(path, word_tokenizer, **{**kwargs, "popularity_skew": 0.0})
+    assert max(Counter(r.session_id.split("-")[0] for r in uniform).values()) < 2 * 400 / 6
+    prompt_lengths = [len(ids) for ids in TextEncoder(word_tokenizer)([p["text"] for p in prompts])]
+    for r in requests:
+        assert len(r.input_tokens) - prompt_lengths[int(r.session_id.split("-")[0][1:])] in (3, 4, 5)
+        assert len(r.output_tokens) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_requests": 0}, "num_requests"),
+        ({"requests_per_second": -1.0}, "requests_per_second"),
+        ({"popularity_skew": -0.5}, "popularity_skew"),
+        ({"query_tokens": (5, 2)}, "query_tokens"),
+        ({"output_tokens": 7}, "output_tokens"),
+        ({"seed": -1}, "seed"),
+    ],
+)
+def test_shared_prefix_trace_rejects_bad_arguments(tmp_path, word_tokenizer, kwargs, match):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "hello"}])
+    with pytest.raises(InvalidInputError, match=match):
+        build_shared_prefix_trace(path, word_tokenizer, **kwargs)
+
+
+def test_shared_prefix_trace_bad_files(tmp_path, word_tokenizer):
+    with pytest.raises(TraceFormatError, match=r"other\.jsonl: the first line is neither"):
+        build_shared_prefix_trace(write_jsonl(tmp_path / "other.jsonl", [{"prompt": "x"}]), word_tokenizer)
+    bad_gold = quality_row(["text"], [("q", ["a", "b"], 3)])
+    path = write_jsonl(tmp_path / "q.jsonl", [quality_row(["text"], [("q", ["a"], 1)]), bad_gold])
+    with pytest.raises(TraceFormatError, match=r"q\.jsonl:2: question1_gold_label must be an option number"):
+        build_shared_prefix_trace(path, word_tokenizer)
+    with pytest.warns(UserWarning, match=r"q\.jsonl:2"):
+        assert len(build_shared_prefix_trace(path, word_tokenizer, num_requests=5, on_error="skip")) == 5
+    empty_prompt = write_jsonl(tmp_path / "p.jsonl", [{"text": ""}])
+    with pytest.warns(UserWarning), pytest.raises(TraceFormatError, match="no usable line"):
+        build_shared_prefix_trace(empty_prompt, word_tokenizer, on_error="skip")
+
+
+def test_shared_prefix_traces_on_shared_data():
+    tokenizer_path = require_shared("tokenizers/gpt-neox-20b.json")
+    prompts = build_shared_prefix_trace(require_shared("system_prompts/system_prompts.jsonl"), tokenizer_path)
+    assert len(prompts) == 1000 and len({r.session_id.split("-")[0] for r in prompts}) > 50
+    documents = build_shared_prefix_trace(require_shared("traces/quality_example.jsonl"), tokenizer_path)
+    assert {r.session_id.split("-")[0] for r in documents} == {"p0", "p1"}
+    assert min(len(r.input_tokens) for r in documents) > 3000  # long documents are the shared prefix
+
+
+def test_builtin_trace_is_deterministic_and_mixed():
+    trace = builtin_trace()
+    assert all(np.array_equal(a.tokens, b.tokens) and a.ts == b.ts for a, b in zip(trace, builtin_trace(), strict=True))
+    assert [r.ts for r in trace] == sorted(r.ts for r in trace)
+    chats = [r for r in trace if r.session_id.startswith("chat-")]
+    assert len({r.session_id for r in chats}) == 24 and max(r.turn_id for r in chats) >= 3
+    assert len(trace) - len(chats) == 48
+    previous = {}
+    for r in chats:  # multi-turn structure: each turn resumes from the previous turn's input + output
+        if r.session_id in previous:
+            np.testing.assert_array_equal(r.input_tokens[: len(previous[r.session_id])], previous[r.session_id])
+        previous[r.session_id] = r.tokens
+    # the prompt versions diverge at depth 1200 (p0, p1) and 600 (p0, p2); p3 is unrelated
+    by_prompt = {r.session_id.split("-")[0]: r.input_tokens for r in trace if not r.session_id.startswith("chat-")}
+    assert set(by_prompt) == {"p0", "p1", "p2", "p3"}
+
+    def shared_length(a, b):
+        n = min(len(a), len(b))
+        return int(np.argmin(np.append(a[:n] == b[:n], False)))
+
+    assert shared_length(by_prompt["p0"], by_prompt["p1"]) == 1200
+    assert shared_length(by_prompt["p0"], by_prompt["p2"]) == 600
+    assert shared_length(by_prompt["p1"], by_prompt["p2"]) == 600
+    assert shared_length(by_prompt["p0"], by_prompt["p3"]) < 3
+    assert not np.array_equal(builtin_trace(seed=1)[0].input_tokens, trace[0].input_tokens)
+    with pytest.raises(InvalidInputError, match="num_sessions"):
+        builtin_trace(num_sessions=-1)

@@ -60,7 +60,7 @@ def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str
     `parse` raises LineError (or KeyError/TypeError/ValueError) to reject a line. With on_error="skip" the line is
     reported with a warning and reading goes on.
     """
-    path = _existing_file(path, on_error)
+    path = existing_file(path, on_error)
     with path.open("r", encoding="utf-8") as lines:
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
@@ -76,12 +76,13 @@ def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str
                 warnings.warn(f"skipping {message}", stacklevel=2)
 
 
-def _existing_file(path: str | Path, on_error: str = "stop") -> Path:
+def existing_file(path: str | Path, on_error: str = "stop") -> Path:
+    """`path` as a Path after checking it is a file and `on_error` is valid (InvalidInputError otherwise)."""
     if on_error not in ON_ERROR_CHOICES:
         raise InvalidInputError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"trace file {str(path)!r} does not exist; pass the path of a JSONL file")
+        raise InvalidInputError(f"file {str(path)!r} does not exist; pass the path of a JSONL file")
     return path
 
 
@@ -188,7 +189,7 @@ def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
 
 def detect_format(path: str | Path) -> str:
     """'marconi' or 'mooncake', from the first non-blank line that is a JSON object; TraceFormatError otherwise."""
-    path = _existing_file(path)
+    path = existing_file(path)
     with path.open("r", encoding="utf-8") as lines:
         for line in lines:
             try:
@@ -207,7 +208,7 @@ def detect_format(path: str | Path) -> str:
 
 def read_trace(path: str | Path, on_error: str = "stop") -> list[Request]:
     """Requests of a Marconi or Mooncake JSONL trace (format auto-detected), in arrival order (stable by ts)."""
-    _existing_file(path, on_error)
+    existing_file(path, on_error)
     parse = MooncakeParser() if detect_format(path) == "mooncake" else parse_marconi
     requests = list(read_json_lines(path, parse, on_error))
     return sorted(requests, key=lambda r: r.ts)
