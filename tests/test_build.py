@@ -167,8 +167,7 @@ def test_lmsys_trace_on_shared_data():
         for a, b in zip(requests, again, strict=True)
     )
     assert [r.ts for r in requests] == sorted(r.ts for r in requests)
-    assert len({r.session_id for r in requests}) == 191 and 900 < len(requests) <= 1001
-    assert max(len(r.tokens) for r in requests) <= 8192
+    assert len({r.session_id for r in requests}) == 191 and len(requests) == 1001  # every turn fits in 32k
     conversations = [json.loads(line) for line in open(conversations_path)]
     check_session_structure(requests[:200], TextEncoder(tokenizer_path), conversations)
 

@@ -21,7 +21,9 @@ from prefixlab.sim.formats import LineError, existing_file, read_json_lines
 from prefixlab.sim.trace import Request
 
 WORDS_PER_MINUTE = 90.0  # the typing speed the Marconi trace assumes between turns
-MAX_CONTEXT_TOKENS = 8192  # a session stops at the first turn whose input + output would exceed this
+# A session stops at the first turn whose input + output would exceed this (Marconi's LMSys trace uses 32k; a later
+# fork of its generator uses 8192, which drops 4 of the 1,001 turns of the shared LMSys sample).
+MAX_CONTEXT_TOKENS = 32768
 
 
 class TextEncoder:
