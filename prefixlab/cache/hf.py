@@ -1,0 +1,292 @@
+"""HybridPrefixCache: a transformers `DynamicCache` that resumes from, and feeds, a `PrefixStore`.
+
+    store = PrefixStore(model, capacity="4GB", policy="dp")
+    out = model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
+
+One cache object serves one request (one generate call, or several calls that continue the same sequences). The
+store's forward hooks (cache/store.py) drive it, because `generate` never shows the prompt to a cache before the
+first forward:
+- first forward (`begin`): look up the longest reusable prefix of the prompt (at most all but its last token, so the
+  model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
+  hook which tokens remain; the hook then runs the model on those only;
+- every forward (`record`): remember the tokens fed, so the cache knows what sequence its tensors describe;
+- `capture`: snapshot the recurrent states at positions the store's policy planned (the hook splits the prefill there);
+- `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
+  cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
+  its final state is the one a following chat turn resumes from.
+
+Batches: every row is matched against the store through the prefix all rows share (one copy per row of the same
+cached prefix); rows with padding (attention_mask zeros) get no reuse and are not admitted, which keeps every reuse
+exact without per-row KV layouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+
+from prefixlab.cache.tensors import TensorKV, TensorState
+from prefixlab.errors import InvalidInputError, ModelMismatchError
+
+if TYPE_CHECKING:
+    from prefixlab.cache.store import PrefixStore
+
+
+class HybridPrefixCache(DynamicCache):
+    """A transformers Cache that reuses exact prefixes from `store` and admits what it computes.
+
+    Args:
+        store: the persistent, shared part (one per model).
+        namespace: entries are only reused by caches of the same namespace (e.g. one per tenant).
+    """
+
+    def __init__(self, store: PrefixStore, namespace: str = "default"):
+        from prefixlab.cache.store import PrefixStore
+
+        if not isinstance(store, PrefixStore):
+            raise InvalidInputError(
+                f"HybridPrefixCache(store=...) needs a PrefixStore, got {type(store).__name__}; "
+                "build one with prefixlab.PrefixStore(model)"
+            )
+        if not isinstance(namespace, str) or not namespace:
+            raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
+        super().__init__(config=store.model.config)
+        self.store = store
+        self.namespace = namespace
+        self.reused_tokens = 0  # tokens of the prompt that came from the store
+        self.prefixlab_capture_positions: list[int] | None = None
+        self._clear_request()
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_kwargs) -> HybridPrefixCache:
+        """A cache over the model's default store, created on first use with `store_kwargs` (capacity, policy...)."""
+        from prefixlab.cache.store import PrefixStore
+
+        return cls(PrefixStore.default_for(model, **store_kwargs), namespace=namespace)
+
+    # -- request state ---------------------------------------------------------------------------------------------
+    def _clear_request(self) -> None:
+        self._started = False
+        self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
+        self._seen = 0  # tokens the cache tensors describe
+        self._pending = 0  # tokens of the forward in flight
+        self._admit_rows: list[int] = []  # rows without padding: the ones we may admit
+        self._plan: list[int] = []  # absolute positions whose states we still have to capture
+        self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
+        self._committed = 0
+
+    @property
+    def started(self) -> bool:
+        return self._started
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
+        return self._seen
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self._seen
+
+    # -- guard: only the store's model may write into this cache ----------------------------------------------------
+    def _require_started(self) -> None:
+        if not self._started:
+            raise ModelMismatchError(
+                "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that "
+                f"drive it never ran); the store serves {type(self.store.model).__name__} "
+                f"({self.store.identity[:12]}). Build a PrefixStore for this model and pass HybridPrefixCache(thatstore)"
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._require_started()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_conv_state(self, layer_idx: int, state_idx: int = 0):
+        self._require_started()
+        return super().get_conv_state(layer_idx, state_idx)
+
+    # -- driven by the store's forward hooks ------------------------------------------------------------------------
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+        """Start a request for `input_ids` [batch, length]: load the longest reusable prefix, plan the captures.
+        Returns the number of leading tokens already in the cache (the forward must run only the rest)."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
+        ids = input_ids.detach().cpu()
+        batch, length = ids.shape
+        padded = attention_mask is not None and not bool((attention_mask == 1).all())
+        self._started = True
+        self._admit_rows = [] if padded else list(range(batch))
+        if padded:
+            return 0
+        shared = _common_prefix_length(ids)
+        probe = ids[0, : min(shared, length - 1)].tolist()  # keep >= 1 token to run, so the model yields logits
+        match = self.store.match(probe, self.namespace)
+        try:
+            reused = match.length
+            self._plan = [p for p in self.store.plan(ids[0].tolist(), match) if p > reused]
+            if length - 1 > reused and length - 1 not in self._plan:
+                # an identical prompt later reuses all but its last token
+                self._plan = sorted([*self._plan, length - 1])
+            if reused:
+                self._load(match, batch)
+        finally:
+            self.store.release(match)
+        self.reused_tokens = reused
+        self._fed.append(ids[:, :reused])
+        self._seen = reused
+        self.store.record_reuse(reused, batch)
+        return reused
+
+    def capture_splits(self, start: int, stop: int) -> list[int]:
+        """Positions strictly inside (start, stop) where a forward over tokens [start, stop) must pause, so the
+        recurrent states there can be captured (a patched model records them in one pass instead)."""
+        if not self.store.layout.state_layers or self.store.records_in_kernel:
+            return []
+        return [p for p in self._plan if start < p < stop]
+
+    def record(self, input_ids: torch.Tensor) -> None:
+        """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
+        self._require_started()
+        self._fed.append(input_ids.detach().cpu())
+        self._pending = input_ids.shape[1]
+        stop = self._seen + self._pending
+        offsets = [p - self._seen for p in self._plan if self._seen <= p <= stop]
+        self.prefixlab_capture_positions = offsets or None
+
+    def forward_done(self) -> None:
+        """The forward in flight succeeded: its tokens are now held; capture the state at its end if planned."""
+        self._seen += self._pending
+        self._pending = 0
+        self.prefixlab_capture_positions = None
+        if self._seen in self._plan:
+            self._captured[self._seen] = self._snapshot_states()
+            self._plan.remove(self._seen)
+
+    def forward_failed(self) -> None:
+        """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
+        reusing this cache starts a new request. The store never saw a partial state."""
+        for layer_idx, layer in enumerate(self.layers):
+            self.layers[layer_idx] = type(layer)(**_layer_kwargs(layer))
+        self._clear_request()
+        self.reused_tokens = 0
+        self.prefixlab_capture_positions = None
+
+    def prefixlab_record(self, layer_idx: int, offset: int, conv_state: torch.Tensor | None,
+                         recurrent_state: torch.Tensor | None) -> None:
+        """Called by patched recurrent layers (recurrent capture protocol) with the states after `offset` tokens of
+        the current forward; the tensors are already the caller's clones."""
+        states = self._captured.setdefault(self._seen + offset, {"conv": {}, "recurrent": {}})
+        if conv_state is not None:
+            states["conv"][(layer_idx, 0)] = conv_state
+        if recurrent_state is not None:
+            states["recurrent"][(layer_idx, 0)] = recurrent_state
+        if self._seen + offset in self._plan:
+            self._plan.remove(self._seen + offset)
+
+    # -- moving tensors in and out ----------------------------------------------------------------------------------
+    def _load(self, match, batch: int) -> None:
+        """Fill the layers with copies of the matched KV (concatenated once) and states, repeated over the batch."""
+        for layer_idx in self.store.layout.kv_layers:
+            layer = self.layers[layer_idx]
+            keys = _cat_rows([kv.keys[layer_idx] for kv in match.kv], batch, self.store.device)
+            values = _cat_rows([kv.values[layer_idx] for kv in match.kv], batch, self.store.device)
+            if not layer.is_initialized:
+                DynamicLayer.lazy_initialization(layer, keys, values)
+            layer.keys, layer.values = keys, values
+        state: TensorState | None = match.state
+        for (layer_idx, state_idx), conv in (state.conv.items() if state else ()):
+            layer = self.layers[layer_idx]
+            layer.update_conv_state(_rows(conv, batch, self.store.device), state_idx,
+                                    conv_kernel_size=conv.shape[-1])
+        for (layer_idx, state_idx), recurrent in (state.recurrent.items() if state else ()):
+            layer = self.layers[layer_idx]
+            layer.update_recurrent_state(_rows(recurrent, batch, self.store.device), state_idx)
+            layer.has_previous_state[state_idx] = True
+
+    def _snapshot_states(self) -> dict[str, dict[tuple[int, int], torch.Tensor]]:
+        """Clones of every recurrent layer's states now (all rows)."""
+        conv, recurrent = {}, {}
+        for layer_idx in self.store.layout.state_layers:
+            layer = self.layers[layer_idx]
+            for i in range(layer.number_of_states):
+                if layer.is_conv_states_initialized[i]:
+                    conv[(layer_idx, i)] = layer.conv_states[i].clone()
+                if layer.is_recurrent_states_initialized[i]:
+                    recurrent[(layer_idx, i)] = layer.recurrent_states[i].clone()
+        return {"conv": conv, "recurrent": recurrent}
+
+    def _row_kv(self, row: int) -> Callable[[int, int], TensorKV]:
+        def kv(start: int, stop: int) -> TensorKV:
+            keys = {i: self.layers[i].keys[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
+            values = {i: self.layers[i].values[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
+            return TensorKV(stop - start, keys, values)
+
+        return kv
+
+    def commit(self) -> int:
+        """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.
+        Idempotent; returns the number of tokens newly offered to the store."""
+        if not self._started or self._pending or self._seen <= self._committed or not self._admit_rows:
+            return 0
+        tokens = torch.cat(self._fed, dim=1)
+        if tokens.shape[1] != self._seen:  # tokens fed outside the hooks: we cannot say what the tensors hold
+            return 0
+        snapshots = {**self._captured, self._seen: self._snapshot_states()}
+        for row in self._admit_rows:
+            states = {
+                pos: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
+                                 {k: t[row].clone() for k, t in snap["recurrent"].items()})
+                for pos, snap in snapshots.items()
+            }
+            self.store.admit(tokens[row].tolist(), self._row_kv(row), states, self.namespace)
+        offered = self._seen - self._committed
+        self._committed = self._seen
+        return offered
+
+    # -- transformers batch reshaping: keep our token record in step with the tensors --------------------------------
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self._fed = [torch.cat(self._fed, dim=1).index_select(0, beam_idx.cpu())] if self._fed else []
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._fed = [torch.cat(self._fed, dim=1).repeat_interleave(repeats, dim=0)] if self._fed else []
+        self._admit_rows = [r * repeats + k for r in self._admit_rows for k in range(repeats)]
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self._fed = [torch.cat(self._fed, dim=1)[indices.cpu()]] if self._fed else []
+        self._admit_rows = list(range(len(self._fed[0]))) if self._admit_rows and self._fed else []
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise InvalidInputError(
+            "HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable assisted/speculative decoding "
+            "with this cache"
+        )
+
+
+def _common_prefix_length(ids: torch.Tensor) -> int:
+    """Length of the prefix shared by every row of `ids` [batch, length]."""
+    same = (ids == ids[:1]).all(dim=0)
+    differs = (~same).nonzero()
+    return int(differs[0]) if len(differs) else ids.shape[1]
+
+
+def _rows(tensor: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
+    """`batch` copies of one sequence's tensor, on `device`, in fresh storage (never aliasing the store)."""
+    return tensor.to(device).unsqueeze(0).expand(batch, *tensor.shape).clone()
+
+
+def _cat_rows(pieces: list[torch.Tensor], batch: int, device: torch.device) -> torch.Tensor:
+    """Concatenate per-sequence KV pieces [heads, t, dim] along tokens into one fresh [batch, heads, T, dim]."""
+    return torch.cat([p.to(device).unsqueeze(0).expand(batch, *p.shape) for p in pieces], dim=-2)
+
+
+def _layer_kwargs(layer) -> dict:
+    kwargs = {}
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        kwargs["number_of_states"] = layer.number_of_states
+    if hasattr(layer, "sliding_window"):
+        kwargs["sliding_window"] = layer.sliding_window
+    return kwargs

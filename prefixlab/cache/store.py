@@ -1,0 +1,276 @@
+"""PrefixStore: the persistent, shared part of prefix reuse for one Hugging Face model.
+
+    store = PrefixStore(model, capacity="4GB", policy="dp")
+    model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
+
+The store owns a `PrefixCacheCore` (radix tree + admission/eviction policy + byte budget; cache/core.py) whose
+payloads are tensors (cache/tensors.py), an optional host-memory tier for entries evicted from the device, and the
+forward hooks through which the model drives every `HybridPrefixCache` (see cache/hf.py for the request life cycle).
+Policy lives in the core only; this file moves tensors and counts bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import (
+    DummyLayer,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionCacheLayerMixin,
+)
+
+from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.tensors import TensorKV, TensorState
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_capacity(capacity: int | str, name: str = "capacity") -> int:
+    """Bytes from an int or a string like "4GB" (10**9), "512MiB" (2**20), "1.5 GiB"."""
+    if isinstance(capacity, bool) or not isinstance(capacity, int | str):
+        raise InvalidInputError(f"{name}={capacity!r} must be an int number of bytes or a string like '4GB'")
+    if isinstance(capacity, int):
+        nbytes = capacity
+    else:
+        found = _CAPACITY.match(capacity)
+        unit = found.group(2).lower() if found else None
+        if unit not in _UNITS:
+            raise InvalidInputError(
+                f"{name}={capacity!r} is not a size; write e.g. '4GB', '512MiB' or an int number of bytes"
+            )
+        nbytes = int(float(found.group(1)) * _UNITS[unit])
+    if nbytes <= 0:
+        raise InvalidInputError(f"{name}={capacity!r} must be a positive number of bytes")
+    return nbytes
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Which cache layers hold attention KV and which hold recurrent (conv + recurrent) states."""
+
+    kv_layers: tuple[int, ...]
+    state_layers: tuple[int, ...]
+
+    @classmethod
+    def from_config(cls, config) -> CacheLayout:
+        layers = DynamicCache(config=config).layers
+        for index, layer in enumerate(layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                raise UnsupportedModelError(
+                    f"layer {index} is a sliding-window attention layer ({type(layer).__name__}); its cache drops "
+                    "old tokens, so prefixes cannot be reused from it. Disable sliding windows to use prefixlab"
+                )
+            if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
+                raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
+        return cls(
+            kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
+            state_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)),
+        )
+
+
+def model_identity(model: torch.nn.Module) -> str:
+    """Checksum of what makes cached tensors valid for a model: its architecture config and dtype."""
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+        config.pop(volatile, None)
+    text = json.dumps(config, sort_keys=True, default=str) + f"|{model.dtype}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class PrefixStore:
+    """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`.
+
+    Args:
+        model: a transformers causal LM (the store installs forward hooks on it).
+        capacity: device byte budget, an int or a string such as "4GB" / "512MiB".
+        policy: admission policy of the core ("dp", "marconi", "sglang+", "vllm+").
+        offload_capacity: optional host-memory budget; entries evicted from the device move there first.
+        block_size: token granularity of the policies.
+    """
+
+    _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
+                 offload_capacity: int | str | None = None, block_size: int = 32, **core_options):
+        if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+            raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+        self.model = model
+        self.identity = model_identity(model)
+        self.layout = CacheLayout.from_config(model.config)
+        self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+        self.capacity_bytes = parse_capacity(capacity)
+        self.core = PrefixCacheCore(self.capacity_bytes, policy=policy, spec=self.spec, block_size=block_size,
+                                    **core_options)
+        self.offload = (
+            None if offload_capacity is None
+            else PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy, spec=self.spec,
+                                 block_size=block_size, **core_options)
+        )
+        self._open: weakref.WeakSet[HybridPrefixCache] = weakref.WeakSet()
+        self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0}
+        self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
+        ]
+
+    @classmethod
+    def default_for(cls, model: torch.nn.Module, **options) -> PrefixStore:
+        """The model's default store, created on first call with `options` (later calls must not pass options)."""
+        store = cls._defaults.get(model)
+        if store is None:
+            store = cls._defaults[model] = cls(model, **options)
+        elif options:
+            raise InvalidInputError("the default store of this model already exists; options apply only at creation")
+        return store
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def records_in_kernel(self) -> bool:
+        """Whether the model's recurrent layers report states mid-forward (prefixlab.recurrent.patch)."""
+        return bool(getattr(self.model, "prefixlab_patched", False))
+
+    def close(self) -> None:
+        """Admit what open caches hold and remove the hooks from the model."""
+        self.flush()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
+    def match(self, tokens: Sequence[int], namespace: str = "default"):
+        """Longest reusable prefix of `tokens` (locked until `release`); admits open caches first."""
+        self.flush()
+        return self.core.match(tokens, namespace=namespace)
+
+    def plan(self, tokens: Sequence[int], match) -> list[int]:
+        return self.core.plan(tokens, match)
+
+    def release(self, match) -> None:
+        self.core.release(match)
+
+    def record_reuse(self, reused_tokens: int, rows: int) -> None:
+        self._counters["sequences"] += rows
+        self._counters["hit_sequences"] += rows if reused_tokens else 0
+        self._counters["reused_tokens"] += reused_tokens * rows
+        self._counters["reused_bytes"] += rows * (reused_tokens * self.spec.kv_bytes_per_token
+                                                  + (self.spec.state_bytes if reused_tokens else 0))
+
+    def admit(self, tokens: Sequence[int], kv: Callable[[int, int], TensorKV], states: dict[int, TensorState],
+              namespace: str = "default") -> bool:
+        """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
+        Returns False (with a warning: the request simply ran uncached) when the budget cannot hold it."""
+        admitted = self.core.admit(tokens, kv=kv, states=states, namespace=namespace)
+        if not admitted:
+            warnings.warn(
+                f"PrefixStore: a {len(tokens)}-token entry does not fit in capacity={self.capacity_bytes} bytes "
+                "(or everything else is in use); that request ran uncached. Raise the capacity to reuse it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return admitted
+
+    def flush(self) -> None:
+        """Admit everything open caches hold now (their requests may go on; later tokens are admitted later)."""
+        for cache in list(self._open):
+            cache.commit()
+        self._open = weakref.WeakSet(c for c in self._open if c.started)
+
+    def stats(self) -> dict:
+        """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
+        hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
+        self.flush()
+        return {**self.core.stats(), **self._counters}
+
+    # -- forward hooks: how generate() drives HybridPrefixCache ------------------------------------------------------
+    def _our_cache(self, module: torch.nn.Module, kwargs: dict) -> HybridPrefixCache | None:
+        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
+        if not isinstance(cache, HybridPrefixCache) or cache.store is self:
+            return cache if isinstance(cache, HybridPrefixCache) else None
+        if cache.store.model is module:
+            return None  # another store on this model drives it
+        raise ModelMismatchError(
+            f"a HybridPrefixCache built for another model ({cache.store.identity[:12]}, "
+            f"{cache.store.model.dtype}) was passed to this one ({self.identity[:12]}, {self.model.dtype}); "
+            "config or dtype differ. Use a HybridPrefixCache over this model's store"
+        )
+
+    def _before_forward(self, module, args: tuple, kwargs: dict):
+        cache = self._our_cache(module, kwargs)
+        if cache is None:
+            return None
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
+            kwargs = {"input_ids": args[0], **kwargs}
+        if self._cache_arg != "past_key_values" and kwargs.get("past_key_values") is cache:
+            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"} | {self._cache_arg: cache}
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None:
+            raise InvalidInputError(
+                "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
+            )
+        if not cache.started:
+            kwargs = self._start(module, cache, kwargs)
+        cache.record(kwargs["input_ids"])
+        return (), kwargs
+
+    def _start(self, module, cache: HybridPrefixCache, kwargs: dict) -> dict:
+        """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
+        length = kwargs["input_ids"].shape[1]
+        start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"))
+        self._open.add(cache)
+        for stop in cache.capture_splits(start, length):
+            segment = _slice_inputs(kwargs, start, stop, length)
+            if "logits_to_keep" in _forward_parameters(module):
+                segment["logits_to_keep"] = 1  # only the states matter here
+            module(**segment)
+            start = stop
+        return _slice_inputs(kwargs, start, length, length)
+
+    def _after_forward(self, module, args: tuple, kwargs: dict, output) -> None:
+        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
+        if not isinstance(cache, HybridPrefixCache) or cache.store is not self or not cache.started:
+            return
+        if output is None:  # the forward raised
+            cache.forward_failed()
+            self._open.discard(cache)
+        else:
+            cache.forward_done()
+
+
+def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
+    import inspect
+
+    return frozenset(inspect.signature(module.forward).parameters)
+
+
+def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
+    """Model inputs for tokens [start, stop) of a `length`-token call: per-token inputs are cut, the 2D attention
+    mask keeps every column up to `stop` (it spans cached + new tokens)."""
+    out = dict(kwargs)
+    for name in ("input_ids", "position_ids", "token_type_ids"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == length:
+            out[name] = value[..., start:stop]
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        out["attention_mask"] = mask[:, :stop]
+    return out

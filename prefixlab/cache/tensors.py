@@ -1,0 +1,147 @@
+"""Tensor payloads for real models: what the radix tree holds when it serves a Hugging Face model.
+
+`TensorKV` is the attention KV of a run of tokens for one sequence (every attention layer's K and V, no batch axis);
+it follows the `KVPayload` protocol, so the tree can split an edge or join two. `TensorState` is one checkpoint: every
+recurrent layer's conv and recurrent state after a given position (no batch axis). Both are immutable by convention:
+nothing in prefixlab writes into their tensors, and requests resume from copies (see `cache/hf.py`).
+
+Byte sizes are exact (`numel * element_size`), and `split` / `concat` allocate fresh storage, so evicting a payload
+frees exactly the bytes it reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from prefixlab.errors import InvalidInputError
+
+# Token axis of a per-sequence KV tensor [kv_heads, tokens, head_dim].
+TOKEN_AXIS = -2
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _move(tensor: torch.Tensor, device: torch.device | str, pin: bool) -> torch.Tensor:
+    moved = tensor.to(device, copy=True)
+    return moved.pin_memory() if pin else moved
+
+
+@dataclass(frozen=True, eq=False)
+class TensorKV:
+    """K and V of `ntokens` tokens for each attention layer: `keys[layer]` is [kv_heads, ntokens, head_dim].
+
+    A model without attention layers still has token runs (the tree needs their length), with empty mappings.
+    """
+
+    ntokens: int
+    keys: Mapping[int, torch.Tensor]
+    values: Mapping[int, torch.Tensor]
+
+    def __post_init__(self) -> None:
+        if self.keys.keys() != self.values.keys():
+            raise InvalidInputError(f"TensorKV keys layers {sorted(self.keys)} != values layers {sorted(self.values)}")
+        for layer, tensor in (*self.keys.items(), *self.values.items()):
+            if tensor.dim() != 3 or tensor.shape[TOKEN_AXIS] != self.ntokens:
+                raise InvalidInputError(
+                    f"TensorKV layer {layer} has shape {list(tensor.shape)}; expected [kv_heads, {self.ntokens}, "
+                    "head_dim] (one sequence, no batch axis)"
+                )
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.keys.values()) + _tensor_bytes(self.values.values())
+
+    def split(self, at: int) -> tuple[TensorKV, TensorKV]:
+        """The first `at` tokens and the rest, each in its own storage."""
+        if not 0 <= at <= self.ntokens:
+            raise InvalidInputError(f"split at={at} is outside [0, {self.ntokens}]")
+
+        def cut(tensors: Mapping[int, torch.Tensor], start: int, stop: int) -> dict[int, torch.Tensor]:
+            return {layer: t[:, start:stop].clone() for layer, t in tensors.items()}
+
+        head = TensorKV(at, cut(self.keys, 0, at), cut(self.values, 0, at))
+        tail = TensorKV(self.ntokens - at, cut(self.keys, at, self.ntokens), cut(self.values, at, self.ntokens))
+        return head, tail
+
+    def concat(self, other: TensorKV) -> TensorKV:
+        """This run followed by `other` (same layers, same device)."""
+        if not isinstance(other, TensorKV) or other.keys.keys() != self.keys.keys():
+            raise InvalidInputError("concat needs a TensorKV over the same attention layers")
+
+        def join(a: Mapping[int, torch.Tensor], b: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            return {layer: torch.cat([a[layer], b[layer]], dim=TOKEN_AXIS) for layer in a}
+
+        return TensorKV(self.ntokens + other.ntokens, join(self.keys, other.keys), join(self.values, other.values))
+
+    def to(self, device: torch.device | str, pin: bool = False) -> TensorKV:
+        """A copy on `device` (pinned host memory when `pin`)."""
+        return TensorKV(
+            self.ntokens,
+            {layer: _move(t, device, pin) for layer, t in self.keys.items()},
+            {layer: _move(t, device, pin) for layer, t in self.values.items()},
+        )
+
+    @property
+    def device(self) -> torch.device | None:
+        return next(iter(self.keys.values())).device if self.keys else None
+
+
+@dataclass(frozen=True, eq=False)
+class TensorState:
+    """A recurrent checkpoint: `conv[(layer, i)]` / `recurrent[(layer, i)]` are state `i` of a recurrent layer
+    (most layers have one; a few families keep several per layer), without the batch axis."""
+
+    conv: Mapping[tuple[int, int], torch.Tensor]
+    recurrent: Mapping[tuple[int, int], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return _tensor_bytes(self.conv.values()) + _tensor_bytes(self.recurrent.values())
+
+    def to(self, device: torch.device | str, pin: bool = False) -> TensorState:
+        """A copy on `device` (pinned host memory when `pin`)."""
+        return TensorState(
+            {key: _move(t, device, pin) for key, t in self.conv.items()},
+            {key: _move(t, device, pin) for key, t in self.recurrent.items()},
+        )
+
+    @property
+    def device(self) -> torch.device | None:
+        tensors = [*self.conv.values(), *self.recurrent.values()]
+        return tensors[0].device if tensors else None
+
+
+# Flat names for safetensors files: one string key per tensor.
+def kv_to_flat(kv: TensorKV, prefix: str) -> dict[str, torch.Tensor]:
+    flat = {f"{prefix}.k.{layer}": t.contiguous() for layer, t in kv.keys.items()}
+    flat.update({f"{prefix}.v.{layer}": t.contiguous() for layer, t in kv.values.items()})
+    return flat
+
+
+def kv_from_flat(flat: Mapping[str, torch.Tensor], prefix: str, ntokens: int) -> TensorKV:
+    keys, values = {}, {}
+    for name, tensor in flat.items():
+        head, kind, layer = name.rsplit(".", 2)
+        if head == prefix:
+            (keys if kind == "k" else values)[int(layer)] = tensor
+    return TensorKV(ntokens, keys, values)
+
+
+def state_to_flat(state: TensorState, prefix: str) -> dict[str, torch.Tensor]:
+    flat = {f"{prefix}.conv.{layer}.{i}": t.contiguous() for (layer, i), t in state.conv.items()}
+    flat.update({f"{prefix}.recurrent.{layer}.{i}": t.contiguous() for (layer, i), t in state.recurrent.items()})
+    return flat
+
+
+def state_from_flat(flat: Mapping[str, torch.Tensor], prefix: str) -> TensorState:
+    conv, recurrent = {}, {}
+    for name, tensor in flat.items():
+        head, kind, layer, index = name.rsplit(".", 3)
+        if head == prefix:
+            (conv if kind == "conv" else recurrent)[(int(layer), int(index))] = tensor
+    return TensorState(conv, recurrent)
