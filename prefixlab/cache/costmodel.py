@@ -13,6 +13,7 @@ Prefilling `n_new` tokens after `n_past` cached ones costs
 FLOP conventions follow the Marconi paper (Pan et al., MLSys 2025, Appendix A): a (m x k) @ (k x n) matmul is
 `2 m k n` FLOPs, attention counts the full L x L score and value products (`4 L^2 d`, no causal halving), and the
 SSM scan costs `8 d_inner N` per token (decay, discretised input, scan update, output contraction).
+Reading HF configs into layer groups lives in `prefixlab.cache.hfspec`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 # An A100's 312 TFLOP/s fp16 dense peak at 50% model-FLOPs utilisation, typical of long prefills (Marconi's testbed).
 DEFAULT_EFFECTIVE_FLOPS_PER_SECOND = 312e12 * 0.5
+
+# Recurrent states stay fp32 whatever the model dtype: fla, mamba_ssm and transformers' torch paths run the scan
+# in fp32 and cache its result (checked against tiny bf16 models in tests/test_costmodel.py).
+FP32_BYTES = 4
 
 LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "mlp", "moe")
 
@@ -48,12 +53,14 @@ class LayerGroup:
 
 
 def attention_layers(
-    count: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, gated: bool = False
+    count: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, gated: bool = False,
+    output_size: int | None = None,
 ) -> LayerGroup:
     """Softmax attention (MHA/GQA). Q, K, V projections `2 h (q + 2 kv)` (+`2 h q` for a sigmoid output gate, as
-    Qwen3-Next / Qwen3.5 project Q twice as wide), output projection `2 q h`, scores and values `4 q` per pair."""
+    Qwen3-Next / Qwen3.5 project Q twice as wide), output projection `2 q out` (`out` = `output_size` or `h`),
+    scores and values `4 q` per pair."""
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-    projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * hidden
+    projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * (output_size or hidden)
     return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes)
 
 
@@ -70,25 +77,29 @@ def moe_layers(
     top_k: int,
     shared_intermediate: int = 0,
     gated: bool = True,
+    shared_expert_gate: bool = False,
 ) -> LayerGroup:
-    """Mixture of experts: router `2 h E`, `top_k` routed expert MLPs and an always-on shared MLP per token."""
+    """Mixture of experts: router `2 h E` (+`2 h` for Qwen's sigmoid gate on the shared expert), `top_k` routed
+    expert MLPs and an always-on shared MLP per token."""
     matrices = 3 if gated else 2
     experts = 2 * hidden * (top_k * expert_intermediate + shared_intermediate) * matrices
-    return LayerGroup("moe", count, 2 * hidden * num_experts + experts)
+    return LayerGroup("moe", count, 2 * hidden * (num_experts + shared_expert_gate) + experts)
 
 
 def _ssm_layers(
     kind: str, count: int, hidden: int, d_inner: int, in_proj_width: int, conv_dim: int, conv_kernel: int,
-    state_elems: int, scan_flops: int, dtype_bytes: int,
+    state_elems: int, scan_flops: int, dtype_bytes: int, state_dtype_bytes: int,
 ) -> LayerGroup:
-    """Shared shape of every recurrent mixer: in_proj, depthwise causal conv, scan, out_proj."""
+    """Shared shape of every recurrent mixer: in_proj, depthwise causal conv, scan, out_proj. The conv state holds
+    `conv_kernel` columns in the model dtype; the recurrent state has its own dtype."""
     flops = 2 * hidden * in_proj_width + 2 * conv_dim * conv_kernel + scan_flops + 2 * d_inner * hidden
-    return LayerGroup(kind, count, flops, state_bytes=(state_elems + conv_dim * conv_kernel) * dtype_bytes)
+    state_bytes = state_elems * state_dtype_bytes + conv_dim * conv_kernel * dtype_bytes
+    return LayerGroup(kind, count, flops, state_bytes=state_bytes)
 
 
 def mamba2_layers(
     count: int, hidden: int, num_heads: int, head_dim: int, state_size: int, n_groups: int, conv_kernel: int,
-    dtype_bytes: int,
+    dtype_bytes: int, state_dtype_bytes: int = FP32_BYTES,
 ) -> LayerGroup:
     """Mamba2 (SSD): in_proj emits z, x, B, C (`2 G N`) and dt (`H`); conv runs over x, B, C;
     the state holds `H * P * N` values and the conv state `conv_kernel` columns of x, B, C."""
@@ -96,18 +107,19 @@ def mamba2_layers(
     conv_dim = d_inner + 2 * n_groups * state_size
     return _ssm_layers(
         "mamba2", count, hidden, d_inner, d_inner + conv_dim + num_heads, conv_dim, conv_kernel,
-        d_inner * state_size, 8 * d_inner * state_size, dtype_bytes,
+        d_inner * state_size, 8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
     )
 
 
 def mamba_layers(
-    count: int, hidden: int, d_inner: int, state_size: int, dt_rank: int, conv_kernel: int, dtype_bytes: int
+    count: int, hidden: int, d_inner: int, state_size: int, dt_rank: int, conv_kernel: int, dtype_bytes: int,
+    state_dtype_bytes: int = FP32_BYTES,
 ) -> LayerGroup:
     """Mamba1 (selective scan, Jamba): in_proj emits x and z, x_proj emits dt (rank r), B, C, dt_proj expands dt;
     the conv runs over x only and the state is `d_inner * N`."""
     layers = _ssm_layers(
         "mamba", count, hidden, d_inner, 2 * d_inner, d_inner, conv_kernel, d_inner * state_size,
-        8 * d_inner * state_size, dtype_bytes,
+        8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
     )
     selective = 2 * d_inner * (dt_rank + 2 * state_size) + 2 * dt_rank * d_inner
     return LayerGroup("mamba", count, layers.linear_flops_per_token + selective, state_bytes=layers.state_bytes)
@@ -115,7 +127,7 @@ def mamba_layers(
 
 def gated_deltanet_layers(
     count: int, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
-    dtype_bytes: int,
+    dtype_bytes: int, state_dtype_bytes: int = FP32_BYTES,
 ) -> LayerGroup:
     """GatedDeltaNet (Qwen3-Next / Qwen3.5): in_proj emits q, k, v, z and the gates b, a (one per value head);
     conv runs over q, k, v; the delta-rule state is `Hv * dk * dv`, costing `8` FLOPs per element per token
@@ -125,13 +137,15 @@ def gated_deltanet_layers(
     state_elems = num_v_heads * head_k_dim * head_v_dim
     return _ssm_layers(
         "gated_deltanet", count, hidden, value_dim, conv_dim + value_dim + 2 * num_v_heads, conv_dim, conv_kernel,
-        state_elems, 8 * state_elems, dtype_bytes,
+        state_elems, 8 * state_elems, dtype_bytes, state_dtype_bytes,
     )
 
 
 def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:
     """LFM2 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h` channels, out_proj."""
-    return _ssm_layers("short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes)
+    return _ssm_layers(
+        "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes
+    )
 
 
 @dataclass(frozen=True)
@@ -204,6 +218,14 @@ class ModelSpec:
         if name not in builders:
             raise UnsupportedModelError(f"unknown model name {name!r}; built-in names are {sorted(builders)}")
         return builders[name]()
+
+    @classmethod
+    def from_config(cls, config, dtype=None) -> ModelSpec:
+        """Spec of a transformers config (`prefixlab.cache.hfspec.SUPPORTED_MODEL_TYPES`). `dtype` (torch dtype or
+        name) overrides `config.dtype`; with neither, torch's default dtype is used, as `from_config` builds."""
+        from prefixlab.cache.hfspec import spec_from_config  # hfspec imports this module
+
+        return spec_from_config(config, dtype)
 
 
 def _tokens(arg: str, value):

@@ -1,0 +1,202 @@
+"""`ModelSpec` from a transformers (5.x) config: which layers a hybrid model has and their dims.
+
+Each reader mirrors the model's modeling file in transformers/models/<name>/: the layer pattern
+(`layer_types`, `layers_block_type`, periods/offsets), head and state dims, conv kernels, MoE expert counts.
+Byte counts are exact (tests compare them with a tiny model's cache tensors); FLOPs use `costmodel`'s formulas.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from prefixlab.cache import costmodel as cm
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+
+ATTENTION_TYPES = ("full_attention", "attention", "sliding_attention")
+
+
+def _dtype_bytes(config, dtype: torch.dtype | str | None) -> int:
+    """Bytes per element: explicit `dtype`, else `config.dtype`, else torch's default (what from_config builds)."""
+    chosen = dtype if dtype is not None else getattr(config, "dtype", None)
+    if chosen is None:
+        chosen = torch.get_default_dtype()
+    if isinstance(chosen, str):
+        chosen = getattr(torch, chosen.removeprefix("torch."), None)
+    if not isinstance(chosen, torch.dtype):
+        raise InvalidInputError(f"dtype={dtype!r} is not a torch dtype; pass e.g. torch.bfloat16 or 'bfloat16'")
+    return chosen.itemsize
+
+
+def _head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def _attention(c, count: int, dtype_bytes: int, gated: bool = False) -> cm.LayerGroup:
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return cm.attention_layers(count, c.hidden_size, c.num_attention_heads, kv_heads, _head_dim(c), dtype_bytes, gated)
+
+
+def _count_attention(layer_types) -> int:
+    return sum(t in ATTENTION_TYPES for t in layer_types)
+
+
+def _qwen_gdn(c, dtype_bytes: int) -> tuple[cm.LayerGroup, ...]:
+    """Qwen3-Next / Qwen3.5: GatedDeltaNet ("linear_attention") + gated full attention layers."""
+    n_attention = _count_attention(c.layer_types)
+    gdn = cm.gated_deltanet_layers(
+        len(c.layer_types) - n_attention, c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
+        c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim, dtype_bytes,
+    )
+    return gdn, _attention(c, n_attention, dtype_bytes, gated=True)
+
+
+def _qwen_moe(c, count: int) -> cm.LayerGroup:
+    return cm.moe_layers(count, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+                         c.shared_expert_intermediate_size, shared_expert_gate=True)
+
+
+def _qwen3_5(c, dtype_bytes):
+    return (*_qwen_gdn(c, dtype_bytes), cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
+
+
+def _qwen3_5_moe(c, dtype_bytes):
+    return (*_qwen_gdn(c, dtype_bytes), _qwen_moe(c, c.num_hidden_layers))
+
+
+def _qwen3_next(c, dtype_bytes):
+    sparse = [
+        i not in c.mlp_only_layers and c.num_experts > 0 and (i + 1) % c.decoder_sparse_step == 0
+        for i in range(c.num_hidden_layers)
+    ]
+    dense = cm.mlp_layers(sparse.count(False), c.hidden_size, c.intermediate_size)
+    return (*_qwen_gdn(c, dtype_bytes), _qwen_moe(c, sum(sparse)), dense)
+
+
+def _mamba2(count: int, c, heads: int, head_dim: int, state: int, groups: int, conv: int, dtype_bytes: int):
+    return cm.mamba2_layers(count, c.hidden_size, heads, head_dim, state, groups, conv, dtype_bytes)
+
+
+def _mamba2_model(c, dtype_bytes):
+    return (_mamba2(c.num_hidden_layers, c, c.num_heads, c.head_dim, c.state_size, c.n_groups, c.conv_kernel,
+                    dtype_bytes),)
+
+
+def _bamba_style_mamba(c, count: int, dtype_bytes: int) -> cm.LayerGroup:
+    """Bamba, Falcon-H1 and Granite-4-H share the `mamba_*` config names."""
+    return _mamba2(count, c, c.mamba_n_heads, c.mamba_d_head, c.mamba_d_state, c.mamba_n_groups, c.mamba_d_conv,
+                   dtype_bytes)
+
+
+def _bamba(c, dtype_bytes):
+    n_attention = _count_attention(c.layers_block_type)
+    return (
+        _bamba_style_mamba(c, c.num_hidden_layers - n_attention, dtype_bytes),
+        _attention(c, n_attention, dtype_bytes),
+        cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size),
+    )
+
+
+def _falcon_h1(c, dtype_bytes):
+    """Every Falcon-H1 layer runs attention and Mamba2 in parallel, then an MLP."""
+    n = c.num_hidden_layers
+    return (_bamba_style_mamba(c, n, dtype_bytes), _attention(c, n, dtype_bytes),
+            cm.mlp_layers(n, c.hidden_size, c.intermediate_size))
+
+
+def _granitemoehybrid(c, dtype_bytes):
+    """Granite-4-H: Mamba2 or attention mixers; every layer has a shared MLP plus (if experts > 0) an MoE."""
+    n, n_attention = c.num_hidden_layers, _count_attention(c.layer_types)
+    groups = [_bamba_style_mamba(c, n - n_attention, dtype_bytes), _attention(c, n_attention, dtype_bytes)]
+    if c.num_local_experts > 0:
+        groups.append(cm.moe_layers(n, c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                                    c.shared_intermediate_size))
+    else:
+        groups.append(cm.mlp_layers(n, c.hidden_size, c.shared_intermediate_size))
+    return tuple(groups)
+
+
+def _nemotron_h(c, dtype_bytes):
+    """Nemotron-H: each block is one of Mamba2, attention, MLP or MoE; MLPs are non-gated (relu^2)."""
+    kinds = Counter(c.layer_types)
+    return (
+        _mamba2(kinds["linear_attention"], c, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size, c.n_groups,
+                c.conv_kernel, dtype_bytes),
+        _attention(c, kinds["full_attention"], dtype_bytes),
+        cm.mlp_layers(kinds["mlp"], c.hidden_size, c.intermediate_size, gated=False),
+        cm.moe_layers(kinds["moe"], c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                      c.n_shared_experts * c.moe_shared_expert_intermediate_size, gated=False),
+    )
+
+
+def _jamba(c, dtype_bytes):
+    """Jamba: Mamba1 or attention mixers; MoE every `expert_layer_period` layers, a dense MLP elsewhere."""
+    n, n_attention = c.num_hidden_layers, _count_attention(c.layers_block_type)
+    n_moe = sum(e > 1 for e in c.layers_num_experts)
+    d_inner = c.mamba_expand * c.hidden_size
+    return (
+        cm.mamba_layers(n - n_attention, c.hidden_size, d_inner, c.mamba_d_state, c.mamba_dt_rank, c.mamba_d_conv,
+                        dtype_bytes),
+        _attention(c, n_attention, dtype_bytes),
+        cm.moe_layers(n_moe, c.hidden_size, c.intermediate_size, c.num_experts, c.num_experts_per_tok),
+        cm.mlp_layers(n - n_moe, c.hidden_size, c.intermediate_size),
+    )
+
+
+def _zamba2(c, dtype_bytes):
+    """Zamba2: every layer is Mamba2; "hybrid" layers first run a shared transformer block (attention reading
+    [hidden, embeddings], 2h wide, own KV cache per layer; gated MLP with a LoRA adapter on gate_up) and an h x h
+    `linear`. The optional attention adapters (`use_shared_attention_adapter`) are left out."""
+    h, n_hybrid = c.hidden_size, c.layers_block_type.count("hybrid")
+    heads = int(c.mamba_expand * h) // c.mamba_headdim
+    kv_heads = c.num_key_value_heads or c.num_attention_heads
+    mlp = cm.mlp_layers(n_hybrid, h, c.intermediate_size)
+    adapter_and_linear = 2 * c.adapter_rank * (h + 2 * c.intermediate_size) + 2 * h * h
+    return (
+        _mamba2(c.num_hidden_layers, c, heads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups, c.mamba_d_conv,
+                dtype_bytes),
+        cm.attention_layers(n_hybrid, c.attention_hidden_size, c.num_attention_heads, kv_heads, c.attention_head_dim,
+                            dtype_bytes, output_size=h),
+        cm.LayerGroup("mlp", n_hybrid, mlp.linear_flops_per_token + adapter_and_linear),
+    )
+
+
+def _lfm2(c, dtype_bytes):
+    """LFM2: gated short convs or attention, each followed by a SwiGLU MLP (width auto-adjusted as Lfm2MLP does)."""
+    n, n_attention = c.num_hidden_layers, _count_attention(c.layer_types)
+    intermediate = c.intermediate_size
+    if c.block_auto_adjust_ff_dim:
+        intermediate = int(2 * intermediate / 3)
+        if c.block_ffn_dim_multiplier is not None:
+            intermediate = int(c.block_ffn_dim_multiplier * intermediate)
+            intermediate = c.block_multiple_of * -(-intermediate // c.block_multiple_of)
+    return (
+        cm.short_conv_layers(n - n_attention, c.hidden_size, c.conv_L_cache, dtype_bytes),
+        _attention(c, n_attention, dtype_bytes),
+        cm.mlp_layers(n, c.hidden_size, intermediate),
+    )
+
+
+READERS: dict[str, Callable] = {
+    "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
+    "bamba": _bamba, "falcon_h1": _falcon_h1, "granitemoehybrid": _granitemoehybrid, "jamba": _jamba,
+    "zamba2": _zamba2, "lfm2": _lfm2, "mamba2": _mamba2_model,
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
+
+
+def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:
+    """ModelSpec of a transformers config (multimodal configs use their text config)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", None) or ""
+    reader = READERS.get(model_type.removesuffix("_text"))
+    if reader is None:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} ({type(config).__name__}) is not supported by the cost model; "
+            f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    dtype_bytes = _dtype_bytes(text, dtype)
+    groups = tuple(g for g in reader(text, dtype_bytes) if g.count > 0)
+    return cm.ModelSpec(model_type.removesuffix("_text"), text.hidden_size, dtype_bytes, groups)

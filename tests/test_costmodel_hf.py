@@ -1,0 +1,168 @@
+"""ModelSpec.from_config: bytes exact against a tiny random-init model's cache, FLOPs against its weights."""
+
+import functools
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    AutoModelForCausalLM,
+    BambaConfig,
+    FalconH1Config,
+    GraniteMoeHybridConfig,
+    JambaConfig,
+    Lfm2Config,
+    LlamaConfig,
+    Mamba2Config,
+    NemotronHConfig,
+    Qwen3_5Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Zamba2Config,
+)
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.hfspec import SUPPORTED_MODEL_TYPES
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+
+transformers.logging.set_verbosity_error()
+
+DIMS = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48)
+GDN = dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=2,
+           linear_num_value_heads=4, linear_conv_kernel_dim=3, num_hidden_layers=4)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3)
+
+TINY = {
+    "qwen3_5": lambda: Qwen3_5TextConfig(**DIMS, **GDN),
+    "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(**DIMS, **GDN, **QWEN_MOE),
+    "qwen3_next": lambda: Qwen3NextConfig(**DIMS, **GDN, **QWEN_MOE, mlp_only_layers=[1]),
+    "nemotron_h": lambda: NemotronHConfig(
+        **DIMS, head_dim=8, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
+        mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=3, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=24),
+    "bamba": lambda: BambaConfig(**DIMS, num_hidden_layers=3, attn_layer_indices=[1], **MAMBA2),
+    "falcon_h1": lambda: FalconH1Config(**DIMS, num_hidden_layers=2, mamba_d_ssm=64, **MAMBA2),
+    "granitemoehybrid": lambda: GraniteMoeHybridConfig(
+        **DIMS, num_hidden_layers=3, layer_types=["mamba", "attention", "mamba"], num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=24, **MAMBA2),
+    "jamba": lambda: JambaConfig(
+        **DIMS, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=0, num_experts=4, mamba_d_state=8, mamba_d_conv=3, mamba_dt_rank=4,
+        use_mamba_kernels=False),
+    "zamba2": lambda: Zamba2Config(
+        **DIMS, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8, mamba_d_conv=3,
+        n_mamba_heads=4, mamba_ngroups=2, use_mamba_kernels=False),
+    "lfm2": lambda: Lfm2Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                               conv_L_cache=3),
+    "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                                   state_size=8, n_groups=2, conv_kernel=3),
+}
+N_TOKENS = 9
+
+
+@functools.cache
+def run_tiny(model_type: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY[model_type](), dtype=dtype).eval()
+    with torch.no_grad():
+        out = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True)
+    return model, getattr(out, "past_key_values", None) or out.cache_params
+
+
+def cache_tensors(cache):
+    """(attention K/V tensors, recurrent states, conv states) a transformers cache holds."""
+    kv, recurrent, conv = [], [], []
+    for layer in cache.layers:
+        kv += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor) and t.numel()]
+        recurrent += [t for t in (getattr(layer, "recurrent_states", None) or {}).values() if t is not None]
+        conv += [t for t in (getattr(layer, "conv_states", None) or {}).values() if t is not None]
+    return kv, recurrent, conv
+
+
+def test_every_supported_type_has_a_tiny_model():
+    assert sorted(TINY) == sorted(SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_bytes_equal_the_cache_tensors(model_type, dtype):
+    model, cache = run_tiny(model_type, dtype)
+    spec = ModelSpec.from_config(model.config)
+    kv, recurrent, conv = cache_tensors(cache)
+    assert spec.dtype_bytes == dtype.itemsize
+    assert spec.kv_bytes_per_token * N_TOKENS == sum(t.nbytes for t in kv)
+    assert spec.state_bytes == sum(t.nbytes for t in recurrent + conv) > 0
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_linear_flops_match_the_weights(model_type):
+    """2 FLOPs per weight for every matmul a token meets (routers; routed experts scaled by top_k / E), 2 per
+    depthwise conv weight, 8 per recurrent-state element (the scan), 2 per channel for LFM2's B*x and C*y gates."""
+    model, cache = run_tiny(model_type, torch.float32)
+    config = model.config
+    expected = 0.0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
+            expected += 2 * module.weight.numel()
+        elif isinstance(module, torch.nn.Conv1d):
+            expected += 2 * module.weight.numel()
+    params = dict(model.named_parameters())
+    router_names = ("mlp.gate.weight", "mixer.gate.weight", "router.weight")
+    routers = [p for name, p in params.items() if name.endswith(router_names)]
+    expected += 2 * sum(p.numel() for p in routers)
+    experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name]
+    if experts:
+        n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
+            or config.n_routed_experts
+        expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
+    _, recurrent, _ = cache_tensors(cache)
+    expected += 8 * sum(t.numel() for t in recurrent)
+    if model_type == "lfm2":
+        expected += 2 * config.hidden_size * config.layer_types.count("conv")
+    spec = ModelSpec.from_config(config)
+    assert spec.linear_flops_per_token == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_attention_pair_flops_count_query_width(model_type):
+    model, _ = run_tiny(model_type, torch.float32)
+    q_widths = [m.q_proj.out_features for _, m in model.named_modules() if hasattr(m, "q_proj")]
+    gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+    spec = ModelSpec.from_config(model.config)
+    attention_layers = spec.layer_count("attention")
+    if model_type == "zamba2":  # one shared block serves every hybrid layer
+        q_widths = q_widths * attention_layers
+    assert len(q_widths) == attention_layers
+    assert spec.pair_flops == 4 * sum(w // 2 if gated else w for w in q_widths)
+
+
+def test_default_configs_build():
+    for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
+                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config()):
+        spec = ModelSpec.from_config(config, dtype=torch.bfloat16)
+        recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "short_conv"))
+        assert (spec.state_bytes > 0) == (recurrent > 0), type(config).__name__  # default Lfm2Config: attention only
+        assert spec.state_bytes + spec.kv_bytes_per_token > 0
+        assert spec.prefill_flops(4096) > spec.prefill_flops(2048) > 0
+
+
+def test_multimodal_config_uses_its_text_config():
+    composite = Qwen3_5Config(text_config=dict(**DIMS, **GDN))
+    assert ModelSpec.from_config(composite) == ModelSpec.from_config(Qwen3_5TextConfig(**DIMS, **GDN))
+
+
+def test_dtype_resolution():
+    config = Qwen3_5TextConfig(**DIMS, **GDN)
+    assert ModelSpec.from_config(config, dtype="bfloat16").dtype_bytes == 2
+    assert ModelSpec.from_config(config, dtype=torch.float16).kv_bytes_per_token == 64
+    with pytest.raises(InvalidInputError, match="dtype"):
+        ModelSpec.from_config(config, dtype="float77")
+
+
+def test_unsupported_model_lists_supported_types():
+    with pytest.raises(UnsupportedModelError, match="llama") as raised:
+        ModelSpec.from_config(LlamaConfig())
+    assert all(name in str(raised.value) for name in SUPPORTED_MODEL_TYPES)
