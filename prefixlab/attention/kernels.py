@@ -1,0 +1,112 @@
+"""Attention that also returns the log-sum-exp of the scores, and the combine of such partial results.
+
+Attention over a union of disjoint key sets equals the LSE-weighted sum of attention over each set:
+    out = sum_i exp(lse_i - lse) * out_i,   lse = logsumexp_i(lse_i)
+so Hydragen computes the shared prefix and each suffix separately and merges them with `combine_partials`.
+A query that sees no key of a set gets lse = -inf there and contributes nothing.
+
+Three implementations of `attention_with_lse`, all on (N, heads, M, D) queries and (N, kv_heads, L, D) keys:
+- `attention_with_lse_reference`: matmul + logsumexp, readable, any device;
+- CPU: ATen's fused flash kernel, which returns the LSE (compiled FlexAttention on CPU refuses `return_lse` in
+  torch 2.13, and the eager one materialises the scores);
+- CUDA: compiled FlexAttention with `AuxRequest(lse=True)`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from prefixlab.errors import InvalidInputError
+
+
+def _expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
+    return x.repeat_interleave(q_heads // x.shape[1], dim=1)
+
+
+def attention_with_lse_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (N, H, M, D), lse (N, H, M) float32); `mask` (N or 1, 1, M, L) bool, True = may attend."""
+    k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(-inf - -inf) is nan: rows that see nothing get weight 0 instead
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
+    return torch.matmul(probs, v.float()).to(q.dtype), lse
+
+
+def _attention_with_lse_cpu(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive, scale=scale)
+    if mask is not None:
+        # the kernel reports lse = 0 for a row that sees nothing; the combine needs -inf there
+        lse = lse.masked_fill(~mask.any(-1), float("-inf"))
+    return out, lse.float()
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _attention_with_lse_flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    block_mask = None
+    if mask is not None:
+        dense = mask.expand(q.shape[0], 1, q.shape[2], k.shape[2])
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return dense[b, 0, q_idx, kv_idx]
+
+        block_mask = create_block_mask(mask_mod, q.shape[0], None, q.shape[2], k.shape[2], device=q.device)
+    gqa = q.shape[1] != k.shape[1]
+    out, aux = _compiled_flex()(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
+    return out, aux.lse.float()
+
+
+def attention_with_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention returning (out, lse): q (N, H, M, D), k/v (N, Hkv, L, D), mask (N|1, 1, M, L) bool."""
+    if k.shape[2] == 0:
+        raise InvalidInputError("attention_with_lse needs at least one key; drop empty key sets before calling")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if q.device.type == "cpu":
+        return _attention_with_lse_cpu(q, k, v, mask, scale)
+    if q.device.type == "cuda":
+        return _attention_with_lse_flex(q, k, v, mask, scale)
+    return attention_with_lse_reference(q, k, v, mask, scale)
+
+
+def combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """Merge K partial attentions over disjoint key sets: outs (K, ..., D), lses (K, ...) -> (..., D).
+
+    Queries that see no key at all (every lse = -inf) get 0, as SDPA gives for fully masked rows.
+    """
+    lse_max = lses.amax(dim=0)
+    lse_max = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
+    weights = torch.exp(lses - lse_max)  # exp(-inf) = 0 for sets a query does not see
+    total = weights.sum(dim=0)
+    weights = weights / torch.where(total > 0, total, torch.ones_like(total))
+    return (weights.unsqueeze(-1) * outs.float()).sum(dim=0).to(outs.dtype)
+
+
+@functools.cache
+def compiled_combine():
+    """`combine_partials` fused into one kernel by torch.compile (used on CUDA, where launches dominate)."""
+    return torch.compile(combine_partials, dynamic=True)

@@ -1,0 +1,106 @@
+"""Packed-tree Hydragen: ONE FlexAttention call over every tree node's KV, concatenated, with a block mask.
+
+KV axis: [level 0 | level 1 | ... | suffix of sequence 0 | suffix of sequence 1 | ...]; query axis: the queries of
+sequence 0, then 1, ... Every token gets an owner (its node: a level, or a sequence's suffix) and a position inside
+its sequence; a query sees a key iff the key's owner is on the query's path and the key does not come after it.
+Blocks of keys no query of a block can see are skipped, so a shared level is read once per query block that needs
+it, and prompts of different lengths are served packed, without padding (`packed_attention` with your own layout).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from prefixlab.attention.reference import suffix_visibility
+from prefixlab.attention.tree import TreePlan
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Who is who on the packed axes. Owners 0..n_levels-1 are levels, n_levels + b is sequence b's suffix."""
+
+    query_seq: torch.Tensor  # (Nq,) int: the sequence of each packed query
+    query_slot: torch.Tensor  # (Nq,) int: its suffix slot (the key it is the query of)
+    key_owner: torch.Tensor  # (Nk,) int
+    key_slot: torch.Tensor  # (Nk,) int: suffix slot for suffix keys, -1 for level keys (seen whole)
+    owner_visible: torch.Tensor  # (B, n_owners) bool: the nodes on each sequence's path, its own suffix included
+    suffix_visible: torch.Tensor | None  # (B, Tq, S) bool explicit suffix visibility, None = causal by slot
+
+    def mask_mod(self):
+        """FlexAttention mask_mod: query q sees key k iff k's owner is on q's path and k's slot is visible to q."""
+        query_seq, query_slot = self.query_seq, self.query_slot
+        key_owner, key_slot, owner_visible = self.key_owner, self.key_slot, self.owner_visible
+        explicit = self.suffix_visible
+        queries = explicit.shape[1] if explicit is not None else 0
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            seq, slot = query_seq[q_idx], key_slot[kv_idx]
+            on_path = owner_visible[seq, key_owner[kv_idx]]
+            if explicit is None:
+                return on_path & (slot <= query_slot[q_idx])
+            suffix_ok = explicit[seq, q_idx % queries, slot.clamp(min=0)]
+            return on_path & ((slot < 0) | suffix_ok)
+
+        return mask_mod
+
+
+def pack_batch(q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffix_values: torch.Tensor):
+    """(q (1, Hq, B*Tq, D), k, v (1, Hkv, sum L + B*S, D), layout) for a padded Hydragen batch."""
+    batch, q_heads, queries, dim = q.shape
+    kv_heads, slots = suffix_keys.shape[1], suffix_keys.shape[2]
+    device = q.device
+    n_levels = len(plan.levels)
+    keys = [level.keys for level in plan.levels] + [suffix_keys.transpose(0, 1).reshape(kv_heads, batch * slots, dim)]
+    values = [level.values for level in plan.levels] + [
+        suffix_values.transpose(0, 1).reshape(kv_heads, batch * slots, dim)
+    ]
+    level_lengths = torch.tensor([level.length for level in plan.levels], dtype=torch.int64, device=device)
+    key_owner = torch.cat([
+        torch.repeat_interleave(torch.arange(n_levels, device=device), level_lengths),
+        torch.repeat_interleave(n_levels + torch.arange(batch, device=device), slots),
+    ])
+    key_slot = torch.cat([torch.full((int(level_lengths.sum()),), -1, device=device),
+                          torch.arange(slots, device=device).repeat(batch)])
+    owner_visible = torch.cat([plan.visible, torch.eye(batch, dtype=torch.bool, device=device)], dim=1)
+    layout = PackedLayout(
+        query_seq=torch.arange(batch, device=device).repeat_interleave(queries),
+        query_slot=(slots - queries + torch.arange(queries, device=device)).repeat(batch),
+        key_owner=key_owner,
+        key_slot=key_slot,
+        owner_visible=owner_visible,
+        suffix_visible=None if plan.suffix_mask is None else suffix_visibility(plan, queries, slots, device),
+    )
+    q_packed = q.transpose(0, 1).reshape(1, q_heads, batch * queries, dim)
+    return q_packed, torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None], layout
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def packed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, compiled: bool = True
+) -> torch.Tensor:
+    """One FlexAttention call over packed q (1, Hq, Nq, D) and k/v (1, Hkv, Nk, D) under `layout`."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = create_block_mask(layout.mask_mod(), None, None, q.shape[2], k.shape[2], device=q.device)
+    attend = _compiled_flex() if compiled else flex_attention
+    return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def packed_tree_attention(
+    q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffix_values: torch.Tensor, scale: float,
+    compiled: bool = True,
+) -> torch.Tensor:
+    """Exact attention of q (B, Hq, Tq, D) over shared levels + suffixes in one FlexAttention call."""
+    batch, q_heads, queries, dim = q.shape
+    q_packed, k_packed, v_packed, layout = pack_batch(q, plan, suffix_keys, suffix_values)
+    out = packed_attention(q_packed, k_packed, v_packed, layout, scale, compiled)
+    return out.reshape(q_heads, batch, queries, dim).transpose(0, 1)
