@@ -1,0 +1,89 @@
+"""Admission policies: which recurrent-state checkpoints a request should capture and the cache keep.
+
+- `BlockAdmission` (vllm+): a state every `block_size` tokens and at the end of the sequence; when a later
+  sequence extends a partial last block, the old end state is superseded (vLLM+ fills the block in place).
+- `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
+  the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
+- `PlacedAdmission` (dp, marconi+balanced|block|log): Marconi's positions plus checkpoints placed inside the part
+  of the sequence the request computes anyway, by a placement function of (reused, length).
+
+`refresh_path` says how hits refresh timestamps: SGLang / vLLM refresh every node on the matched path, Marconi
+only the node whose checkpoint is reused (section 4.3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefixlab.cache.tree import Node, RadixTree, Walk
+
+Placement = Callable[[int, int], list[int]]
+
+
+def _has_checkpoint_at(walk: Walk, position: int) -> bool:
+    node = walk.path[-1]
+    i = node.checkpoint_at_or_before(position)
+    return i >= 0 and node.ckpt_pos[i] == position
+
+
+class MarconiAdmission:
+    """Branch point (speculative insertion) and the last token."""
+
+    refresh_path = False
+
+    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+        shared = walk.shared_length
+        positions = {length} if length > reused else set()
+        if reused < shared < length and not _has_checkpoint_at(walk, shared):
+            positions.add(shared)
+        return sorted(positions)
+
+    def observe(self, shared_length: int) -> None:
+        """Called with every request's overlap with the tree (used by placements that learn from it)."""
+
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
+        """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted."""
+
+
+class SGLangAdmission(MarconiAdmission):
+    """SGLang+ = Marconi's admission with SGLang's LRU bookkeeping (every node on a hit path is refreshed)."""
+
+    refresh_path = True
+
+
+class BlockAdmission(MarconiAdmission):
+    """vLLM+: every block boundary and the sequence end."""
+
+    refresh_path = True
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+        first = (reused // self.block_size + 1) * self.block_size
+        positions = list(range(first, length + 1, self.block_size))
+        return positions + [length] if length > reused and length % self.block_size else positions
+
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
+        node = deepest
+        while not node.is_root:
+            stale = [i for i, p in enumerate(node.ckpt_pos) if p < length and p % self.block_size]
+            for i in reversed(stale):
+                tree.drop_checkpoints(node, i, i + 1)
+            node = node.parent
+
+
+class PlacedAdmission(MarconiAdmission):
+    """Marconi's positions plus `placement(reused, length)` positions strictly inside (reused, length)."""
+
+    def __init__(self, placement: Placement, observe: Callable[[int], None] | None = None) -> None:
+        self.placement = placement
+        self._observe = observe
+
+    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+        placed = [p for p in self.placement(reused, length) if reused < p < length]
+        return sorted(set(super().plan(walk, length, reused)).union(placed))
+
+    def observe(self, shared_length: int) -> None:
+        if self._observe is not None:
+            self._observe(shared_length)

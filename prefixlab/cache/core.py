@@ -1,0 +1,361 @@
+"""PrefixCacheCore: the radix tree, an admission and an eviction policy and a byte budget.
+
+The one policy code path: the simulator drives it with `Sized*` payloads, PrefixStore with tensors. A request
+goes `match` (reusable length, locks what it returns) -> `plan` (positions to capture) -> model -> `admit`
+(stores KV and the captured states, evicting to fit) -> `release`. Bad input raises InvalidInputError before
+anything changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.eviction import tune_alpha
+from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState
+from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
+from prefixlab.cache.tree import Node, RadixTree, Walk
+from prefixlab.errors import InvalidInputError
+
+
+def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
+    """`tokens` as a 1-D int64 array of non-negative ids, or InvalidInputError naming `name`."""
+    try:
+        array = np.asarray(tokens)
+    except (ValueError, OverflowError) as err:
+        raise InvalidInputError(f"{name} must be a flat sequence of int token ids ({err})") from None
+    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+        raise InvalidInputError(
+            f"{name} must be a flat sequence of int token ids, got a {array.ndim}-D array of dtype {array.dtype}; "
+            "pass a list or 1-D integer numpy array"
+        )
+    if array.size and array.min() < 0:
+        raise InvalidInputError(f"{name} has a negative token id ({array.min()}); token ids are >= 0")
+    return array.astype(np.int64, copy=False)
+
+
+@dataclass(eq=False)
+class Match:
+    """What a request can reuse: KV[:length] and the state at `length` (None at 0 or for KV-only models).
+
+    `shared_length` is how many tokens the tree shares with the request (>= length). The entries are locked
+    until `core.release(match)`."""
+
+    length: int
+    shared_length: int
+    state: Payload | None
+    kv: list[KVPayload]
+    namespace: str
+    input_length: int
+    node: Node = field(repr=False)
+    released: bool = field(default=False, repr=False)
+
+
+class PrefixCacheCore:
+    """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
+
+    `alpha=None` tunes Marconi's FLOP-efficiency weight by replaying a bootstrap window of
+    `bootstrap_multiplier` x the requests seen before the first eviction; a number fixes it."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        policy: str = "marconi",
+        spec: ModelSpec | None = None,
+        block_size: int = 32,
+        *,
+        alpha: float | None = None,
+        bootstrap_multiplier: int = 5,
+        checkpoint_budget: int = 4,
+    ) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
+            raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        check_policy_name(policy)
+        if not isinstance(spec, ModelSpec):
+            raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
+        for arg, value in (("block_size", block_size), ("bootstrap_multiplier", bootstrap_multiplier),
+                           ("checkpoint_budget", checkpoint_budget)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{arg} must be a positive int, got {value!r}")
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
+            raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
+        self.capacity_bytes, self.policy, self.spec = int(capacity_bytes), policy, spec
+        self.options = PolicyOptions(block_size=block_size, checkpoint_budget=checkpoint_budget)
+        self.hybrid = spec.state_bytes > 0
+        self.tree = RadixTree()
+        self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha or 0.0)
+        self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
+        self.clock = self.requests = self.evictions = self.rejected = 0
+        self._live: dict[int, Match] = {}
+        self.bootstrap_multiplier = bootstrap_multiplier
+        self._tuning = alpha is None and tunes_alpha(policy)
+        self._history: list[tuple[np.ndarray, np.ndarray]] = []  # (input, input + output) until alpha is tuned
+        self._tune_at: int | None = None
+        self._last_walk: tuple | None = None
+
+    @property
+    def used_bytes(self) -> int:
+        return self.tree.used_bytes
+
+    @property
+    def alpha(self) -> float | None:
+        return getattr(self.eviction, "alpha", None)
+
+    # the request protocol ----------------------------------------------------------------------------------------
+
+    def match(self, tokens: object, namespace: str = "default") -> Match:
+        """The deepest checkpoint at or before the prefix `tokens` share with the cache (every shared token for a
+        KV-only model); its entries stay locked until `release`."""
+        tokens, namespace = as_tokens(tokens), _check_namespace(namespace)
+        self.clock += 1
+        self.requests += 1
+        walk = self.tree.walk(tokens, namespace)
+        if self.hybrid:
+            node, length, state = self.tree.deepest_checkpoint(walk)
+        else:
+            node, length, state = walk.path[-1], walk.shared_length, None
+        self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
+        self.admission.observe(walk.shared_length)
+        self.tree.lock(node, +1)
+        kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in walk.path[1:] if n.start < length]
+        match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node)
+        self._live[id(match)] = match
+        return match
+
+    def plan(self, tokens: object, match: Match) -> list[int]:
+        """Sorted positions in (match.length, len(tokens)] whose recurrent states the request should capture."""
+        tokens = as_tokens(tokens)
+        self._check_match(match)
+        walk = self._walk_extending(tokens, match)
+        return self.admission.plan(walk, len(tokens), match.length)
+
+    def admit(
+        self,
+        tokens: object,
+        kv: Callable[[int, int], KVPayload],
+        states: Mapping[int, Payload] | None = None,
+        match: Match | None = None,
+        namespace: str = "default",
+    ) -> bool:
+        """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
+        the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
+        last kept checkpoint is useless and not stored. Returns False if it cannot fit (nothing changes then)."""
+        tokens, states = as_tokens(tokens), dict(states or {})
+        if not callable(kv):
+            raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
+        for position, state in states.items():
+            is_int = isinstance(position, int | np.integer) and not isinstance(position, bool)
+            if not is_int or not 0 < position <= len(tokens):
+                raise InvalidInputError(f"states key {position!r} must be an int position in [1, {len(tokens)}]")
+            if not isinstance(getattr(state, "nbytes", None), int | np.integer):
+                raise InvalidInputError(f"states[{position}] must be a payload with an int nbytes, got {state!r}")
+        if match is not None:
+            self._check_match(match)
+            namespace = match.namespace
+        walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
+        shared = walk.shared_length
+        keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
+        new_kv = kv(shared, keep_end) if keep_end > shared else None
+        if new_kv is not None and getattr(new_kv, "ntokens", None) != keep_end - shared:
+            raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
+        new_states = sorted((p, s) for p, s in states.items() if p > shared or not _checkpoint_on(walk.path, p))
+
+        if self._tuning:
+            self._record(tokens, match)
+        self.clock += 1
+        if not self._make_room(_entry_bytes(new_kv, new_states), walk.path[-1]):
+            # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
+            new_kv, new_states, keep_end = self._fitting_prefix(new_kv, new_states, shared, keep_end)
+            if new_kv is None and not new_states:
+                self.rejected += 1
+                return False
+        deepest = walk.path[-1]
+        if new_kv is not None:
+            parent = self.tree.split(deepest, shared, self.clock) if walk.ends_inside_edge else deepest
+            deepest = self.tree.add_leaf(parent, tokens[shared:keep_end].copy(), new_kv, self.clock)
+        node, on_node = deepest, []
+        for position, state in reversed(new_states):
+            while position <= node.start:
+                self.tree.add_checkpoints(node, on_node)
+                node, on_node = node.parent, []
+            on_node.append((position, state))
+        self.tree.add_checkpoints(node, on_node)
+        if self.admission.refresh_path:
+            self._refresh(_ancestors(deepest))
+        self.admission.after_admit(self.tree, deepest, len(tokens))
+        return True
+
+    def release(self, match: Match) -> None:
+        """Unlock what `match` returned (once)."""
+        self._check_match(match)
+        match.released = True
+        del self._live[id(match)]
+        self.tree.lock(match.node, -1)
+        self._compact(match.node)
+
+    # internals ---------------------------------------------------------------------------------------------------
+
+    def _check_match(self, match: object) -> None:
+        if not isinstance(match, Match) or self._live.get(id(match)) is not match:
+            raise InvalidInputError("match must be a live Match returned by this core's match() and not yet released")
+
+    def _walk(self, tokens: np.ndarray, namespace: str) -> Walk:
+        """tree.walk, reusing the previous walk of the same array while the tree is unchanged (plan -> admit)."""
+        key = (id(tokens), namespace, self.tree.version)
+        if self._last_walk is None or self._last_walk[0] != key or self._last_walk[1] is not tokens:
+            self._last_walk = (key, tokens, self.tree.walk(tokens, namespace))
+        return self._last_walk[2]
+
+    def _walk_extending(self, tokens: np.ndarray, match: Match) -> Walk:
+        walk = self._walk(tokens, match.namespace)
+        if walk.shared_length < match.length:
+            raise InvalidInputError(
+                f"tokens share only {walk.shared_length} tokens with the cache but the match reused {match.length}; "
+                "pass the matched tokens followed by the new ones"
+            )
+        return walk
+
+    def _refresh(self, nodes: list[Node]) -> None:
+        for node in nodes:
+            if not node.is_root and node.last_access != self.clock:
+                node.last_access = self.clock
+                self.eviction.update(node)
+
+    def _make_room(self, needed: int, keep: Node) -> bool:
+        """Evict until `needed` more bytes fit, never touching `keep`'s path; False if they cannot."""
+        if self.used_bytes + needed <= self.capacity_bytes:
+            return True
+        self.tree.lock(keep, +1)
+        try:
+            while self.used_bytes + needed > self.capacity_bytes:
+                victim = self.eviction.pick(self.clock)
+                if victim is None:
+                    return False
+                if self._tune_at is None and self._tuning:
+                    self._tune_at = self.bootstrap_multiplier * self.requests
+                parent = victim.parent
+                self.eviction.free(victim, self.used_bytes + needed - self.capacity_bytes)
+                self.evictions += 1
+                self._compact(parent)
+            return True
+        finally:
+            self.tree.lock(keep, -1)
+
+    def _fitting_prefix(self, new_kv, new_states, shared: int, keep_end: int):
+        """The longest (kv, states, end) prefix of an entry whose bytes fit in the free space; the cut lands on a
+        kept state (hybrid) or a block boundary (KV-only)."""
+        room = self.capacity_bytes - self.used_bytes
+        block = self.options.block_size
+        ends = [p for p, _ in new_states] if self.hybrid else [*range((shared // block + 1) * block, keep_end, block),
+                                                                 keep_end]
+
+        def part(end: int):
+            if new_kv is None or end <= shared:
+                return None
+            return new_kv if end == keep_end else new_kv.split(end - shared)[0]
+
+        def cost(end: int) -> int:
+            return _entry_bytes(part(end), [(p, s) for p, s in new_states if p <= end])
+
+        fits = bisect.bisect_right(ends, room, key=cost)
+        if fits == 0:
+            return None, [], shared
+        end = ends[fits - 1]
+        return part(end), [(p, s) for p, s in new_states if p <= end], max(end, shared)
+
+    def _compact(self, node: Node) -> None:
+        """Drop what became useless: checkpoint-free leaves of a hybrid model, and checkpoint-free nodes with a
+        single child (merged into it so the tree stays a radix tree)."""
+        while not node.is_root and node.lock_count == 0 and not node.ckpt_pos:
+            if not node.children and self.hybrid:
+                parent = node.parent
+                self.tree.remove_leaf(node)
+                node = parent
+                continue
+            if len(node.children) == 1:
+                self.tree.merge_into_child(node)
+            return
+
+    def _record(self, tokens: np.ndarray, match: Match | None) -> None:
+        """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
+        self._history.append((tokens[: match.input_length if match else len(tokens)], tokens))
+        if self._tune_at is not None and self.requests >= self._tune_at:
+            self.eviction.alpha = tune_alpha(self._replay_flops_saved)
+            self._tuning, self._history = False, []
+
+    def _replay_flops_saved(self, alpha: float) -> float:
+        core = PrefixCacheCore(
+            self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=alpha,
+            checkpoint_budget=self.options.checkpoint_budget,
+        )
+        hits = np.array([replay_request(core, inp, full) for inp, full in self._history], dtype=np.int64)
+        return float(np.sum(self.spec.flops_saved(hits)))
+
+    # inspection --------------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters and byte totals (a snapshot: a plain dict)."""
+        return {
+            "policy": self.policy, "capacity_bytes": self.capacity_bytes, "used_bytes": self.used_bytes,
+            "kv_bytes": self.tree.kv_bytes, "state_bytes": self.tree.state_bytes,
+            "checkpoints": self.tree.num_checkpoints, "nodes": sum(1 for _ in self.tree.nodes()),
+            "requests": self.requests, "evictions": self.evictions, "rejected": self.rejected, "alpha": self.alpha,
+            "locked_matches": len(self._live),
+        }
+
+    def check_invariants(self) -> None:
+        """Recompute bytes, locks and the eviction index from scratch; AssertionError on any drift."""
+        self.tree.check_invariants()
+        assert self.used_bytes <= self.capacity_bytes, f"used {self.used_bytes} > capacity {self.capacity_bytes}"
+        locks: dict[int, int] = {}
+        for match in self._live.values():
+            for node in _ancestors(match.node):
+                locks[node.id] = locks.get(node.id, 0) + 1
+        for node in self.tree.nodes():
+            assert node.lock_count == locks.get(node.id, 0), f"{node} lock count {node.lock_count} != live matches"
+            assert (node.id in self.eviction.nodes) == self.eviction.eligible(node), f"{node} eviction index stale"
+
+
+def _entry_bytes(kv: KVPayload | None, states: list[tuple[int, Payload]]) -> int:
+    return (kv.nbytes if kv is not None else 0) + sum(s.nbytes for _, s in states)
+
+
+def _checkpoint_on(path: list[Node], position: int) -> bool:
+    for node in path[1:]:
+        if node.start < position <= node.end:
+            i = node.checkpoint_at_or_before(position)
+            return i >= 0 and node.ckpt_pos[i] == position
+    return False
+
+
+def _ancestors(node: Node) -> list[Node]:
+    """`node` and its ancestors up to the root (included)."""
+    out = []
+    while node is not None:
+        out.append(node)
+        node = node.parent
+    return out
+
+
+def _check_namespace(namespace: object) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
+    return namespace
+
+
+def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_tokens: np.ndarray,
+                   namespace: str = "default") -> int:
+    """One simulated request with size-only payloads: match the input, admit input + output with the states the
+    policy plans (the simulator's and the alpha tuner's step, as in Marconi's replay). Returns the hit length."""
+    spec = core.spec
+    match = core.match(input_tokens, namespace)
+    tokens = np.concatenate([input_tokens, output_tokens]) if len(output_tokens) else input_tokens
+    state = SizedState(spec.state_bytes)
+    positions = core.plan(tokens, match) if core.hybrid else []
+    core.admit(tokens, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state), match)
+    core.release(match)
+    return match.length

@@ -1,0 +1,196 @@
+"""Eviction policies: which unlocked part of the tree to free next.
+
+Each policy keeps its candidates in sorted indexes, updated from the tree's change notifications, so picking a
+victim never scans the tree:
+- `LeafLRU` (sglang+): the least recently used leaf goes, KV and checkpoints;
+- `BlockLRU` (vllm+): the tail block (from its previous checkpoint) of the least recently used leaf goes;
+- `FlopAware` (marconi, dp): Marconi's utility S = recency + alpha * flop_efficiency over nodes with <= 1 child,
+  both min-max normalised over the candidates; a leaf is deleted, a single-child node drops its checkpoints and
+  its KV merges into the child. The argmin is found with a threshold scan over the two sorted indexes, which
+  stops as soon as no unseen candidate can score lower.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator, Sequence
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.tree import Node, RadixTree
+
+ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
+
+
+class SortedIndex:
+    """Node ids ordered by a key (ties by id); O(log n) search, memmove-cheap insert/delete."""
+
+    def __init__(self) -> None:
+        self._entries: list[tuple] = []
+        self._key_of: dict[int, tuple] = {}
+
+    def put(self, node_id: int, key: tuple) -> None:
+        if self._key_of.get(node_id) == key:
+            return
+        self.discard(node_id)
+        entry = (*key, node_id)
+        bisect.insort(self._entries, entry)
+        self._key_of[node_id] = key
+
+    def discard(self, node_id: int) -> None:
+        key = self._key_of.pop(node_id, None)
+        if key is not None:
+            del self._entries[bisect.bisect_left(self._entries, (*key, node_id))]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[tuple]:
+        return iter(self._entries)
+
+    def first(self) -> tuple:
+        return self._entries[0]
+
+    def last(self) -> tuple:
+        return self._entries[-1]
+
+
+class EvictionPolicy:
+    """Base: tracks eligible nodes by recency; subclasses say what is eligible and how a victim is freed."""
+
+    def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int) -> None:
+        self.tree, self.spec, self.block_size = tree, spec, block_size
+        self.hybrid = spec.state_bytes > 0
+        self.nodes: dict[int, Node] = {}
+        self.by_recency = SortedIndex()
+
+    def eligible(self, node: Node) -> bool:
+        return not node.is_root and node.lock_count == 0 and not node.children
+
+    def update(self, node: Node) -> None:
+        if self.eligible(node):
+            self.nodes[node.id] = node
+            # Ties: the deeper entry first, as vLLM frees longer prefixes first.
+            self.by_recency.put(node.id, (node.last_access, -node.end))
+        else:
+            self.remove(node)
+
+    def remove(self, node: Node) -> None:
+        self.nodes.pop(node.id, None)
+        self.by_recency.discard(node.id)
+
+    def forget(self, node: Node) -> None:
+        """`node` left the tree."""
+        self.remove(node)
+
+    def pick(self, now: int) -> Node | None:
+        return self.nodes[self.by_recency.first()[-1]] if self.nodes else None
+
+    def free(self, node: Node, want_bytes: int) -> int:
+        """Evict (part of) the picked `node`; `want_bytes` is how much is still needed. Returns bytes freed."""
+        return self.tree.remove_leaf(node)
+
+
+class LeafLRU(EvictionPolicy):
+    """sglang+: least recently used leaf, whole."""
+
+
+class BlockLRU(EvictionPolicy):
+    """vllm+: the last block of the least recently used leaf (a block ends at a checkpoint; KV-only models use
+    `block_size`-token blocks)."""
+
+    def free(self, node: Node, want_bytes: int) -> int:
+        # Blocks of one leaf share its timestamp, so LRU takes them tail first: cut the fewest that free enough.
+        if self.hybrid:
+            cuts = [p for p in node.ckpt_pos if p < node.end]
+        else:
+            cuts = list(range((node.start // self.block_size + 1) * self.block_size, node.end, self.block_size))
+        states_after, j = 0, len(node.ckpt_pos)
+        for cut in reversed(cuts):
+            while j > 0 and node.ckpt_pos[j - 1] > cut:
+                j -= 1
+                states_after += node.ckpt_state[j].nbytes
+            kv_after = node.kv.split(cut - node.start)[1].nbytes if node.kv is not None else 0
+            if states_after + kv_after >= want_bytes:
+                return self.tree.trim_tail(node, cut)
+        return self.tree.remove_leaf(node)
+
+
+class FlopAware(EvictionPolicy):
+    """Marconi: minimise recency + alpha * flop_efficiency over unlocked nodes with <= 1 child.
+
+    recency = 1 / (now - last_access) and flop_efficiency = FLOPs the node's checkpoints save over its parent
+    (the prefill of its edge up to its deepest checkpoint) per byte its eviction frees; both are min-max
+    normalised over the candidates (all-equal values normalise to 1, as in Marconi)."""
+
+    def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
+        super().__init__(tree, spec, block_size)
+        self.alpha = alpha
+        self.by_efficiency = SortedIndex()
+        self.efficiency: dict[int, float] = {}
+        self._shapes: dict[int, tuple] = {}
+
+    def eligible(self, node: Node) -> bool:
+        max_children = 1 if self.hybrid else 0  # KV-only trees merge single-child nodes eagerly
+        return not node.is_root and node.lock_count == 0 and len(node.children) <= max_children
+
+    def flop_efficiency(self, node: Node) -> float:
+        freed = node.state_bytes + (0 if node.children else node.kv_bytes)
+        reusable_end = node.ckpt_pos[-1] if node.ckpt_pos else node.end
+        saved = self.spec.prefill_flops(reusable_end - node.start, node.start)
+        return saved / max(freed, 1)
+
+    def update(self, node: Node) -> None:
+        super().update(node)
+        if node.id in self.nodes:
+            # Locks and timestamps change far more often than what the efficiency depends on.
+            shape = (node.start, len(node.tokens), tuple(node.ckpt_pos[-1:]), node.state_bytes, not node.children)
+            cached = self._shapes.get(node.id)
+            if cached is None or cached[0] != shape:
+                cached = self._shapes[node.id] = (shape, self.flop_efficiency(node))
+            self.efficiency[node.id] = cached[1]
+            self.by_efficiency.put(node.id, (cached[1],))
+
+    def remove(self, node: Node) -> None:
+        super().remove(node)
+        self.efficiency.pop(node.id, None)
+        self.by_efficiency.discard(node.id)
+
+    def forget(self, node: Node) -> None:
+        self.remove(node)
+        self._shapes.pop(node.id, None)
+
+    def pick(self, now: int) -> Node | None:
+        if len(self.nodes) <= 1 or self.alpha == 0:
+            return super().pick(now)
+        # Min-max normalisation is affine, so comparing r * recency_scale + eff * eff_scale ranks like S does.
+        recency_low, recency_high = 1.0 / (now - self.by_recency.first()[0]), 1.0 / (now - self.by_recency.last()[0])
+        eff_low, eff_high = self.by_efficiency.first()[0], self.by_efficiency.last()[0]
+        recency_scale = 1.0 / (recency_high - recency_low) if recency_high > recency_low else 0.0
+        eff_scale = self.alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
+        best_score, best_id, seen = float("inf"), -1, set()
+        for by_time, by_eff in zip(self.by_recency, self.by_efficiency, strict=True):
+            for node_id in (by_time[-1], by_eff[-1]):
+                if node_id not in seen:
+                    seen.add(node_id)
+                    recency = 1.0 / (now - self.nodes[node_id].last_access)
+                    score = recency * recency_scale + self.efficiency[node_id] * eff_scale
+                    if score < best_score:
+                        best_score, best_id = score, node_id
+            # Every unseen candidate is at least as old and as inefficient as the current rows of both indexes.
+            if best_score <= recency_scale / (now - by_time[0]) + eff_scale * by_eff[0]:
+                break
+        return self.nodes[best_id]
+
+    def free(self, node: Node, want_bytes: int) -> int:
+        if not node.children:
+            return self.tree.remove_leaf(node)
+        freed = self.tree.drop_checkpoints(node)
+        self.tree.merge_into_child(node)
+        return freed
+
+
+def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID) -> float:
+    """Marconi's retrospective tuning: the alpha (smallest on ties) whose replay of the bootstrap window saves the
+    most FLOPs. `replay_flops_saved(alpha)` replays the window into a fresh cache using that alpha."""
+    saved = [replay_flops_saved(alpha) for alpha in grid]
+    return grid[saved.index(max(saved))]

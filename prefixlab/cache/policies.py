@@ -1,0 +1,76 @@
+"""Policy names -> (admission, eviction) pairs. One registry serves the simulator and the real-model store.
+
+| name               | admission                                   | eviction                      |
+|--------------------|---------------------------------------------|-------------------------------|
+| `vllm+`            | a state every block (32) and at the end     | LRU over blocks               |
+| `sglang+`          | Marconi's (branch point, last token)        | LRU over leaves               |
+| `marconi`          | Marconi's                                   | FLOP-aware, alpha tuned       |
+| `dp`               | Marconi's + sparse DP placement (placement) | FLOP-aware, alpha tuned       |
+| `marconi+balanced` | Marconi's + evenly spaced checkpoints       | FLOP-aware, alpha tuned       |
+| `marconi+block`    | Marconi's + one checkpoint per 64-token ... | FLOP-aware, alpha tuned       |
+| `marconi+log`      | Marconi's + checkpoints at log-spaced depths| FLOP-aware, alpha tuned       |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prefixlab.cache.admission import BlockAdmission, MarconiAdmission, PlacedAdmission, SGLangAdmission
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.eviction import BlockLRU, EvictionPolicy, FlopAware, LeafLRU
+from prefixlab.cache.tree import RadixTree
+from prefixlab.errors import InvalidInputError
+
+PLACEMENTS = ("balanced", "block", "log")
+POLICY_NAMES = ("vllm+", "sglang+", "marconi", "dp", *(f"marconi+{p}" for p in PLACEMENTS))
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Knobs shared by the policies: vLLM+'s block, and for placed checkpoints the per-entry budget, the DP
+    histogram's decay, how often the DP is re-solved and the block the DP positions are clipped to."""
+
+    block_size: int = 32
+    checkpoint_budget: int = 4
+    placement_block: int = 64
+    histogram_decay: float = 0.99
+    resolve_every: int = 10
+
+
+def check_policy_name(name: object) -> str:
+    if not isinstance(name, str) or name not in POLICY_NAMES:
+        raise InvalidInputError(f"policy={name!r} is unknown; use one of {', '.join(POLICY_NAMES)}")
+    return name
+
+
+def tunes_alpha(name: str) -> bool:
+    """Whether the policy evicts FLOP-aware (and so tunes alpha)."""
+    return name not in ("vllm+", "sglang+")
+
+
+def build_policy(
+    name: str, tree: RadixTree, spec: ModelSpec, options: PolicyOptions, alpha: float
+) -> tuple[MarconiAdmission, EvictionPolicy]:
+    """The admission and eviction objects of policy `name` over `tree`."""
+    check_policy_name(name)
+    if name == "vllm+":
+        return BlockAdmission(options.block_size), BlockLRU(tree, spec, options.block_size)
+    if name == "sglang+":
+        return SGLangAdmission(), LeafLRU(tree, spec, options.block_size)
+    eviction = FlopAware(tree, spec, options.block_size, alpha)
+    if name == "marconi":
+        return MarconiAdmission(), eviction
+    return _placed_admission(name, options), eviction
+
+
+def _placed_admission(name: str, options: PolicyOptions) -> PlacedAdmission:
+    from prefixlab.cache import placement
+
+    if name == "dp":
+        planner = placement.DPPlanner(
+            options.checkpoint_budget, options.placement_block, options.histogram_decay, options.resolve_every
+        )
+        return PlacedAdmission(planner.positions, planner.observe)
+    heuristic = {"balanced": placement.balanced, "block": placement.block, "log": placement.log}[name.split("+")[1]]
+    budget, block = options.checkpoint_budget, options.placement_block
+    return PlacedAdmission(lambda reused, length: heuristic(reused, length, budget, block))

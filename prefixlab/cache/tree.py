@@ -1,0 +1,268 @@
+"""Radix tree over token ids. An edge holds the attention KV of its tokens and any number of recurrent-state
+checkpoints at positions inside it or at its end; payloads are opaque (only `nbytes` and KV split/concat are used).
+
+Positions are absolute token depths: a node's edge covers tokens [start, end) of every sequence through it and a
+checkpoint at p is the state after the first p tokens (start < p <= end). The tree only does structure and exact
+byte accounting; which checkpoints to keep and what to evict is decided by the policies. Every change to a node
+that a policy may rank by (timestamp, children, checkpoints, edge, locks) is reported through `on_change`, every
+removal through `on_remove`, so policies keep sorted indexes instead of scanning the tree.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixlab.cache.payload import KVPayload, Payload
+
+
+class Node:
+    """One edge of the tree: tokens [start, end), their KV, checkpoints inside (start, end]."""
+
+    __slots__ = ("id", "parent", "children", "tokens", "start", "kv", "ckpt_pos", "ckpt_state", "last_access",
+                 "lock_count", "namespace")
+
+    def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray, start: int, kv: KVPayload | None,
+                 last_access: int, namespace: str):
+        self.id = node_id
+        self.parent = parent
+        self.children: dict[int, Node] = {}
+        self.tokens = tokens
+        self.start = start
+        self.kv = kv
+        self.ckpt_pos: list[int] = []
+        self.ckpt_state: list[Payload] = []
+        self.last_access = last_access
+        self.lock_count = 0
+        self.namespace = namespace
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.kv.nbytes if self.kv is not None else 0
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(s.nbytes for s in self.ckpt_state)
+
+    def checkpoint_at_or_before(self, position: int) -> int:
+        """Index of the deepest checkpoint at or before `position`, or -1."""
+        return bisect.bisect_right(self.ckpt_pos, position) - 1
+
+    def __repr__(self) -> str:
+        return f"Node(id={self.id}, [{self.start}, {self.end}), ckpts={self.ckpt_pos}, children={len(self.children)})"
+
+
+@dataclass(slots=True)
+class Walk:
+    """Where `tokens` leave the tree: `path` from the root (the last node may be only partly shared) and the
+    number of tokens shared with the tree."""
+
+    path: list[Node]
+    shared_length: int
+
+    @property
+    def ends_inside_edge(self) -> bool:
+        last = self.path[-1]
+        return not last.is_root and self.shared_length < last.end
+
+
+class RadixTree:
+    """The tree: one root per namespace, exact byte accounting, structural edits used by the policies."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count()
+        self.roots: dict[str, Node] = {}
+        self.kv_bytes = 0
+        self.state_bytes = 0
+        self.num_checkpoints = 0
+        self.version = 0  # bumped by every edit that can change a walk
+        self.on_change: Callable[[Node], None] = lambda node: None
+        self.on_remove: Callable[[Node], None] = lambda node: None
+
+    @property
+    def used_bytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+    def root(self, namespace: str) -> Node:
+        if namespace not in self.roots:
+            self.roots[namespace] = Node(next(self._ids), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
+        return self.roots[namespace]
+
+    def walk(self, tokens: np.ndarray, namespace: str) -> Walk:
+        """Follow `tokens` down from the namespace root as far as they match (numpy compare per edge)."""
+        node = self.roots.get(namespace)
+        if node is None:
+            return Walk([self.root(namespace)], 0)
+        path, depth, total = [node], 0, len(tokens)
+        while depth < total:
+            child = node.children.get(int(tokens[depth]))
+            if child is None:
+                break
+            edge = child.tokens
+            n = min(len(edge), total - depth)
+            mismatch = np.flatnonzero(edge[:n] != tokens[depth:depth + n])
+            matched = int(mismatch[0]) if len(mismatch) else n
+            path.append(child)
+            depth += matched
+            if matched < len(edge):
+                break
+            node = child
+        return Walk(path, depth)
+
+    @staticmethod
+    def deepest_checkpoint(walk: Walk) -> tuple[Node, int, Payload | None]:
+        """(node, position, state) of the deepest checkpoint at or before the shared length; (root, 0, None)."""
+        for node in reversed(walk.path[1:]):
+            i = node.checkpoint_at_or_before(walk.shared_length)
+            if i >= 0:
+                return node, node.ckpt_pos[i], node.ckpt_state[i]
+        return walk.path[0], 0, None
+
+    # structural edits ------------------------------------------------------------------------------------------
+
+    def split(self, node: Node, position: int, now: int) -> Node:
+        """Cut `node`'s edge at absolute `position` (start < position < end); returns the new upper node.
+
+        The original object stays the lower part, so references held to it (locks, matches) remain the deeper
+        node; the upper part inherits its locks (it is an ancestor of the same paths) and gets timestamp `now`."""
+        self.version += 1
+        at = position - node.start
+        upper_kv, lower_kv = node.kv.split(at) if node.kv is not None else (None, None)
+        upper = Node(next(self._ids), node.parent, node.tokens[:at], node.start, upper_kv, now, node.namespace)
+        upper.lock_count = node.lock_count
+        cut = bisect.bisect_right(node.ckpt_pos, position)
+        upper.ckpt_pos, node.ckpt_pos = node.ckpt_pos[:cut], node.ckpt_pos[cut:]
+        upper.ckpt_state, node.ckpt_state = node.ckpt_state[:cut], node.ckpt_state[cut:]
+        node.parent.children[int(node.tokens[0])] = upper
+        node.tokens, node.start, node.kv, node.parent = node.tokens[at:], position, lower_kv, upper
+        upper.children[int(node.tokens[0])] = node
+        self.on_change(upper)
+        self.on_change(node)
+        return upper
+
+    def add_leaf(self, parent: Node, tokens: np.ndarray, kv: KVPayload | None, now: int) -> Node:
+        """A new child of `parent` holding `tokens` (which start at parent.end) and their KV."""
+        self.version += 1
+        leaf = Node(next(self._ids), parent, tokens, parent.end, kv, now, parent.namespace)
+        parent.children[int(tokens[0])] = leaf
+        self.kv_bytes += leaf.kv_bytes
+        self.on_change(leaf)
+        self.on_change(parent)
+        return leaf
+
+    def add_checkpoints(self, node: Node, items: list[tuple[int, Payload]]) -> int:
+        """Store (position, state) pairs on `node`'s edge, skipping positions that already hold one; returns how
+        many were stored."""
+        self.version += 1
+        stored = 0
+        for position, state in items:
+            i = bisect.bisect_left(node.ckpt_pos, position)
+            if i < len(node.ckpt_pos) and node.ckpt_pos[i] == position:
+                continue
+            node.ckpt_pos.insert(i, position)
+            node.ckpt_state.insert(i, state)
+            self.state_bytes += state.nbytes
+            stored += 1
+        self.num_checkpoints += stored
+        self.on_change(node)
+        return stored
+
+    def drop_checkpoints(self, node: Node, first: int = 0, last: int | None = None) -> int:
+        """Remove checkpoints ckpt_pos[first:last] of `node`; returns the bytes freed."""
+        last = len(node.ckpt_pos) if last is None else last
+        freed = sum(s.nbytes for s in node.ckpt_state[first:last])
+        self.num_checkpoints -= len(node.ckpt_pos[first:last])
+        del node.ckpt_pos[first:last], node.ckpt_state[first:last]
+        self.state_bytes -= freed
+        self.on_change(node)
+        return freed
+
+    def remove_leaf(self, node: Node) -> int:
+        """Delete a childless node with its KV and checkpoints; returns the bytes freed."""
+        self.version += 1
+        freed = self.drop_checkpoints(node) + node.kv_bytes
+        self.kv_bytes -= node.kv_bytes
+        parent = node.parent
+        del parent.children[int(node.tokens[0])]
+        self.on_remove(node)
+        self.on_change(parent)
+        return freed
+
+    def trim_tail(self, node: Node, position: int) -> int:
+        """Cut a leaf's edge back to end at `position` (start < position < end); returns the bytes freed."""
+        self.version += 1
+        cut = bisect.bisect_right(node.ckpt_pos, position)
+        freed = self.drop_checkpoints(node, cut)
+        kept_kv, dropped_kv = node.kv.split(position - node.start) if node.kv is not None else (None, None)
+        freed += dropped_kv.nbytes if dropped_kv is not None else 0
+        self.kv_bytes -= dropped_kv.nbytes if dropped_kv is not None else 0
+        node.tokens, node.kv = node.tokens[:position - node.start], kept_kv
+        self.on_change(node)
+        return freed
+
+    def merge_into_child(self, node: Node) -> Node:
+        """Join a single-child `node` with its child (edge merge; its checkpoints move along); returns the child."""
+        self.version += 1
+        (child,) = node.children.values()
+        kv = node.kv.concat(child.kv) if node.kv is not None and child.kv is not None else None
+        child.tokens = np.concatenate([node.tokens, child.tokens])
+        child.start, child.kv, child.parent = node.start, kv, node.parent
+        child.ckpt_pos[:0], child.ckpt_state[:0] = node.ckpt_pos, node.ckpt_state
+        child.last_access = max(child.last_access, node.last_access)
+        node.parent.children[int(child.tokens[0])] = child
+        self.on_remove(node)
+        self.on_change(child)
+        return child
+
+    # locks -------------------------------------------------------------------------------------------------------
+
+    def lock(self, node: Node, delta: int) -> None:
+        """Add `delta` to the lock count of `node` and all its ancestors (locked nodes are never evicted)."""
+        while node is not None:
+            node.lock_count += delta
+            if node.lock_count in (0, delta):  # crossed between locked and unlocked: its eligibility changed
+                self.on_change(node)
+            node = node.parent
+
+    # inspection --------------------------------------------------------------------------------------------------
+
+    def nodes(self):
+        """Every node (roots included), depth first."""
+        stack = list(self.roots.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        """Recompute byte accounting and structure from scratch; AssertionError on any mismatch."""
+        kv_bytes = state_bytes = checkpoints = 0
+        for node in self.nodes():
+            kv_bytes += node.kv_bytes
+            state_bytes += node.state_bytes
+            checkpoints += len(node.ckpt_pos)
+            assert node.lock_count >= 0, f"{node} has a negative lock count"
+            assert node.ckpt_pos == sorted(set(node.ckpt_pos)), f"{node} checkpoints not sorted and unique"
+            assert all(node.start < p <= node.end for p in node.ckpt_pos), f"{node} checkpoint outside its edge"
+            if node.kv is not None:
+                assert node.kv.ntokens == len(node.tokens), f"{node} KV covers {node.kv.ntokens} tokens"
+            for key, child in node.children.items():
+                assert child.parent is node and child.start == node.end, f"{child} is not attached to {node}"
+                assert len(child.tokens) > 0 and int(child.tokens[0]) == key, f"{child} has a wrong child key"
+                assert child.lock_count <= node.lock_count, f"{child} is locked more than its parent"
+        assert (kv_bytes, state_bytes, checkpoints) == (self.kv_bytes, self.state_bytes, self.num_checkpoints), (
+            f"accounting drift: recomputed kv={kv_bytes} state={state_bytes} ckpts={checkpoints}, tracked "
+            f"kv={self.kv_bytes} state={self.state_bytes} ckpts={self.num_checkpoints}"
+        )
