@@ -1,0 +1,194 @@
+"""`prefixlab simulate TRACE ...` and `prefixlab trace build ...`.
+
+Arguments are parsed as text and checked here, so bad values end as one `prefixlab: error: ...` line (exit 2)
+through the dispatcher's PrefixlabError handling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.data import shared_file
+from prefixlab.errors import InvalidInputError
+from prefixlab.sim import build, formats, report
+from prefixlab.sim.trace import Request
+
+DEFAULT_POLICIES = "vllm+,sglang+,marconi,dp"
+DEFAULT_CAPACITIES_GB = "1,2,5"
+
+
+def parse_policies(text: str) -> list[str]:
+    """Comma-separated policy names, each checked against the policy registry."""
+    from prefixlab.cache.policies import POLICY_NAMES
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in POLICY_NAMES]
+    if unknown or not names:
+        raise InvalidInputError(
+            f"--policy {text!r}: unknown policy {unknown}; valid policies: {', '.join(POLICY_NAMES)}"
+        )
+    return names
+
+
+def parse_number(text: str, option: str, *, integer: bool = False, minimum: float = 0.0, strict: bool = True):
+    """A finite number from `text` (> minimum if strict, else >= minimum), or InvalidInputError naming `option`."""
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        kind = "an integer" if integer else "a number"
+        raise InvalidInputError(f"{option} {text!r} is not {kind}") from None
+    if not math.isfinite(value) or (value <= minimum if strict else value < minimum):
+        raise InvalidInputError(f"{option} {text!r} must be {'>' if strict else '>='} {minimum:g}")
+    return value
+
+
+def parse_capacities_gb(text: str) -> list[float]:
+    """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"."""
+    capacities = [parse_number(part.strip(), "--capacity-gb") for part in text.split(",")]
+    for capacity_gb in capacities:
+        if int(capacity_gb * report.BYTES_PER_GB) < 1:
+            raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is below one byte; pass sizes in GB, e.g. 1,2,5")
+    return capacities
+
+
+def check_on_error(on_error: str) -> str:
+    if on_error not in formats.ON_ERROR_CHOICES:
+        raise InvalidInputError(f"--on-error {on_error!r}: use one of {', '.join(formats.ON_ERROR_CHOICES)}")
+    return on_error
+
+
+def load_spec(model: str) -> ModelSpec:
+    """A built-in model name, or a path to a Hugging Face config.json (or a folder holding one)."""
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    looks_like_path = path.suffix == ".json" or "/" in model
+    if not looks_like_path:
+        return ModelSpec.from_name(model)
+    if not path.is_file():
+        raise InvalidInputError(f"--model {model!r}: no such config file; pass a built-in name or an HF config.json")
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig
+
+    try:  # transformers' own reader: it decodes what to_json_string encodes (e.g. infinities)
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as err:
+        raise InvalidInputError(
+            f"--model {model!r} is not a usable HF config.json ({' '.join(str(err).split())})"
+        ) from None
+    return ModelSpec.from_config(config)
+
+
+def load_requests(trace: str, on_error: str) -> list[Request]:
+    """The requests of a trace file, or of the builtin synthetic trace for "builtin"."""
+    check_on_error(on_error)
+    return build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from prefixlab.sim.replay import ceiling, simulate
+
+    # Everything is checked before the (slow) replays start.
+    policies = parse_policies(args.policy)
+    capacities_gb = parse_capacities_gb(args.capacity_gb)
+    spec = load_spec(args.model)
+    if args.plot:
+        report.check_plot_path(args.plot)
+    requests = load_requests(args.trace, args.on_error)
+    bound = ceiling(requests, spec)
+    rows = []
+    with tqdm(
+        total=len(requests) * len(policies) * len(capacities_gb),
+        desc="replay",
+        unit="req",
+        file=sys.stderr,
+        disable=None,
+    ) as bar:
+        for policy in policies:
+            for capacity_gb in capacities_gb:
+                bar.set_postfix_str(f"{policy} {capacity_gb:g} GB")
+                result = simulate(requests, policy, int(capacity_gb * report.BYTES_PER_GB), spec, progress=bar.update)
+                rows.append(report.result_row(result, capacity_gb, bound))
+    print(report.json_lines(rows) if args.json else report.format_table(rows))
+    if args.plot:
+        report.plot_hit_rates(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _input_path(given: str | None, shared: str, option: str) -> Path:
+    path = Path(given) if given else shared_file(shared)
+    if path is None:
+        raise InvalidInputError(f"{option} is required (../shared/data/{shared} is not present)")
+    return path
+
+
+def run_trace_build(args: argparse.Namespace) -> int:
+    if args.kind == "builtin":
+        requests = build.builtin_trace(seed=parse_number(args.seed, "--seed", integer=True, strict=False))
+    elif args.kind == "conversations":
+        requests = build.build_conversation_trace(
+            _input_path(args.input, "traces/lmsys_chat_1000.jsonl", "--input"),
+            _input_path(args.tokenizer, "tokenizers/gpt-neox-20b.json", "--tokenizer"),
+            sessions_per_second=parse_number(args.rate, "--rate"),
+            max_sessions=parse_number(args.max_sessions, "--max-sessions", integer=True) if args.max_sessions else None,
+            on_error=check_on_error(args.on_error),
+        )
+    else:
+        requests = build.build_shared_prefix_trace(
+            _input_path(args.input, "system_prompts/system_prompts.jsonl", "--input"),
+            _input_path(args.tokenizer, "tokenizers/gpt-neox-20b.json", "--tokenizer"),
+            num_requests=parse_number(args.num_requests, "--num-requests", integer=True),
+            requests_per_second=parse_number(args.rate, "--rate"),
+            popularity_skew=parse_number(args.skew, "--skew", strict=False),
+            seed=parse_number(args.seed, "--seed", integer=True, strict=False),
+            on_error=check_on_error(args.on_error),
+        )
+    if not Path(args.output).parent.is_dir():
+        raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
+    formats.write_trace(args.output, requests)
+    input_tokens = sum(len(r.input_tokens) for r in requests)
+    print(f"wrote {len(requests)} requests ({input_tokens} input tokens) to {args.output}", file=sys.stderr)
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `simulate` and `trace build {conversations,shared-prefix,builtin}`."""
+    sim = subparsers.add_parser("simulate", help="replay a trace through cache policies and capacities")
+    sim.add_argument("trace", help="Marconi or Mooncake JSONL trace, or 'builtin' (a small synthetic trace)")
+    sim.add_argument(
+        "--policy", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})"
+    )
+    sim.add_argument("--capacity-gb", default=DEFAULT_CAPACITIES_GB, help="comma-separated cache sizes in GB (1e9 B)")
+    sim.add_argument("--model", default="marconi-7b", help="built-in model name or path to an HF config.json")
+    sim.add_argument("--json", action="store_true", help="print one JSON object per (policy, capacity)")
+    sim.add_argument("--plot", metavar="FILE.png", help="plot token hit rate vs capacity per policy")
+    sim.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
+    sim.set_defaults(func=run_simulate)
+
+    trace = subparsers.add_parser("trace", help="build trace files")
+    build_parser = trace.add_subparsers(dest="trace_command", required=True).add_parser("build", help="build a trace")
+    kinds = build_parser.add_subparsers(dest="kind", required=True)
+    conversations = kinds.add_parser("conversations", help="multi-turn chats ({conversation: [...]} JSONL)")
+    conversations.add_argument("--rate", default="1", help="sessions per second (default 1)")
+    conversations.add_argument("--max-sessions", help="keep only the first N conversations")
+    shared = kinds.add_parser("shared-prefix", help="system prompts or QuALITY documents + short queries")
+    shared.add_argument("--rate", default="1", help="requests per second, Poisson (default 1)")
+    shared.add_argument("--num-requests", default="1000")
+    shared.add_argument("--skew", default="1.0", help="Zipf popularity exponent of the prefixes (0 = uniform)")
+    shared.add_argument("--seed", default="0")
+    builtin = kinds.add_parser("builtin", help="the small synthetic trace `simulate builtin` replays")
+    builtin.add_argument("--seed", default="0")
+    for kind in (conversations, shared):
+        kind.add_argument("--input", help="input JSONL (default: the shared data file)")
+        kind.add_argument("--tokenizer", help="tokenizers JSON (default: the shared GPT-NeoX tokenizer)")
+        kind.add_argument("--on-error", default="stop", help="stop (default) or skip malformed input lines")
+    for kind in (conversations, shared, builtin):
+        kind.add_argument("-o", "--output", required=True, help="output Marconi JSONL path")
+        kind.set_defaults(func=run_trace_build)

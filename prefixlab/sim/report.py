@@ -1,0 +1,88 @@
+"""Simulation reports: one row per (policy, capacity), printed as a table or JSON lines, plotted as hit rate vs
+capacity."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from prefixlab.errors import InvalidInputError
+from prefixlab.sim.metrics import SimResult
+
+BYTES_PER_GB = 10**9  # decimal gigabytes, as the Marconi simulator counts its 1/2/5 GB budgets
+
+# (row key, column header, format) of the comparison table.
+TABLE_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("capacity_gb", "capacity GB", "{:g}"),
+    ("token_hit_rate", "token hit %", "{:.2f}"),
+    ("request_hit_rate", "request hit %", "{:.2f}"),
+    ("flops_saved", "FLOPs saved", "{:.3e}"),
+    ("ttft_p50_s", "TTFT P50 s", "{:.4f}"),
+    ("ttft_p95_s", "TTFT P95 s", "{:.4f}"),
+    ("replay_seconds", "replay s", "{:.2f}"),
+)
+
+
+def result_row(result: SimResult, capacity_gb: float, ceiling: SimResult) -> dict[str, Any]:
+    """The report row of one replay: every SimResult field, its capacity in GB and the infinite-cache ceiling."""
+    return {
+        **result.as_dict(),
+        "capacity_gb": capacity_gb,
+        "ceiling_token_hit_rate": ceiling.token_hit_rate,
+        "ceiling_request_hit_rate": ceiling.request_hit_rate,
+    }
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """An aligned text table of `rows`, followed by the infinite-cache ceiling line."""
+    cells = [[header for _, header, _ in TABLE_COLUMNS]]
+    cells += [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    # Text columns align left, numbers right, so digits line up.
+    lines = [
+        "  ".join(
+            cell.ljust(width) if i == 0 else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(line, widths, strict=True))
+        )
+        for line in cells
+    ]
+    if rows:
+        lines.append(
+            f"infinite-cache ceiling: token hit {rows[0]['ceiling_token_hit_rate']:.2f} %, "
+            f"request hit {rows[0]['ceiling_request_hit_rate']:.2f} %"
+        )
+    return "\n".join(lines)
+
+
+def json_lines(rows: list[dict[str, Any]]) -> str:
+    """One JSON object per row and line."""
+    return "\n".join(json.dumps(row, sort_keys=True) for row in rows)
+
+
+def check_plot_path(path: str | Path) -> Path:
+    """`path` if a plot can be written there (a .png/.pdf/.svg name in an existing folder), else InvalidInputError."""
+    path = Path(path)
+    if path.suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise InvalidInputError(f"--plot {str(path)!r}: use a .png, .pdf or .svg file name")
+    if not path.parent.is_dir():
+        raise InvalidInputError(f"--plot {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    return path
+
+
+def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Token hit rate vs capacity, one line per policy, the ceiling dashed; written with the Agg canvas."""
+    from matplotlib.figure import Figure  # a bare Figure renders with Agg and never touches a GUI backend
+
+    path = check_plot_path(path)
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    axes = figure.add_subplot()
+    for policy in dict.fromkeys(row["policy"] for row in rows):
+        points = sorted((row["capacity_gb"], row["token_hit_rate"]) for row in rows if row["policy"] == policy)
+        axes.plot(*zip(*points, strict=True), marker="o", label=policy)
+    if rows:
+        axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
+    axes.set(xlabel="cache capacity (GB)", ylabel="token hit rate (%)", ylim=(0, 100))
+    axes.legend()
+    figure.savefig(path)

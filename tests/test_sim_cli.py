@@ -1,0 +1,323 @@
+"""`prefixlab simulate` and `prefixlab trace build`, end to end through prefixlab.cli.main."""
+
+import json
+
+import numpy as np
+import pytest
+
+import prefixlab.cli
+import prefixlab.sim.replay
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
+from prefixlab.sim.formats import read_trace, write_trace
+from prefixlab.sim.metrics import SimResult
+from prefixlab.sim.replay import ceiling, simulate
+
+# Small enough that every policy evicts on the builtin trace (marconi-7b KV is 64 KiB per token).
+SMALL_CAPACITIES = "0.3,1"
+FAST_POLICIES = "vllm+,sglang+,marconi"
+
+
+@pytest.fixture(autouse=True)
+def only_sim_subcommands(monkeypatch):
+    """Register only this module's subcommands: the test must not depend on other modules' CLIs."""
+    monkeypatch.setattr(prefixlab.cli, "SUBCOMMAND_MODULES", ("prefixlab.sim.cli",))
+
+
+def run(capsys, *argv):
+    code = prefixlab.cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(capsys, *argv, match):
+    code, out, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("prefixlab: error: ") and match in lines[0], lines[0]
+    return lines[0]
+
+
+def test_simulate_builtin_json_matches_direct_replay(capsys):
+    code, out, _ = run(
+        capsys, "simulate", "builtin", "--policy", FAST_POLICIES, "--capacity-gb", SMALL_CAPACITIES, "--json"
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in out.strip().splitlines()]
+    assert [(r["policy"], r["capacity_gb"]) for r in rows] == [
+        (p, c) for p in FAST_POLICIES.split(",") for c in (0.3, 1.0)
+    ]
+    trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
+    bound = ceiling(trace, spec)
+    for row in rows:
+        direct = simulate(trace, row["policy"], int(row["capacity_gb"] * 1e9), spec)
+        for key in ("token_hit_rate", "request_hit_rate", "flops_saved", "ttft_p50_s", "ttft_p95_s", "evictions"):
+            assert row[key] == pytest.approx(getattr(direct, key)), key
+        assert row["capacity_bytes"] == int(row["capacity_gb"] * 1e9)
+        assert row["ceiling_token_hit_rate"] == pytest.approx(bound.token_hit_rate)
+        assert 0 <= row["token_hit_rate"] <= row["ceiling_token_hit_rate"] + 1e-9
+    assert any(row["evictions"] > 0 for row in rows) and any(row["token_hit_rate"] > 0 for row in rows)
+
+
+def fake_result(policy, capacity_bytes, token_hit_rate):
+    return SimResult(
+        policy,
+        capacity_bytes,
+        10,
+        1000,
+        int(token_hit_rate * 10),
+        token_hit_rate,
+        50.0,
+        1.5e15,
+        0.125,
+        0.5,
+        replay_seconds=0.25,
+    )
+
+
+@pytest.fixture
+def stand_in_replay(monkeypatch):
+    """simulate/ceiling stand-ins with known numbers: token hit rate = 10 x capacity in GB."""
+    calls = []
+
+    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None):
+        calls.append((len(requests), policy, capacity_bytes, spec.name))
+        for _ in requests:
+            progress(1)
+        return fake_result(policy, capacity_bytes, 10.0 * capacity_bytes / 1e9)
+
+    monkeypatch.setattr(prefixlab.sim.replay, "simulate", fake_simulate)
+    monkeypatch.setattr(prefixlab.sim.replay, "ceiling", lambda requests, spec: fake_result("ceiling", 0, 90.0))
+    return calls
+
+
+def test_simulate_table_format(capsys, stand_in_replay):
+    code, out, _ = run(capsys, "simulate", "builtin", "--policy", "sglang+, marconi", "--capacity-gb", "1,2.5")
+    assert code == 0
+    assert [call[1:] for call in stand_in_replay] == [
+        ("sglang+", 10**9, "marconi-7b"),
+        ("sglang+", 25 * 10**8, "marconi-7b"),
+        ("marconi", 10**9, "marconi-7b"),
+        ("marconi", 25 * 10**8, "marconi-7b"),
+    ]
+    lines = out.strip().splitlines()
+    assert lines[0].split() == [
+        "policy",
+        "capacity",
+        "GB",
+        "token",
+        "hit",
+        "%",
+        "request",
+        "hit",
+        "%",
+        "FLOPs",
+        "saved",
+        "TTFT",
+        "P50",
+        "s",
+        "TTFT",
+        "P95",
+        "s",
+        "replay",
+        "s",
+    ]
+    assert lines[2].split() == ["sglang+", "2.5", "25.00", "50.00", "1.500e+15", "0.1250", "0.5000", "0.25"]
+    assert lines[3].split()[:3] == ["marconi", "1", "10.00"]
+    assert len({len(line) for line in lines[:5]}) == 1  # columns are aligned
+    assert lines[5] == "infinite-cache ceiling: token hit 90.00 %, request hit 50.00 %"
+
+
+def test_simulate_plot(capsys, tmp_path, stand_in_replay):
+    plot = tmp_path / "hits.png"
+    code, _, err = run(
+        capsys, "simulate", "builtin", "--policy", "vllm+,marconi", "--capacity-gb", "1,2,5", "--plot", plot
+    )
+    assert code == 0 and f"wrote {plot}" in err
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
+    assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "no" / "x.png", match="does not exist")
+    assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "x.txt", match=".png")
+
+
+def test_simulate_reads_trace_files_and_skips_bad_lines(capsys, tmp_path, stand_in_replay):
+    path, good = tmp_path / "t.jsonl", builtin_trace(num_sessions=2, num_prompt_requests=3)
+    write_trace(path, good)
+    with path.open("a") as f:
+        f.write('{"session_id": "x", "turn_id": 0, "ts": 99, "input_tokens": [1, "two"]}\n')
+    line = assert_one_line_error(capsys, "simulate", path, match="t.jsonl:")
+    assert "input_tokens" in line and "'two'" in line
+    with pytest.warns(UserWarning, match="t.jsonl:"):
+        code, _, _ = run(capsys, "simulate", path, "--policy", "marconi", "--capacity-gb", "1", "--on-error", "skip")
+    assert code == 0 and stand_in_replay[-1][0] == len(good)
+
+
+def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
+    rows = [
+        {"timestamp": 1000 * i, "input_length": 1400 + 10 * i, "output_length": 20, "hash_ids": [0, 1, 2 + i % 2]}
+        for i in range(6)
+    ]
+    path = tmp_path / "mooncake.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, _ = run(capsys, "simulate", path, "--policy", "sglang+", "--capacity-gb", "1", "--json")
+    row = json.loads(out)
+    assert code == 0 and row["requests"] == 6 and row["token_hit_rate"] > 50  # shared 1024-token block prefix
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--policy", "lru"], "valid policies: vllm+, sglang+, marconi, dp"),
+        (["--policy", ","], "valid policies"),
+        (["--capacity-gb", "0"], "--capacity-gb '0' must be > 0"),
+        (["--capacity-gb", "1,-2"], "must be > 0"),
+        (["--capacity-gb", "big"], "--capacity-gb 'big' is not a number"),
+        (["--capacity-gb", "nan"], "must be > 0"),
+        (["--capacity-gb", "1e-12"], "below one byte"),
+        (["--model", "gpt-9"], "gpt-9"),
+        (["--model", "/nonexistent/config.json"], "no such config file"),
+        (["--on-error", "ignore"], "--on-error 'ignore': use one of stop, skip"),
+    ],
+)
+def test_simulate_bad_arguments_exit_2_with_one_line(capsys, argv, match, stand_in_replay):
+    assert_one_line_error(capsys, "simulate", "builtin", *argv, match=match)
+    assert stand_in_replay == []  # rejected before any replay
+
+
+def test_simulate_missing_trace_file(capsys, tmp_path):
+    assert_one_line_error(capsys, "simulate", tmp_path / "absent.jsonl", match="does not exist")
+
+
+def test_model_from_hf_config(capsys, tmp_path, stand_in_replay):
+    from transformers import Mamba2Config
+
+    config = Mamba2Config(hidden_size=256, num_hidden_layers=4, num_heads=8, head_dim=64, state_size=16)
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    code, _, _ = run(
+        capsys, "simulate", "builtin", "--model", tmp_path / "config.json", "--policy", "marconi", "--capacity-gb", "1"
+    )
+    assert code == 0 and stand_in_replay[0][3] == ModelSpec.from_config(config).name
+    code, _, _ = run(capsys, "simulate", "builtin", "--model", tmp_path, "--policy", "marconi", "--capacity-gb", "1")
+    assert code == 0  # a folder holding config.json works too
+    (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
+    assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="not a usable HF")
+
+
+def same_trace(a, b):
+    return len(a) == len(b) and all(
+        x.session_id == y.session_id and x.ts == y.ts and np.array_equal(x.tokens, y.tokens)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_trace_build_builtin(capsys, tmp_path):
+    out = tmp_path / "builtin.jsonl"
+    code, _, err = run(capsys, "trace", "build", "builtin", "-o", out)
+    assert code == 0 and f"wrote {len(builtin_trace())} requests" in err
+    assert same_trace(read_trace(out), builtin_trace())
+
+
+def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "bye": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    chats = tmp_path / "chats.jsonl"
+    chat = {"conversation": [{"role": "user", "content": "hello bye"}, {"role": "assistant", "content": "bye"}] * 2}
+    chats.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
+    out = tmp_path / "conv.jsonl"
+    code, _, _ = run(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        chats,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--rate",
+        "0.5",
+        "--max-sessions",
+        "1",
+        "-o",
+        out,
+    )
+    assert code == 0
+    expected = build_conversation_trace(chats, tmp_path / "tok.json", sessions_per_second=0.5, max_sessions=1)
+    assert same_trace(read_trace(out), expected) and len(expected) == 2
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": "hello " * n}) + "\n" for n in (3, 5, 8)))
+    out = tmp_path / "shared.jsonl"
+    code, _, _ = run(
+        capsys,
+        "trace",
+        "build",
+        "shared-prefix",
+        "--input",
+        prompts,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--num-requests",
+        "20",
+        "--rate",
+        "4",
+        "--skew",
+        "0",
+        "--seed",
+        "5",
+        "-o",
+        out,
+    )
+    assert code == 0
+    expected = build_shared_prefix_trace(
+        prompts, tmp_path / "tok.json", num_requests=20, requests_per_second=4.0, popularity_skew=0.0, seed=5
+    )
+    assert same_trace(read_trace(out), expected)
+
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        chats,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--rate",
+        "fast",
+        "-o",
+        out,
+        match="--rate 'fast' is not a number",
+    )
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "shared-prefix",
+        "--input",
+        prompts,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--num-requests",
+        "2.5",
+        "-o",
+        out,
+        match="not an integer",
+    )
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        tmp_path / "none.jsonl",
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "-o",
+        out,
+        match="does not exist",
+    )
+    assert_one_line_error(
+        capsys, "trace", "build", "builtin", "-o", tmp_path / "no" / "t.jsonl", match="does not exist"
+    )
