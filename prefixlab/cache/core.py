@@ -59,7 +59,12 @@ class PrefixCacheCore:
     """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
 
     `alpha=None` tunes Marconi's FLOP-efficiency weight by replaying a bootstrap window of
-    `bootstrap_multiplier` x the requests seen before the first eviction; a number fixes it."""
+    `bootstrap_multiplier` x the requests seen before the first eviction; a number fixes it.
+
+    An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
+    with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
+    evicts back under it. That is the Marconi simulator's behaviour (a finished request's states are still in
+    memory), which the simulator reproduces; a real store keeps the default."""
 
     def __init__(
         self,
@@ -71,6 +76,7 @@ class PrefixCacheCore:
         alpha: float | None = None,
         bootstrap_multiplier: int = 5,
         checkpoint_budget: int = 4,
+        overflow: bool = False,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -85,7 +91,7 @@ class PrefixCacheCore:
             raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
         self.capacity_bytes, self.policy, self.spec = int(capacity_bytes), policy, spec
         self.options = PolicyOptions(block_size=block_size, checkpoint_budget=checkpoint_budget)
-        self.hybrid = spec.state_bytes > 0
+        self.hybrid, self.overflow = spec.state_bytes > 0, bool(overflow)
         self.tree = RadixTree()
         self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha or 0.0)
         self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
@@ -167,7 +173,7 @@ class PrefixCacheCore:
         if self._tuning:
             self._record(tokens, match)
         self.clock += 1
-        if not self._make_room(_entry_bytes(new_kv, new_states), walk.path[-1]):
+        if not self._make_room(_entry_bytes(new_kv, new_states), walk.path[-1]) and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
             new_kv, new_states, keep_end = self._fitting_prefix(new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
@@ -290,7 +296,7 @@ class PrefixCacheCore:
     def _replay_flops_saved(self, alpha: float) -> float:
         core = PrefixCacheCore(
             self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=alpha,
-            checkpoint_budget=self.options.checkpoint_budget,
+            checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
         )
         hits = np.array([replay_request(core, inp, full) for inp, full in self._history], dtype=np.int64)
         return float(np.sum(self.spec.flops_saved(hits)))
@@ -310,7 +316,8 @@ class PrefixCacheCore:
     def check_invariants(self) -> None:
         """Recompute bytes, locks and the eviction index from scratch; AssertionError on any drift."""
         self.tree.check_invariants()
-        assert self.used_bytes <= self.capacity_bytes, f"used {self.used_bytes} > capacity {self.capacity_bytes}"
+        over = self.used_bytes > self.capacity_bytes
+        assert not over or self.overflow, f"used {self.used_bytes} > capacity {self.capacity_bytes}"
         locks: dict[int, int] = {}
         for match in self._live.values():
             for node in _ancestors(match.node):

@@ -34,11 +34,14 @@ def simulate(
     *,
     block_size: int = 32,
     alpha: float | None = None,
+    overflow: bool = True,
 ) -> SimResult:
     """Replay `requests` through a `policy` cache of `capacity_bytes`; `progress(1)` is called after each request
-    (pass a tqdm's `update`). `alpha=None` tunes Marconi's alpha as the paper does."""
+    (pass a tqdm's `update`). `alpha=None` tunes Marconi's alpha as the paper does. `overflow=True` keeps an
+    entry larger than the free space whole until the next admission, as the Marconi simulator does;
+    `overflow=False` never exceeds the budget (see PrefixCacheCore)."""
     requests = _check_requests(requests)
-    core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha)
+    core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha, overflow=overflow)
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
