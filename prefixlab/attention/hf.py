@@ -1,0 +1,69 @@
+"""`attn_implementation="hydragen"` for transformers models: Hydragen over a `HydragenCache`, SDPA otherwise.
+
+Importing prefixlab.attention registers it. With any other cache (or none) the keys and values are plain tensors and
+the implementation IS transformers' SDPA one, masks included; with a `HydragenCache` the attention layers receive a
+`SharedBatchKV` and run `hydragen_attention` over the shared levels + per-sequence suffixes.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from prefixlab.attention.api import hydragen_attention
+from prefixlab.attention.hf_cache import SharedBatchKV
+from prefixlab.errors import InvalidInputError
+
+NAME = "hydragen"
+
+
+def _suffix_mask(attention_mask: torch.Tensor | None, kv: SharedBatchKV, queries: int) -> torch.Tensor | None | bool:
+    """The (B, Tq, S) suffix visibility from transformers' 4D SDPA mask, or False when a shared column is masked."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dtype != torch.bool or attention_mask.ndim != 4:
+        raise InvalidInputError(
+            f"hydragen attention got a {attention_mask.dtype} mask of shape {tuple(attention_mask.shape)}; "
+            "it expects transformers' boolean SDPA mask (keep the default mask interface for 'hydragen')"
+        )
+    batch, slots = kv.suffix_keys.shape[0], kv.suffix_keys.shape[2]
+    mask = attention_mask[:, 0, -queries:, -(kv.prefix_length + slots) :].expand(batch, queries, -1)
+    if not bool(mask[:, :, : kv.prefix_length].all()):  # e.g. padding inside a shared level
+        return False
+    return mask[:, :, kv.prefix_length :]
+
+
+def hydragen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor | SharedBatchKV,
+    value: torch.Tensor | SharedBatchKV,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: returns (B, Tq, Hq, D) like `sdpa_attention_forward`."""
+    if not isinstance(key, SharedBatchKV):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if dropout:
+        raise InvalidInputError("hydragen attention is for inference: put the model in eval() mode (dropout=0)")
+    suffix_mask = _suffix_mask(attention_mask, key, query.shape[2])
+    if suffix_mask is False:  # a shared column is masked for some row: attend over the materialised rows instead
+        keys, values = key.materialize()
+        return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+    out = hydragen_attention(query, key.levels, key.suffix_keys, key.suffix_values, seq_levels=key.seq_levels,
+                             suffix_mask=suffix_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register "hydragen" with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(NAME, hydragen_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+register()

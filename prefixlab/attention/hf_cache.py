@@ -1,0 +1,285 @@
+"""A transformers Cache that stores KV shared by several sequences ONCE, for `attn_implementation="hydragen"`.
+
+    cache = HydragenCache(model.config)
+    model.generate(prompt, num_return_sequences=64, past_key_values=cache, ...)
+
+Each full-attention layer holds a tree of `SharedLevel`s (one copy, no batch dimension) plus every sequence's own
+suffix (B, kv_heads, S, D). Shared KV comes from two places:
+- `load_shared_prefix(...)`: KV (and recurrent states) of a prefix computed elsewhere, e.g. by a prefix store;
+- while a layer has no per-sequence suffix yet (the prefill), the tokens whose KV is bit-identical across the batch
+  (all rows: a common prefix; groups of identical rows: each `num_return_sequences` group) become shared levels.
+`update` hands the attention a `SharedBatchKV` that `prefixlab.attention.hf` runs through Hydragen. Recurrent and
+other layer types keep transformers' own per-sequence cache layers: only attention KV is shared.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    CacheLayerMixin,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
+
+from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
+from prefixlab.attention.tree import SharedLevel
+from prefixlab.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class SharedBatchKV:
+    """What a `SharedPrefixLayer` gives the attention in place of (B, H, T, D) keys and values."""
+
+    levels: tuple[SharedLevel, ...]
+    seq_levels: torch.Tensor  # (B,) int64, deepest level of each sequence
+    suffix_keys: torch.Tensor  # (B, kv_heads, S, D)
+    suffix_values: torch.Tensor
+    prefix_length: int  # shared tokens before every sequence's suffix (equal for all rows)
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every sequence's full (B, kv_heads, prefix + S, D) keys and values, as a standard cache holds them."""
+        from prefixlab.attention.reference import materialize_kv
+        from prefixlab.attention.tree import plan_tree
+
+        q_stub = self.suffix_keys[:, :, :0]
+        plan = plan_tree(q_stub, self.levels, self.suffix_keys, self.suffix_values, self.seq_levels)
+        rows = [materialize_kv(plan, self.suffix_keys, self.suffix_values, b) for b in range(plan.batch_size)]
+        return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])
+
+
+class SharedPrefixLayer(CacheLayerMixin):
+    """Cache layer for one attention layer: shared levels stored once, per-sequence suffix in `keys`/`values`."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, share_new_tokens: bool = True, **kwargs):
+        super().__init__()
+        self.share_new_tokens = share_new_tokens
+        self.levels: list[SharedLevel] = []
+        self.seq_levels: torch.Tensor | None = None  # known once the batch size is
+        self.prefix_length = 0
+        self.expected_batch: int | None = None  # set by load_levels
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.expected_batch not in (None, key_states.shape[0]):
+            raise InvalidInputError(
+                f"load_shared_prefix(batch_size={self.expected_batch}) but generate runs {key_states.shape[0]} "
+                "sequences; pass the batch generate will run (prompts x num_return_sequences)"
+            )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        if self.seq_levels is None:
+            self.seq_levels = torch.full((key_states.shape[0],), len(self.levels) - 1, dtype=torch.int64)
+        self.is_initialized = True
+
+    def load_levels(self, keys: torch.Tensor, values: torch.Tensor, batch_size: int) -> None:
+        """Make (kv_heads, P, D) keys/values the shared prefix of every sequence (before any token is cached)."""
+        if self.is_initialized or self.levels:
+            raise InvalidInputError("load_shared_prefix must be called on an empty cache, before generate/forward")
+        self.levels = [SharedLevel(keys, values)] if keys.shape[1] else []
+        self.prefix_length = keys.shape[1]
+        self.expected_batch = batch_size
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if key_states.shape[0] != self.keys.shape[0]:
+            raise InvalidInputError(
+                f"the cache holds {self.keys.shape[0]} sequences but got keys for {key_states.shape[0]}; "
+                "use one HydragenCache per batch (load_shared_prefix(batch_size=...) must match the batch)"
+            )
+        suffix_keys = torch.cat([self.keys, key_states], dim=-2)
+        suffix_values = torch.cat([self.values, value_states], dim=-2)
+        view = SharedBatchKV(tuple(self.levels), self.seq_levels, suffix_keys, suffix_values, self.prefix_length)
+        if self.keys.shape[-2] == 0 and self.share_new_tokens and self._one_leaf() and key_states.shape[0] > 1:
+            self._absorb(key_states, value_states)
+        else:
+            self.keys, self.values = suffix_keys, suffix_values
+        if not view.levels:  # nothing shared yet: plain tensors, so attention runs exactly as with DynamicCache
+            return suffix_keys, suffix_values
+        return view, view
+
+    def _one_leaf(self) -> bool:
+        return bool((self.seq_levels == self.seq_levels[0]).all())
+
+    def _add_level(self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None) -> None:
+        """Store (kv_heads, L, D) once below the rows' current leaf (extending it when every row shares it)."""
+        leaf = int(self.seq_levels[0]) if rows is None else int(self.seq_levels[rows[0]])
+        if rows is None and leaf >= 0:
+            old = self.levels[leaf]
+            extended = torch.cat([old.keys, keys], 1), torch.cat([old.values, values], 1)
+            self.levels[leaf] = SharedLevel(*extended, old.parent)
+            return
+        self.levels.append(SharedLevel(keys, values, None if leaf < 0 else leaf))
+        if rows is None:
+            self.seq_levels.fill_(len(self.levels) - 1)
+        else:
+            self.seq_levels[rows] = len(self.levels) - 1
+
+    def _absorb(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Move new tokens shared across rows into levels; keep the rest as the suffix (equal length for all rows)."""
+        common = common_prefix_length(key_states, value_states)
+        if common:
+            self._add_level(key_states[0, :, :common].clone(), value_states[0, :, :common].clone(), None)
+        rest_keys, rest_values = key_states[:, :, common:], value_states[:, :, common:]
+        groups = identical_row_groups(rest_keys, rest_values) if rest_keys.shape[-2] else []
+        if groups and len(groups) < key_states.shape[0] and min(rows.numel() for rows in groups) > 1:
+            for rows in groups:
+                self._add_level(rest_keys[rows[0]].clone(), rest_values[rows[0]].clone(), rows.cpu())
+            rest_keys, rest_values = rest_keys[:, :, :0], rest_values[:, :, :0]
+        self.prefix_length += key_states.shape[-2] - rest_keys.shape[-2]
+        self.keys, self.values = rest_keys.contiguous(), rest_values.contiguous()
+
+    # -- sizes -------------------------------------------------------------------------------------------------------
+    def get_seq_length(self) -> int:
+        return self.prefix_length + (self.keys.shape[-2] if self.is_initialized else 0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def shared_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for level in self.levels for t in (level.keys, level.values))
+
+    def per_sequence_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+    # -- batch edits: the shared levels never move, only the per-sequence rows -----------------------------------------
+    def _select_rows(self, rows: torch.Tensor) -> None:
+        if self.is_initialized:
+            self.keys = self.keys.index_select(0, rows.to(self.keys.device))
+            self.values = self.values.index_select(0, rows.to(self.values.device))
+            self.seq_levels = self.seq_levels.index_select(0, rows.cpu())
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).reshape(-1))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise InvalidInputError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        if -tokens_to_remove > self.keys.shape[-2]:
+            raise InvalidInputError(
+                f"crop({tokens_to_remove}) would cut into the shared prefix; only the {self.keys.shape[-2]} "
+                "per-sequence tokens can be removed"
+            )
+        self.keys, self.values = self.keys[..., :tokens_to_remove, :], self.values[..., :tokens_to_remove, :]
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.levels, self.seq_levels, self.prefix_length, self.expected_batch = [], None, 0, None
+        self.is_initialized = False
+
+
+class HydragenCache(Cache):
+    """Cache for `attn_implementation="hydragen"`: attention KV shared by sequences is stored once.
+
+    Args:
+        config: the model config (its layer types pick the cache layer of each layer).
+        share_new_tokens: detect KV identical across the batch at prefill and store it once (default True).
+    """
+
+    def __init__(self, config, share_new_tokens: bool = True):
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        layers = [
+            SharedPrefixLayer(share_new_tokens) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+            for kind, kw in zip(layer_types, layer_kwargs, strict=True)
+        ]
+        super().__init__(layers=layers)
+
+    def shared_bytes(self) -> int:
+        """Bytes of attention KV stored once for several sequences."""
+        return sum(layer.shared_bytes() for layer in self.layers if isinstance(layer, SharedPrefixLayer))
+
+    def per_sequence_bytes(self) -> int:
+        """Bytes of attention KV stored per sequence (the suffixes)."""
+        return sum(layer.per_sequence_bytes() for layer in self.layers if isinstance(layer, SharedPrefixLayer))
+
+    def load_shared_prefix(
+        self,
+        keys: Mapping[int, torch.Tensor] | Sequence[torch.Tensor | None],
+        values: Mapping[int, torch.Tensor] | Sequence[torch.Tensor | None],
+        batch_size: int,
+        conv_states: Mapping[int, torch.Tensor] | None = None,
+        recurrent_states: Mapping[int, torch.Tensor] | None = None,
+    ) -> None:
+        """Feed a prefix computed elsewhere (e.g. a prefix store hit) as the level every sequence shares.
+
+        Args:
+            keys, values: per attention layer index, (1, kv_heads, P, D) or (kv_heads, P, D); stored once.
+            batch_size: sequences that will continue from the prefix (the batch `generate` will run).
+            conv_states, recurrent_states: per linear-attention layer, the state after the prefix for one sequence
+                (batch 1) or each (batch_size); copied per sequence because recurrent layers run per sequence.
+        Then call `generate` with input_ids that START with the prefix tokens: it feeds only the tokens after it.
+        """
+        keys, values = dict(_indexed(keys, "keys")), dict(_indexed(values, "values"))
+        attention = [i for i, layer in enumerate(self.layers) if isinstance(layer, SharedPrefixLayer)]
+        recurrent = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+        if sorted(keys) != attention or sorted(values) != attention:
+            raise InvalidInputError(f"keys/values must be given for exactly the attention layers {attention}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int")
+        shaped = {i: (_as_level(keys[i], f"keys[{i}]"), _as_level(values[i], f"values[{i}]")) for i in attention}
+        lengths = {k.shape[1] for k, _ in shaped.values()}
+        if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):
+            raise InvalidInputError("every layer's prefix keys and values must have one shape and one length")
+        states = {"conv": conv_states or {}, "recurrent": recurrent_states or {}}
+        if lengths != {0} and recurrent and any(sorted(s) != recurrent for s in states.values()):
+            raise InvalidInputError(
+                f"this model has recurrent layers {recurrent}: give conv_states and recurrent_states for each, "
+                "the state after the prefix (KV alone cannot resume them)"
+            )
+        if any(self.layers[i].is_initialized or self.layers[i].levels for i in attention):
+            raise InvalidInputError("load_shared_prefix must be called on an empty cache, before generate/forward")
+        for i, (k, v) in shaped.items():
+            self.layers[i].load_levels(k, v, batch_size)
+        for i in recurrent if lengths != {0} else []:
+            layer = self.layers[i]
+            conv = _per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]")
+            rec = _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]")
+            layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
+            layer.conv_states[0].copy_(conv)
+            layer.update_recurrent_state(rec)
+            layer.has_previous_state[0] = True
+
+
+def _indexed(per_layer, name: str):
+    if isinstance(per_layer, Mapping):
+        return per_layer.items()
+    if isinstance(per_layer, Sequence):
+        return ((i, t) for i, t in enumerate(per_layer) if t is not None)
+    raise InvalidInputError(
+        f"{name} must be a mapping or sequence of per-layer tensors, got {type(per_layer).__name__}"
+    )
+
+
+def _as_level(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.ndim not in (3, 4) or (tensor.ndim == 4 and tensor.shape[0] != 1):
+        shape = getattr(tensor, "shape", type(tensor).__name__)
+        raise InvalidInputError(f"{name} must be (1, kv_heads, P, D) or (kv_heads, P, D), got {shape}")
+    return (tensor[0] if tensor.ndim == 4 else tensor).contiguous()
+
+
+def _per_sequence(state: torch.Tensor, batch_size: int, name: str) -> torch.Tensor:
+    if not isinstance(state, torch.Tensor) or state.shape[0] not in (1, batch_size):
+        raise InvalidInputError(f"{name} must have batch 1 or {batch_size}, got {getattr(state, 'shape', state)}")
+    return state.expand(batch_size, *state.shape[1:]).clone()
