@@ -115,6 +115,9 @@ def test_conversation_trace_bad_lines_name_file_and_line(tmp_path, word_tokenize
         ({"max_context_tokens": 0}, "max_context_tokens"),
         ({"max_sessions": 0}, "max_sessions"),
         ({"seconds_per_output_token": -0.5}, "seconds_per_output_token"),
+        ({"sessions_per_second": float("nan")}, "sessions_per_second"),
+        ({"min_turns": -1}, "min_turns"),
+        ({"max_sessions": True}, "max_sessions"),
     ],
 )
 def test_conversation_trace_rejects_bad_arguments(tmp_path, word_tokenizer, kwargs, match):

@@ -49,10 +49,26 @@ class TextEncoder:
         return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
-def _positive(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidInputError(f"{name} must be a positive number, got {value!r}")
+def _check_number(name: str, value: Any, minimum: float = 0.0, strict: bool = True) -> float:
+    """`value` as a float if it is a real number > minimum (>= minimum unless strict), else InvalidInputError."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not ok or not (value > minimum if strict else value >= minimum):
+        raise InvalidInputError(f"{name} must be a number {'>' if strict else '>='} {minimum:g}, got {value!r}")
     return float(value)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_range(name: str, value: Any) -> tuple[int, int]:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)) or not (
+        0 <= value[0] <= value[1]
+    ):
+        raise InvalidInputError(f"{name} must be a (min, max) pair of integers with 0 <= min <= max, got {value!r}")
+    return int(value[0]), int(value[1])
 
 
 def parse_conversation(obj: Any) -> list[tuple[dict, dict]]:
@@ -117,14 +133,13 @@ def build_conversation_trace(
     starts at k / sessions_per_second seconds. The input of turn t is the tokens of all earlier messages plus the
     new user message; its output is the assistant's reply.
     """
-    rate = _positive("sessions_per_second", sessions_per_second)
-    _positive("words_per_minute", words_per_minute)
-    if isinstance(max_context_tokens, bool) or not isinstance(max_context_tokens, int) or max_context_tokens < 1:
-        raise InvalidInputError(f"max_context_tokens must be a positive integer, got {max_context_tokens!r}")
-    if not isinstance(seconds_per_output_token, (int, float)) or seconds_per_output_token < 0:
-        raise InvalidInputError(f"seconds_per_output_token must be >= 0, got {seconds_per_output_token!r}")
-    if max_sessions is not None and (not isinstance(max_sessions, int) or max_sessions < 1):
-        raise InvalidInputError(f"max_sessions must be a positive integer or None, got {max_sessions!r}")
+    rate = _check_number("sessions_per_second", sessions_per_second)
+    _check_number("words_per_minute", words_per_minute)
+    _check_number("seconds_per_output_token", seconds_per_output_token, strict=False)
+    _check_int("max_context_tokens", max_context_tokens, 1)
+    _check_int("min_turns", min_turns, 0)
+    if max_sessions is not None:
+        _check_int("max_sessions", max_sessions, 1)
     encode = TextEncoder(tokenizer_path)
 
     conversations = [
@@ -267,20 +282,6 @@ def detect_shared_prefix_kind(path: Path) -> str:
     )
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _check_range(name: str, value: Any) -> tuple[int, int]:
-    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(isinstance(v, int) for v in value)) or not (
-        0 <= value[0] <= value[1]
-    ):
-        raise InvalidInputError(f"{name} must be a (min, max) pair of integers with 0 <= min <= max, got {value!r}")
-    return int(value[0]), int(value[1])
-
-
 def build_shared_prefix_trace(
     input_path: str | Path,
     tokenizer_path: str | Path,
@@ -303,11 +304,10 @@ def build_shared_prefix_trace(
     Prefixes are drawn with Zipf popularity (`popularity_skew`; 0 = uniform), arrivals are Poisson at
     `requests_per_second`, and `seed` fixes everything.
     """
-    _positive("requests_per_second", requests_per_second)
+    _check_number("requests_per_second", requests_per_second)
+    _check_number("popularity_skew", popularity_skew, strict=False)
     _check_int("num_requests", num_requests, 1)
     _check_int("seed", seed, 0)
-    if isinstance(popularity_skew, bool) or not isinstance(popularity_skew, (int, float)) or not popularity_skew >= 0:
-        raise InvalidInputError(f"popularity_skew must be a number >= 0, got {popularity_skew!r}")
     query_tokens, output_tokens = (
         _check_range("query_tokens", query_tokens),
         _check_range("output_tokens", output_tokens),
