@@ -1,0 +1,39 @@
+"""Layer families prefixlab.recurrent.patch knows, by the transformers class names of their layers."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from prefixlab.recurrent.families.base import Family
+from prefixlab.recurrent.families.gated_delta import (
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    OlmoHybridGatedDeltaNet,
+    Qwen3NextGatedDeltaNet,
+)
+from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
+from prefixlab.recurrent.families.short_conv import ShortConv
+
+FAMILIES: tuple[Family, ...] = (
+    GatedDeltaNet(),
+    Qwen3NextGatedDeltaNet(),
+    OlmoHybridGatedDeltaNet(),
+    KimiDeltaAttention(),
+    Mamba2Mixer(),
+    FalconH1Mixer(),
+    ShortConv(),
+)
+_BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
+
+SUPPORTED_CLASSES: tuple[str, ...] = tuple(sorted(_BY_CLASS_NAME))
+
+
+def family_of(layer: nn.Module) -> Family | None:
+    """The family serving this layer: its class must be transformers' own (not remote code that reuses a name)."""
+    cls = type(layer)
+    if not cls.__module__.startswith("transformers.models."):
+        return None
+    return _BY_CLASS_NAME.get(cls.__name__)
+
+
+__all__ = ["FAMILIES", "SUPPORTED_CLASSES", "Family", "family_of"]

@@ -1,0 +1,203 @@
+"""What every patched linear-attention layer shares: the cache protocol, the conv with state, the layer's flow.
+
+A family (families/*.py) only says how its layer projects the input, mixes the conv output through its scan and
+gates the result; `run_layer` does the rest the same way for all of them:
+
+    mask padding -> project -> conv from the cached conv state -> scan from the cached recurrent state
+    -> record the states at the capture offsets -> write the final states as transformers does -> gate + project
+
+Capture protocol (docs/ARCHITECTURE.md): if the transformers Cache has `prefixlab_capture_positions`, it is either
+  * a sequence of ints: offsets in [0, T] of this forward's T tokens, shared by every row; each offset o gives one
+    `cache.prefixlab_record(layer_idx, o, conv_state, recurrent_state)` with the whole batch [B, ...]; or
+  * a sequence of B sequences of ints: offsets per batch row; each (row b, offset o) gives one
+    `cache.prefixlab_record(layer_idx, o, conv_state, recurrent_state, row=b)` with a batch of one [1, ...].
+Offsets count positions of this forward's (left-padded) input, so offset o is the state after its first o tokens;
+each list is sorted and distinct. Recorded tensors are fresh clones in the layout and dtype the cache layer stores
+(conv state [B, C, K]: the last K conv inputs, zeros before the first token; recurrent_state None for conv-only
+layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from prefixlab.errors import InvalidInputError
+from prefixlab.recurrent.conv import causal_conv1d
+
+States = dict[int, torch.Tensor]
+CAPTURE_ATTRIBUTE = "prefixlab_capture_positions"
+
+
+@dataclass
+class Projected:
+    """A family's projections of the layer input: the conv input [B, C, T] and whatever else it gates with."""
+
+    conv_input: torch.Tensor
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Mixed:
+    """A family's scan result: per-token outputs, the final recurrent state, and states at the capture offsets."""
+
+    output: torch.Tensor
+    final_state: torch.Tensor | None
+    states: States
+
+
+@dataclass(frozen=True)
+class ScanRequest:
+    """What the scan needs besides the layer's own tensors."""
+
+    initial_state: torch.Tensor | None
+    capture: tuple[int, ...]
+    mask: torch.Tensor | None
+    backend: str
+
+
+class Family(Protocol):
+    """One layer family: the layer classes it serves and its family-specific steps (all pure, no cache access)."""
+
+    classes: tuple[str, ...]
+    has_recurrent_state: bool
+    conv_name: str  # the layer's depthwise nn.Conv1d
+    read_directly: tuple[str, ...]  # children whose weights are read without calling them (accelerate hooks)
+
+    def activation(self, layer: nn.Module) -> str | None: ...
+
+    def project(self, layer: nn.Module, hidden_states: torch.Tensor) -> Projected: ...
+
+    def mix(self, layer: nn.Module, conv_output: torch.Tensor, projected: Projected, request: ScanRequest) -> Mixed: ...
+
+    def finish(self, layer: nn.Module, mixed: torch.Tensor, projected: Projected) -> torch.Tensor: ...
+
+
+def mask_padding(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Zero padded positions ([B, T, D] * [B, T]), as transformers' apply_mask_to_padding_states."""
+    if mask is None:
+        return hidden_states
+    return (hidden_states * mask[:, :, None]).to(hidden_states.dtype)
+
+
+def padding_mask(attention_mask: Any, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    """The 2D padding mask the model hands a linear-attention layer, checked against the layer input."""
+    if attention_mask is None:
+        return None
+    batch, length = hidden_states.shape[:2]
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (batch, length):
+        shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise InvalidInputError(
+            f"attention_mask for a linear-attention layer must be a [batch, seq_len] = [{batch}, {length}] padding "
+            f"mask (what the model builds with create_recurrent_attention_mask), got {shape}"
+        )
+    return attention_mask
+
+
+class LayerCache:
+    """One layer's view of the transformers Cache for one forward: cached states in, capture offsets, records out."""
+
+    def __init__(self, cache: Any, layer_idx: int, batch: int, length: int, has_recurrent_state: bool):
+        self.cache, self.layer_idx = cache, layer_idx
+        self.conv_state = self.recurrent_state = None
+        if cache is not None:
+            self.conv_state = cache.get_conv_state(layer_idx)
+            if has_recurrent_state:
+                self.recurrent_state = cache.get_recurrent_state(layer_idx)
+        self.rows = _capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
+        self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
+
+    def record(self, conv_states: States, recurrent_states: States, recurrent_dtype: torch.dtype | None) -> None:
+        """Hand the cache a clone of the states at each requested offset (before any cache write: offset 0 may
+        be a view of the cached buffers)."""
+        if not self.rows:
+            return
+        for row, offsets in self.rows.items():
+            rows = slice(None) if row is None else slice(row, row + 1)
+            for offset in offsets:
+                conv_state = conv_states[offset][rows].clone()  # a row slice of the kernel's clone: copy it alone
+                state = recurrent_states.get(offset)
+                state = None if state is None else state[rows].to(recurrent_dtype, copy=True)
+                extra = {} if row is None else {"row": row}
+                self.cache.prefixlab_record(self.layer_idx, offset, conv_state, state, **extra)
+
+    def recurrent_dtype(self, final_state: torch.Tensor | None) -> torch.dtype | None:
+        """The dtype the cache layer keeps recurrent states in (the first state written fixes it)."""
+        if final_state is None:
+            return None
+        stored = self.cache.layers[self.layer_idx].recurrent_states[0] if self.cache is not None else None
+        return final_state.dtype if stored is None else stored.dtype
+
+    def write(self, conv_input: torch.Tensor, conv_kernel_size: int, final_state: torch.Tensor | None) -> None:
+        """Store the final states exactly as transformers' layers do (update_conv_state keeps the last K conv
+        inputs, or the whole history while the cache records the past; update_recurrent_state copies in place)."""
+        if self.cache is None:
+            return
+        self.cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=conv_kernel_size)
+        if final_state is not None:
+            self.cache.update_recurrent_state(final_state, self.layer_idx)
+
+
+def _capture_rows(positions: Any, batch: int, length: int) -> dict[int | None, tuple[int, ...]]:
+    """{None: offsets} for shared offsets, {row: offsets} for per-row ones; {} when nothing is captured."""
+    if positions is None:
+        return {}
+    if not isinstance(positions, Sequence) or isinstance(positions, str):
+        raise InvalidInputError(
+            f"{CAPTURE_ATTRIBUTE} must be a list of ints or a list of {batch} lists of ints (one per batch row), "
+            f"got {type(positions).__name__}"
+        )
+    if all(_is_int(p) for p in positions):
+        return {None: _offsets(positions, length, CAPTURE_ATTRIBUTE)}
+    if len(positions) != batch or not all(isinstance(r, Sequence) and not isinstance(r, str) for r in positions):
+        raise InvalidInputError(
+            f"{CAPTURE_ATTRIBUTE} must be a list of ints or a list of {batch} lists of ints (one per batch row), "
+            f"got {positions!r}"
+        )
+    rows = {b: _offsets(r, length, f"{CAPTURE_ATTRIBUTE}[{b}]") for b, r in enumerate(positions)}
+    return {b: offsets for b, offsets in rows.items() if offsets}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _offsets(values: Sequence[Any], length: int, name: str) -> tuple[int, ...]:
+    offsets = tuple(values)
+    if not all(_is_int(o) and 0 <= o <= length for o in offsets):
+        raise InvalidInputError(f"{name} must hold ints in [0, {length}] for a forward over {length} tokens, got "
+                                f"{list(offsets)}")  # fmt: skip
+    if any(a >= b for a, b in zip(offsets, offsets[1:], strict=False)):
+        raise InvalidInputError(f"{name} must be sorted and distinct, got {list(offsets)}")
+    return offsets
+
+
+def run_layer(
+    family: Family,
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    cache: Any,
+    attention_mask: Any,
+    backend: str,
+) -> torch.Tensor:
+    """The patched forward of one linear-attention layer (see the module docstring)."""
+    mask = padding_mask(attention_mask, hidden_states)
+    batch, length = hidden_states.shape[:2]
+    view = LayerCache(cache, layer.layer_idx, batch, length, family.has_recurrent_state)
+    projected = family.project(layer, mask_padding(hidden_states, mask))
+    conv = getattr(layer, family.conv_name)
+    kernel_size = conv.kernel_size[0]
+    # While transformers records the past, the cached conv state is the whole history: the conv needs its last K.
+    history = None if view.conv_state is None else view.conv_state[..., -kernel_size:]
+    conv_output, _, conv_states = causal_conv1d(
+        projected.conv_input, conv.weight[:, 0], conv.bias, family.activation(layer), history, view.positions
+    )
+    request = ScanRequest(view.recurrent_state, view.positions, mask, backend)
+    mixed = family.mix(layer, conv_output.transpose(1, 2), projected, request)
+    view.record(conv_states, mixed.states, view.recurrent_dtype(mixed.final_state))
+    view.write(projected.conv_input, kernel_size, mixed.final_state)
+    return family.finish(layer, mixed.output, projected)

@@ -1,0 +1,139 @@
+"""`patch(model)`: route a Hugging Face hybrid model's linear-attention layers through prefixlab kernels.
+
+Each supported layer (see families/) gets a forward that, unlike transformers' own, always continues from the
+conv + recurrent state the Cache holds (for any number of new tokens), records states at the offsets the cache asks
+for (`prefixlab_capture_positions` / `prefixlab_record`, defined in families/base.py) and writes its final states
+to the Cache exactly as transformers does. Outputs equal the unpatched model's (fp32 within 1e-5).
+
+`patch` is idempotent (patching again only changes the backend) and reversible: `unpatch(model)` restores every
+layer's own forward, and `patched(model)` does both around a `with` block. Patching swaps the forward of each layer
+*instance* (the class is untouched, so other models are unaffected); under accelerate's hooks the hooked inner
+forward is swapped so device placement keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.accelerate import force_accelerate_hooks
+
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
+from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of
+from prefixlab.recurrent.families.base import run_layer
+
+BACKENDS = ("auto", *PORTABLE_BACKENDS)
+_ORIGINAL = "_prefixlab_original_forward"  # (attribute swapped, its instance value before patching or None)
+
+
+def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Patch every linear-attention layer of `model` in place and return the model.
+
+    backend: kernel backend for the scans ("auto": fla / mamba_ssm for CUDA tensors when installed, else chunked
+    torch; or "naive", "torch", "compiled"). Raises
+    UnsupportedModelError naming the class of any linear-attention layer prefixlab has no family for (nothing is
+    patched then). A model without linear-attention layers is returned unchanged."""
+    if backend not in BACKENDS:
+        raise InvalidInputError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    targets = linear_attention_layers(model)
+    for layer, family in targets:
+        attribute = "_old_forward" if hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer) else "forward"
+        if _ORIGINAL not in vars(layer):
+            setattr(layer, _ORIGINAL, (attribute, vars(layer).get(attribute)))
+        setattr(layer, vars(layer)[_ORIGINAL][0], _patched_forward(family, layer, backend))
+    if targets:
+        model.prefixlab_patched = True  # what PrefixStore checks to let the layers record states mid-forward
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Restore the original forward of every layer `patch` changed; a no-op on an unpatched model."""
+    for layer in model.modules():
+        saved = vars(layer).pop(_ORIGINAL, None)
+        if saved is None:
+            continue
+        attribute, original = saved
+        if original is None:
+            delattr(layer, attribute)
+        else:
+            setattr(layer, attribute, original)
+    vars(model).pop("prefixlab_patched", None)
+    return model
+
+
+@contextmanager
+def patched(model: nn.Module, backend: str = "auto") -> Iterator[nn.Module]:
+    """`with patched(model): ...` runs the block with the model patched and restores it after, even on error.
+    A model that was already patched stays patched."""
+    was_patched = is_patched(model)
+    patch(model, backend)
+    try:
+        yield model
+    finally:
+        if not was_patched:
+            unpatch(model)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any layer of `model` currently runs prefixlab's forward."""
+    return any(_ORIGINAL in vars(layer) for layer in model.modules())
+
+
+def linear_attention_layers(model: nn.Module) -> list[tuple[nn.Module, Family]]:
+    """(layer, family) for every linear-attention layer; UnsupportedModelError if one has no family.
+
+    A linear-attention layer is recognised by what all of them hold: a depthwise (groups == channels) Conv1d child
+    and a `layer_idx` (the cache slot it reads and writes)."""
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    found = []
+    for layer in model.modules():
+        if not _looks_linear_attention(layer):
+            continue
+        family = family_of(layer)
+        if family is None:
+            cls = type(layer)
+            raise UnsupportedModelError(
+                f"{cls.__module__}.{cls.__qualname__} is a linear-attention layer prefixlab cannot patch; supported "
+                f"layer classes (transformers' own): {', '.join(SUPPORTED_CLASSES)}"
+            )
+        found.append((layer, family))
+    return found
+
+
+def _looks_linear_attention(layer: nn.Module) -> bool:
+    if family_of(layer) is not None:
+        return True
+    depthwise = any(
+        isinstance(child, nn.Conv1d) and child.groups == child.in_channels > 1 for child in layer.children()
+    )
+    return depthwise and hasattr(layer, "layer_idx")
+
+
+def _patched_forward(family: Family, layer: nn.Module, backend: str):
+    run = force_accelerate_hooks(list(family.read_directly))(_run)
+
+    def forward(
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,  # LFM2 passes its cache under this name
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if kwargs.get("cu_seq_lens_q") is not None:
+            raise InvalidInputError(
+                "packed sequences (cu_seq_lens_q) are not supported by prefixlab's patched layers: pass a padded "
+                "batch, or unpatch(model) first"
+            )
+        cache = cache_params if cache_params is not None else past_key_values
+        return run(layer, family, hidden_states, cache, attention_mask, backend)
+
+    return forward
+
+
+def _run(layer: nn.Module, family: Family, hidden_states, cache, attention_mask, backend: str) -> torch.Tensor:
+    return run_layer(family, layer, hidden_states, cache, attention_mask, backend)

@@ -1,0 +1,97 @@
+"""Tiny random-init hybrid models, one per layer family prefixlab.recurrent.patch serves (no downloads).
+
+Each has at least one linear-attention (or conv) layer and, where the architecture has them, one attention layer.
+`build` re-draws the weights at unit scale: the library's init (std 0.02) makes recurrent contributions so small
+that a layer restarting from a zero state would still pass a 1e-5 comparison.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+VOCAB = 64
+_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=256, pad_token_id=0)  # fmt: skip
+_GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+            linear_num_value_heads=4)  # fmt: skip
+_MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+              mamba_chunk_size=8)  # fmt: skip
+_HYBRID = ["linear_attention", "full_attention"]
+
+CONFIGS: dict[str, dict] = {
+    "qwen3_5_text": dict(**_COMMON, **_GDN, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
+    "qwen3_5_moe_text": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
+    "qwen3_next": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
+    "olmo_hybrid": dict(**_COMMON, **_GDN, num_hidden_layers=2, layer_types=_HYBRID),
+    "kimi_linear": dict(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, layer_types=_HYBRID,
+                        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=16,
+                        num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
+                        q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8,
+                        mlp_layer_types=["dense", "dense"]),  # fmt: skip
+    "mamba2": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8,
+                   expand=2, n_groups=2, conv_kernel=4, chunk_size=8),  # fmt: skip
+    "bamba": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, attn_layer_indices=[1]),
+    "nemotron_h": dict(**_COMMON, layers_block_type=["mamba", "attention", "mlp"], head_dim=8, ssm_state_size=8,
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=8),
+    "falcon_h1": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, mamba_d_ssm=64),
+    "granitemoehybrid": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, layer_types=["mamba", "attention"],
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
+    "zamba2": dict(**_COMMON, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
+                   mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8, chunk_size=8, num_mem_blocks=1,
+                   adapter_rank=4),  # fmt: skip
+    "lfm2": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),
+}
+
+# Models whose forward takes the cache as `cache_params` (pure Mamba2) and has no positions.
+_CACHE_PARAMS = {"mamba2"}
+
+
+def build(name: str, seed: int = 0, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A tiny `name` model in eval mode with weights redrawn (matrices ~ scale / sqrt(fan_in), vectors jittered)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[name](**CONFIGS[name]), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if param.dim() >= 2:
+                param.copy_(noise * scale / param.shape[-1] ** 0.5)
+            else:  # norms, biases, A_log, dt_bias, D: keep the library's values, jittered
+                param.add_(noise * (0.1 if param_name.endswith("A_log") else 0.3))
+    return model.to(dtype)
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    return DynamicCache(config=model.config)
+
+
+def forward(model: torch.nn.Module, ids: torch.Tensor, cache=None, start: int = 0, attention_mask=None):
+    """Logits of `ids` [B, T] continuing `cache` after `start` tokens (explicit positions: some models, e.g. Bamba,
+    otherwise restart RoPE at 0 on every call)."""
+    kwargs = {"use_cache": cache is not None, "attention_mask": attention_mask}
+    if model.config.model_type in _CACHE_PARAMS:
+        kwargs["cache_params"] = cache
+    else:
+        kwargs["past_key_values"] = cache
+        kwargs["position_ids"] = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+    with torch.no_grad():
+        return model(ids, **kwargs).logits
+
+
+def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def linear_layer_indices(cache: DynamicCache) -> list[int]:
+    """Cache slots that hold conv / recurrent states."""
+    return [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")]
+
+
+def states(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(conv state, recurrent state or None) a cache slot holds, cloned."""
+    layer = cache.layers[layer_idx]
+    recurrent = layer.recurrent_states[0]
+    return layer.conv_states[0].clone(), None if recurrent is None else recurrent.clone()

@@ -1,0 +1,104 @@
+"""prefixlab.recurrent.patch against the same models without prefixlab (fp32, tolerance 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recurrent_patch_models import (
+    CONFIGS,
+    build,
+    forward,
+    linear_layer_indices,
+    new_cache,
+    states,
+    tokens,
+)
+from transformers import DynamicCache
+
+from prefixlab.recurrent.patch import patch, unpatch
+
+TOL = 1e-5
+FAMILIES = sorted(CONFIGS)
+
+
+class RecordingCache(DynamicCache):
+    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record."""
+
+    def __init__(self, model, positions):
+        super().__init__(config=model.config)
+        self.prefixlab_capture_positions = positions
+        self.records: dict[tuple[int, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None):
+        assert (layer_idx, offset, row) not in self.records, "each state is recorded once"
+        self.records[(layer_idx, offset, row)] = (conv_state, recurrent_state)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = TOL) -> None:
+    error = (actual - expected).abs().max().item()
+    assert error <= tol, f"max abs error {error:.3g} > {tol}"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request):
+    """(name, model, reference logits of `tokens(2, 21)` computed before patching); the model is patched."""
+    model = build(request.param)
+    ids = tokens(2, 21)
+    reference = forward(model, ids)
+    patch(model)
+    yield request.param, model, ids, reference
+    unpatch(model)
+
+
+def test_patched_forward_equals_unpatched(family_model):
+    _, model, ids, reference = family_model
+    assert_close(forward(model, ids), reference)
+    assert_close(forward(model, ids, cache=new_cache(model)), reference)
+
+
+def test_continuing_from_the_cache_equals_one_forward(family_model):
+    """Prefill tokens[:9], then 4 tokens, 1 token and the rest, each from the cached state."""
+    _, model, ids, reference = family_model
+    cache, pieces = new_cache(model), []
+    for start, stop in [(0, 9), (9, 13), (13, 14), (14, 21)]:
+        pieces.append(forward(model, ids[:, start:stop], cache, start=start))
+    assert_close(torch.cat(pieces, dim=1), reference)
+
+
+def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model):
+    """Offsets over a forward that continues a 5-token prefix: 0 is the cached state it starts from, 16 its end."""
+    _, model, ids, _ = family_model
+    prefix, offsets = 5, [0, 1, 7, 11, 16]
+    cache = RecordingCache(model, None)
+    forward(model, ids[:, :prefix], cache)
+    cache.prefixlab_capture_positions = offsets
+    forward(model, ids[:, prefix:], cache, start=prefix)
+    layers = linear_layer_indices(cache)
+    assert set(cache.records) == {(layer, offset, None) for layer in layers for offset in offsets}
+    for offset in offsets:
+        expected = new_cache(model)
+        forward(model, ids[:, : prefix + offset], expected)
+        for layer in layers:
+            assert_same_states(cache.records[(layer, offset, None)], states(expected, layer))
+
+
+def test_capture_during_prefill_starts_from_zero_states(family_model):
+    _, model, ids, _ = family_model
+    cache = RecordingCache(model, [0, 3])
+    forward(model, ids[:, :8], cache)
+    expected = new_cache(model)
+    forward(model, ids[:, :3], expected)
+    for layer in linear_layer_indices(cache):
+        conv, recurrent = cache.records[(layer, 0, None)]
+        assert not conv.any() and (recurrent is None or not recurrent.any())
+        assert_same_states(cache.records[(layer, 3, None)], states(expected, layer))
+
+
+def assert_same_states(recorded, expected) -> None:
+    """Recorded (conv, recurrent) states match a cache slot's in shape, dtype and value."""
+    for got, want in zip(recorded, expected, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want)
