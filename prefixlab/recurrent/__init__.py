@@ -2,6 +2,7 @@
 
 from prefixlab.recurrent.conv import causal_conv1d, conv_state_at
 from prefixlab.recurrent.delta_rule import gated_delta_rule
+from prefixlab.recurrent.patch import patch, patched, unpatch
 from prefixlab.recurrent.ssd import ssd
 
-__all__ = ["causal_conv1d", "conv_state_at", "gated_delta_rule", "ssd"]
+__all__ = ["causal_conv1d", "conv_state_at", "gated_delta_rule", "patch", "patched", "ssd", "unpatch"]
