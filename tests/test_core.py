@@ -1,0 +1,160 @@
+"""PrefixCacheCore: the request protocol, byte budget, partial admission, namespaces and bad input."""
+
+import numpy as np
+import pytest
+from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, snapshot, tiny_spec
+
+from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.payload import SizedKV, SizedState
+from prefixlab.errors import InvalidInputError
+
+
+def _core(capacity_bytes=10_000, policy="marconi", hybrid=True, **kw):
+    return PrefixCacheCore(capacity_bytes, policy, tiny_spec(hybrid), block_size=4, **kw)
+
+
+def test_conversation_turn_reuses_the_previous_turn_exactly():
+    core = _core()
+    request(core, [1, 2, 3, 4], [5, 6])
+    match = request(core, [1, 2, 3, 4, 5, 6, 7, 8], [9])
+    assert (match.length, match.shared_length) == (6, 6)
+    assert core.match([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).length == 9
+
+
+def test_kv_only_model_reuses_every_shared_token():
+    core = _core(hybrid=False)
+    request(core, [1, 2, 3, 4, 5])
+    match = request(core, [1, 2, 3, 9])
+    assert (match.length, match.state) == (3, None)
+    assert core.tree.state_bytes == 0
+    core.check_invariants()
+
+
+def test_hybrid_kv_alone_is_not_reusable():
+    core = _core()
+    request(core, [1, 2, 3, 4, 5])
+    assert core.match([1, 2, 3, 9]).length == 0  # shared 3 tokens but no state there yet
+
+
+def test_namespaces_do_not_share():
+    core = _core()
+    request(core, [1, 2, 3], namespace="a")
+    assert request(core, [1, 2, 3], namespace="b").length == 0
+    assert request(core, [1, 2, 3], namespace="a").length == 3
+
+
+def test_plan_is_inside_the_unreused_part_and_admit_stores_the_planned_states():
+    core = _core(policy="vllm+")
+    match = core.match([1, 2, 3, 4, 5, 6])
+    assert core.plan([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], match) == [4, 8, 10]
+    core.release(match)
+
+
+def test_entry_too_big_is_cut_to_the_prefix_that_fits():
+    core = _core(capacity_bytes=2 * STATE_BYTES + 4 * 8, policy="vllm+")
+    request(core, list(range(1, 13)))  # states at 4, 8, 12: only two fit with 8 tokens of KV
+    assert core.used_bytes == 2 * STATE_BYTES + 4 * 8
+    assert naive_match(core, list(range(1, 13))) == (8, 8)
+    core.check_invariants()
+
+
+def test_overflow_keeps_the_whole_entry_until_the_next_admission():
+    core = _core(capacity_bytes=2 * STATE_BYTES + 4 * 8, policy="vllm+", overflow=True)
+    request(core, list(range(1, 13)))
+    assert core.used_bytes > core.capacity_bytes and core.match(list(range(1, 13))).length == 12
+    core.check_invariants()
+
+
+def test_release_twice_and_foreign_matches_are_rejected():
+    core, other = _core(), _core()
+    match = core.match([1, 2])
+    with pytest.raises(InvalidInputError, match="match"):
+        other.release(match)
+    core.release(match)
+    with pytest.raises(InvalidInputError, match="match"):
+        core.release(match)
+
+
+def test_plan_needs_tokens_that_extend_the_match():
+    core = _core()
+    request(core, [1, 2, 3])
+    match = core.match([1, 2, 3, 4])
+    with pytest.raises(InvalidInputError, match="tokens"):
+        core.plan([7, 8, 9, 10], match)
+    core.release(match)
+
+
+BAD_TOKENS = [[1.5, 2.0], ["a", "b"], [[1, 2], [3, 4]], [[1], [2, 3]], "abc", [1, -2], [True, False], 7, [2**70]]
+
+
+@pytest.mark.parametrize("tokens", BAD_TOKENS, ids=repr)
+def test_bad_tokens_raise_and_change_nothing(tokens):
+    core = _core(capacity_bytes=500)
+    request(core, [1, 2, 3, 4], [5])
+    held = core.match([1, 2, 3, 4, 5])
+    before = snapshot(core)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        core.match(tokens)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        core.plan(tokens, held)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        core.admit(tokens, lambda a, b: TokenKV(()), {}, held)
+    assert snapshot(core) == before
+    core.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "names"),
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"capacity_bytes": -5}, "capacity_bytes"),
+        ({"capacity_bytes": 1.5e9}, "capacity_bytes"),
+        ({"policy": "lru"}, "vllm\\+, sglang\\+, marconi, dp"),
+        ({"spec": "marconi-7b"}, "spec"),
+        ({"block_size": 0}, "block_size"),
+        ({"alpha": -1.0}, "alpha"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(kwargs, names):
+    args = {"capacity_bytes": 1000, "policy": "marconi", "spec": tiny_spec(), **kwargs}
+    with pytest.raises(InvalidInputError, match=names):
+        PrefixCacheCore(**args)
+
+
+@pytest.mark.parametrize(
+    ("kv", "states", "message"),
+    [
+        (lambda a, b: TokenKV(()), {3: PrefixState((1, 2, 3))}, "kv\\("),  # KV of the wrong length
+        ("not callable", {}, "kv must be a callable"),
+        (lambda a, b: TokenKV(()), {0: PrefixState(())}, "states key"),
+        (lambda a, b: TokenKV(()), {9: PrefixState(())}, "states key"),
+        (lambda a, b: TokenKV(()), {2.0: PrefixState(())}, "states key"),
+        (lambda a, b: TokenKV(()), {2: object()}, "states\\[2\\]"),
+    ],
+)
+def test_bad_admit_arguments_change_nothing(kv, states, message):
+    core = _core(capacity_bytes=500)
+    request(core, [7, 7, 7])
+    before = snapshot(core)
+    with pytest.raises(InvalidInputError, match=message):
+        core.admit([1, 2, 3], kv, states)
+    assert snapshot(core) == before
+    core.check_invariants()
+
+
+def test_bad_namespace():
+    with pytest.raises(InvalidInputError, match="namespace"):
+        _core().match([1], namespace="")
+
+
+def test_marconi_7b_sizes_flow_through():
+    spec = ModelSpec.from_name("marconi-7b")
+    core = PrefixCacheCore(int(1e9), "sglang+", spec)
+    tokens = np.arange(100)
+    match = core.match(tokens)
+    core.admit(tokens, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), {100: SizedState(spec.state_bytes)}, match)
+    core.release(match)
+    assert core.used_bytes == 100 * spec.kv_bytes_per_token + spec.state_bytes
+    assert core.match(tokens).length == 100
+
