@@ -153,6 +153,15 @@ def test_mooncake_malformed_line(tmp_path, bad_row, reason):
         assert len(read_trace(path, on_error="skip")) == 2
 
 
+def test_invalid_utf8_line_is_a_format_error(tmp_path):
+    path = tmp_path / "bytes.jsonl"
+    path.write_bytes(json.dumps(marconi_row()).encode() + b"\n\xff\xfe{\n")
+    with pytest.raises(TraceFormatError, match=r"bytes\.jsonl:2: "):
+        read_trace(path)
+    with pytest.warns(UserWarning, match=r"bytes\.jsonl:2"):
+        assert len(read_trace(path, on_error="skip")) == 1
+
+
 def test_unrecognised_or_missing_files(tmp_path):
     path = write_lines(tmp_path / "other.jsonl", ["not json", {"prompt": "hi"}])
     with pytest.raises(TraceFormatError, match="other.jsonl: no line looks like a trace record"):

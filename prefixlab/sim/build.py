@@ -265,7 +265,7 @@ def system_prompt_workload(
 
 def detect_shared_prefix_kind(path: Path) -> str:
     """'document' (QuALITY lines: article + questions) or 'system-prompt' (lines with a "text")."""
-    with path.open("r", encoding="utf-8") as lines:
+    with path.open("rb") as lines:
         for line_number, line in enumerate(lines, start=1):
             if line.strip():
                 try:

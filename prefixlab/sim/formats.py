@@ -61,7 +61,7 @@ def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str
     reported with a warning and reading goes on.
     """
     path = existing_file(path, on_error)
-    with path.open("r", encoding="utf-8") as lines:
+    with path.open("rb") as lines:  # bytes: json.loads decodes them, so bad UTF-8 is a bad line, not a crash
         for line_number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
@@ -190,7 +190,7 @@ def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
 def detect_format(path: str | Path) -> str:
     """'marconi' or 'mooncake', from the first non-blank line that is a JSON object; TraceFormatError otherwise."""
     path = existing_file(path)
-    with path.open("r", encoding="utf-8") as lines:
+    with path.open("rb") as lines:
         for line in lines:
             try:
                 obj = json.loads(line) if line.strip() else None
