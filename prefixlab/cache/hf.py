@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from prefixlab.cache.tensors import TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
@@ -95,7 +95,7 @@ class HybridPrefixCache(DynamicCache):
             raise ModelMismatchError(
                 "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that "
                 f"drive it never ran); the store serves {type(self.store.model).__name__} "
-                f"({self.store.identity[:12]}). Build a PrefixStore for this model and pass HybridPrefixCache(thatstore)"
+                f"({self.store.identity[:12]}). Build a PrefixStore for this model and a HybridPrefixCache over it"
             )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -166,8 +166,7 @@ class HybridPrefixCache(DynamicCache):
     def forward_failed(self) -> None:
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
         reusing this cache starts a new request. The store never saw a partial state."""
-        for layer_idx, layer in enumerate(self.layers):
-            self.layers[layer_idx] = type(layer)(**_layer_kwargs(layer))
+        self.layers = DynamicCache(config=self.store.model.config).layers
         self._clear_request()
         self.reused_tokens = 0
         self.prefixlab_capture_positions = None
@@ -282,11 +281,3 @@ def _cat_rows(pieces: list[torch.Tensor], batch: int, device: torch.device) -> t
     """Concatenate per-sequence KV pieces [heads, t, dim] along tokens into one fresh [batch, heads, T, dim]."""
     return torch.cat([p.to(device).unsqueeze(0).expand(batch, *p.shape) for p in pieces], dim=-2)
 
-
-def _layer_kwargs(layer) -> dict:
-    kwargs = {}
-    if isinstance(layer, LinearAttentionCacheLayerMixin):
-        kwargs["number_of_states"] = layer.number_of_states
-    if hasattr(layer, "sliding_window"):
-        kwargs["sliding_window"] = layer.sliding_window
-    return kwargs

@@ -18,8 +18,11 @@ import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers.cache_utils import (
     DummyLayer,
     DynamicCache,
@@ -31,7 +34,14 @@ from transformers.cache_utils import (
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
-from prefixlab.cache.tensors import TensorKV, TensorState
+from prefixlab.cache.tensors import (
+    TensorKV,
+    TensorState,
+    kv_from_flat,
+    kv_to_flat,
+    state_from_flat,
+    state_to_flat,
+)
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -78,8 +88,17 @@ class CacheLayout:
                 raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
         return cls(
             kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
-            state_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)),
+            state_layers=tuple(
+                i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
+            ),
         )
+
+
+# Model types whose transformers layers restart multi-token forwards from a zero recurrent state (ignoring the
+# cached one) and that prefixlab.recurrent.patch does not cover: reusing a prefix there would change outputs.
+STATE_DROPPING_MODEL_TYPES = {
+    "jamba": "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)",
+}
 
 
 def model_identity(model: torch.nn.Module) -> str:
@@ -108,6 +127,11 @@ class PrefixStore:
                  offload_capacity: int | str | None = None, block_size: int = 32, **core_options):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+        model_type = getattr(model.config, "model_type", "")
+        if model_type in STATE_DROPPING_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly"
+            )
         self.model = model
         self.identity = model_identity(model)
         self.layout = CacheLayout.from_config(model.config)
@@ -120,7 +144,8 @@ class PrefixStore:
             else PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy, spec=self.spec,
                                  block_size=block_size, **core_options)
         )
-        self._open: weakref.WeakSet[HybridPrefixCache] = weakref.WeakSet()
+        # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
+        self._open: dict[int, HybridPrefixCache] = {}
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0}
         self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
         self._hooks = [
@@ -189,15 +214,72 @@ class PrefixStore:
 
     def flush(self) -> None:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later)."""
-        for cache in list(self._open):
+        open_caches, self._open = list(self._open.values()), {}
+        for cache in open_caches:
             cache.commit()
-        self._open = weakref.WeakSet(c for c in self._open if c.started)
 
     def stats(self) -> dict:
         """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
         hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
         self.flush()
         return {**self.core.stats(), **self._counters}
+
+    # -- persistence ------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write every cached entry (tokens, KV, checkpoints, per namespace) and the model identity to a
+        safetensors file. Shared prefixes are written once."""
+        self.flush()
+        tensors, nodes = {}, []
+        for node in self.core.tree.nodes():
+            if node.is_root:
+                continue
+            name = f"n{node.id}"
+            if node.kv is not None:
+                tensors.update(kv_to_flat(node.kv, name))
+            for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
+                tensors.update(state_to_flat(state, f"{name}.s{position}"))
+            nodes.append({"id": node.id, "parent": None if node.parent.is_root else node.parent.id,
+                          "namespace": node.namespace, "tokens": node.tokens.tolist(),
+                          "checkpoints": list(node.ckpt_pos), "leaf": not node.children})
+        header = {"identity": self.identity, "capacity_bytes": self.capacity_bytes, "policy": self.core.policy,
+                  "block_size": self.core.options.block_size, "nodes": nodes}
+        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path),
+                  metadata={"prefixlab": json.dumps(header)})
+
+    @classmethod
+    def load(cls, path: str | Path, model: torch.nn.Module, **options) -> PrefixStore:
+        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy). `options`
+        override the saved capacity / policy / block_size. ModelMismatchError if the file is for another model."""
+        path = Path(path)
+        if not path.is_file():
+            raise InvalidInputError(f"path={str(path)!r} is not a file written by PrefixStore.save")
+        with safe_open(str(path), framework="pt", device=str(model.device)) as file:
+            header = json.loads((file.metadata() or {}).get("prefixlab", "null") or "null")
+            if header is None:
+                raise InvalidInputError(f"{path} has no prefixlab header: it was not written by PrefixStore.save")
+            identity = model_identity(model)
+            if header["identity"] != identity:
+                raise ModelMismatchError(
+                    f"{path} was saved for a model with identity {header['identity'][:12]}, but this model's config "
+                    f"and dtype give {identity[:12]}; load it with the model (same config and dtype) that saved it"
+                )
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+        store = cls(model, **({"capacity": header["capacity_bytes"], "policy": header["policy"],
+                                "block_size": header["block_size"]} | options))
+        by_id = {node["id"]: node for node in header["nodes"]}
+        for leaf in (node for node in header["nodes"] if node["leaf"]):
+            path_nodes = [leaf]
+            while path_nodes[-1]["parent"] is not None:
+                path_nodes.append(by_id[path_nodes[-1]["parent"]])
+            path_nodes.reverse()
+            tokens, pieces, states, depth = [], [], {}, 0
+            for node in path_nodes:
+                name, depth = f"n{node['id']}", depth + len(node["tokens"])
+                tokens += node["tokens"]
+                pieces.append(kv_from_flat(tensors, name, len(node["tokens"])))
+                states.update({p: state_from_flat(tensors, f"{name}.s{p}") for p in node["checkpoints"]})
+            store.admit(tokens, _path_kv(pieces), states, path_nodes[0]["namespace"])
+        return store
 
     # -- forward hooks: how generate() drives HybridPrefixCache ------------------------------------------------------
     def _our_cache(self, module: torch.nn.Module, kwargs: dict) -> HybridPrefixCache | None:
@@ -236,7 +318,6 @@ class PrefixStore:
         """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
         length = kwargs["input_ids"].shape[1]
         start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"))
-        self._open.add(cache)
         for stop in cache.capture_splits(start, length):
             segment = _slice_inputs(kwargs, start, stop, length)
             if "logits_to_keep" in _forward_parameters(module):
@@ -251,9 +332,22 @@ class PrefixStore:
             return
         if output is None:  # the forward raised
             cache.forward_failed()
-            self._open.discard(cache)
+            self._open.pop(id(cache), None)
         else:
             cache.forward_done()
+            self._open[id(cache)] = cache
+
+
+def _path_kv(pieces: list[TensorKV]) -> Callable[[int, int], TensorKV]:
+    """kv(a, b) over consecutive KV pieces of one path."""
+
+    def kv(start: int, stop: int) -> TensorKV:
+        whole = pieces[0]
+        for piece in pieces[1:]:
+            whole = whole.concat(piece)
+        return whole.split(stop)[0].split(start)[1]
+
+    return kv
 
 
 def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:

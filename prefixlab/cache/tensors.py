@@ -126,9 +126,9 @@ def kv_to_flat(kv: TensorKV, prefix: str) -> dict[str, torch.Tensor]:
 def kv_from_flat(flat: Mapping[str, torch.Tensor], prefix: str, ntokens: int) -> TensorKV:
     keys, values = {}, {}
     for name, tensor in flat.items():
-        head, kind, layer = name.rsplit(".", 2)
-        if head == prefix:
-            (keys if kind == "k" else values)[int(layer)] = tensor
+        parts = name.rsplit(".", 2)
+        if len(parts) == 3 and parts[0] == prefix and parts[1] in ("k", "v"):
+            (keys if parts[1] == "k" else values)[int(parts[2])] = tensor
     return TensorKV(ntokens, keys, values)
 
 
@@ -141,7 +141,7 @@ def state_to_flat(state: TensorState, prefix: str) -> dict[str, torch.Tensor]:
 def state_from_flat(flat: Mapping[str, torch.Tensor], prefix: str) -> TensorState:
     conv, recurrent = {}, {}
     for name, tensor in flat.items():
-        head, kind, layer, index = name.rsplit(".", 3)
-        if head == prefix:
-            (conv if kind == "conv" else recurrent)[(int(layer), int(index))] = tensor
+        parts = name.rsplit(".", 3)
+        if len(parts) == 4 and parts[0] == prefix and parts[1] in ("conv", "recurrent"):
+            (conv if parts[1] == "conv" else recurrent)[(int(parts[2]), int(parts[3]))] = tensor
     return TensorState(conv, recurrent)
