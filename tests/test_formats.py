@@ -178,3 +178,28 @@ def test_write_trace_converts_everything_before_writing(tmp_path):
     with pytest.raises(InvalidInputError, match=r"requests\[1\] is a str"):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3)), "not a request"])
     assert path.read_text() == "previous contents\n"
+
+
+def mooncake_request_strategy():
+    """(hash_ids, input_length) with ids from a small alphabet, so lists often share prefixes."""
+    return st.lists(st.integers(0, 3), min_size=1, max_size=4).flatmap(
+        lambda ids: st.tuples(
+            st.just(ids), st.integers((len(ids) - 1) * MOONCAKE_BLOCK_TOKENS + 1, len(ids) * MOONCAKE_BLOCK_TOKENS)
+        )
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(mooncake_request_strategy(), mooncake_request_strategy())
+def test_mooncake_shared_hash_prefix_is_shared_token_prefix(tmp_path_factory, a, b):
+    (ids_a, length_a), (ids_b, length_b) = a, b
+    path = tmp_path_factory.mktemp("mc") / "t.jsonl"
+    write_lines(path, [mooncake_row(0, length_a, ids_a), mooncake_row(1, length_b, ids_b)])
+    tokens_a, tokens_b = (r.input_tokens for r in read_trace(path))
+    common_blocks = next(
+        (k for k, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y), min(len(ids_a), len(ids_b))
+    )
+    expected = min(common_blocks * MOONCAKE_BLOCK_TOKENS, length_a, length_b)
+    n = min(length_a, length_b)
+    mismatches = np.flatnonzero(tokens_a[:n] != tokens_b[:n])
+    assert (int(mismatches[0]) if mismatches.size else n) == expected
