@@ -99,7 +99,7 @@ class PrefixCacheCore:
         self._live: dict[int, Match] = {}
         self.bootstrap_multiplier = bootstrap_multiplier
         self._tuning = alpha is None and tunes_alpha(policy)
-        self._history: list[tuple[np.ndarray, np.ndarray]] = []  # (input, input + output) until alpha is tuned
+        self._history: list[tuple[np.ndarray, np.ndarray]] = []  # (input, output) until alpha is tuned
         self._tune_at: int | None = None
         self._last_walk: tuple | None = None
 
@@ -288,7 +288,8 @@ class PrefixCacheCore:
 
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
-        self._history.append((tokens[: match.input_length if match else len(tokens)], tokens))
+        split = match.input_length if match else len(tokens)
+        self._history.append((tokens[:split], tokens[split:]))
         if self._tune_at is not None and self.requests >= self._tune_at:
             self.eviction.alpha = tune_alpha(self._replay_flops_saved)
             self._tuning, self._history = False, []
@@ -298,7 +299,7 @@ class PrefixCacheCore:
             self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=alpha,
             checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
         )
-        hits = np.array([replay_request(core, inp, full) for inp, full in self._history], dtype=np.int64)
+        hits = np.array([replay_request(core, inp, out) for inp, out in self._history], dtype=np.int64)
         return float(np.sum(self.spec.flops_saved(hits)))
 
     # inspection --------------------------------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""Admission and eviction policies: what each keeps, what each evicts, and Marconi's alpha tuning."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefix_helpers import STATE_BYTES, naive_match, request, tiny_spec
+
+from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.eviction import ALPHA_GRID
+from prefixlab.cache.policies import POLICY_NAMES, check_policy_name
+from prefixlab.errors import InvalidInputError
+from prefixlab.sim.replay import simulate
+from prefixlab.sim.trace import Request
+
+PROMPT = list(range(100, 110))
+
+
+def _core(policy, capacity_bytes=100_000, **kw):
+    return PrefixCacheCore(capacity_bytes, policy, tiny_spec(), block_size=4, **kw)
+
+
+def _checkpoints(core):
+    return sorted(p for node in core.tree.nodes() for p in node.ckpt_pos)
+
+
+def test_unknown_policy_lists_the_valid_names():
+    with pytest.raises(InvalidInputError) as err:
+        check_policy_name("lru")
+    assert all(name in str(err.value) for name in POLICY_NAMES)
+
+
+@pytest.mark.parametrize(("policy", "second", "third"), [("marconi", 0, 10), ("sglang+", 0, 10), ("vllm+", 8, 8)])
+def test_shared_input_prefix_reuse(policy, second, third):
+    """Marconi's trade-off: a purely-input prefix gets its branch-point state on its second occurrence, so it is
+    reused from the third; vLLM+ reuses whole blocks from the second."""
+    core = _core(policy)
+    assert request(core, PROMPT + [1, 2]).length == 0
+    assert request(core, PROMPT + [3, 4]).length == second
+    assert request(core, PROMPT + [5, 6]).length == third
+
+
+def test_marconi_keeps_at_most_the_branch_point_and_the_last_token():
+    core = _core("marconi")
+    request(core, PROMPT + [1, 2], [7])
+    request(core, PROMPT + [3, 4], [8])
+    assert _checkpoints(core) == [10, 13, 13]
+
+
+def test_vllm_states_every_block_and_supersedes_a_partial_last_block():
+    core = _core("vllm+")
+    request(core, [1, 2, 3, 4, 5, 6])
+    assert _checkpoints(core) == [4, 6]
+    request(core, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert _checkpoints(core) == [4, 8, 10]
+
+
+def test_sglang_evicts_the_least_recently_used_leaf():
+    entry = 4 * 4 + STATE_BYTES
+    core = _core("sglang+", capacity_bytes=2 * entry)
+    request(core, [1, 1, 1, 1])
+    request(core, [2, 2, 2, 2])
+    request(core, [1, 1, 1, 1])  # refreshes the first entry
+    request(core, [3, 3, 3, 3])
+    assert [naive_match(core, [k] * 4)[0] for k in (1, 2, 3)] == [4, 0, 4]
+
+
+def test_vllm_evicts_tail_blocks_first():
+    core = _core("vllm+", capacity_bytes=3 * (STATE_BYTES + 16))
+    request(core, [1] * 12)
+    request(core, [2] * 4)  # needs one block: the tail block of the older entry goes
+    assert naive_match(core, [1] * 12)[0] == 8 and naive_match(core, [2] * 4)[0] == 4
+
+
+def test_marconi_refreshes_only_the_reused_node_on_a_hit():
+    for policy, path_refreshed in (("marconi", False), ("sglang+", True)):
+        core = _core(policy)
+        for suffix in ([1, 2], [3, 4], [5, 6]):
+            request(core, PROMPT + suffix)
+        leaf = core.tree.walk(np.array(PROMPT + [1, 2]), "default").path[-1]
+        before = leaf.last_access
+        request(core, PROMPT + [1, 9])  # passes through the [1, 2] leaf's edge, reuses the branch point
+        assert (leaf.last_access != before) == path_refreshed, policy
+
+
+def test_flop_aware_eviction_of_a_single_child_node_merges_its_kv_into_the_child():
+    core = _core("marconi", alpha=0.0)
+    request(core, PROMPT + [1, 2])
+    request(core, PROMPT + [3, 4])
+    branch = core.tree.walk(np.array(PROMPT), "default").path[-1]
+    core.tree.remove_leaf(branch.children[3])
+    used = core.used_bytes
+    freed = core.eviction.free(branch, 1)
+    (merged,) = core.tree.roots["default"].children.values()
+    assert freed == STATE_BYTES == used - core.used_bytes
+    assert merged.kv.tokens == tuple(PROMPT + [1, 2]) and merged.ckpt_pos == [12]
+    core.check_invariants()
+
+
+def _reference_victim(eviction, now):
+    """Marconi's utility by brute force: S = norm(1 / (now - ts)) + alpha * norm(flop_efficiency), argmin."""
+
+    def normalised(values):
+        low, high = min(values), max(values)
+        return [1.0 if high == low else (v - low) / (high - low) for v in values]
+
+    nodes = list(eviction.nodes.values())
+    recency = normalised([1.0 / (now - n.last_access) for n in nodes])
+    efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])
+    scores = [r + eviction.alpha * e for r, e in zip(recency, efficiency, strict=True)]
+    return {n.id for n, s in zip(nodes, scores, strict=True) if np.isclose(s, min(scores), rtol=1e-12, atol=1e-12)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    alpha=st.sampled_from(ALPHA_GRID),
+    stream=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=25),
+)
+def test_flop_aware_pick_is_the_brute_force_argmin(alpha, stream):
+    core = _core("marconi", alpha=alpha)
+    for tokens in stream:
+        request(core, tokens)
+        if core.eviction.nodes:
+            assert core.eviction.pick(core.clock + 1).id in _reference_victim(core.eviction, core.clock + 1)
+
+
+def test_large_alpha_evicts_the_least_flop_efficient_entry():
+    results = {}
+    for alpha in (0.0, 2.0):
+        core = _core("marconi", capacity_bytes=3 * STATE_BYTES + 4 * 32 - 1, alpha=alpha)
+        request(core, list(range(1000, 1028)))  # old, long: efficient
+        request(core, [1, 2])  # recent, short: inefficient
+        request(core, [3, 4])  # needs room
+        results[alpha] = (naive_match(core, list(range(1000, 1028)))[0], naive_match(core, [1, 2])[0])
+    assert results == {0.0: (0, 2), 2.0: (28, 0)}
+
+
+def _conversations(sessions, turns, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for s in range(sessions):
+        history = np.zeros(0, dtype=np.int64)
+        for t in range(turns):
+            inp = np.concatenate([history, rng.integers(0, 50, rng.integers(5, 40))])
+            reply = rng.integers(0, 50, rng.integers(5, 40))
+            out.append(Request(str(s), t, s + 3.0 * t, inp, reply))
+            history = np.concatenate([inp, reply])
+    return sorted(out, key=lambda r: r.ts)
+
+
+def test_alpha_is_tuned_on_the_bootstrap_window_to_the_best_replay():
+    requests, spec, capacity = _conversations(12, 4), tiny_spec(), 1500
+    core = PrefixCacheCore(capacity, "marconi", spec, bootstrap_multiplier=2)
+    first_eviction = None
+    for i, r in enumerate(requests):
+        replay_request(core, r.input_tokens, r.output_tokens)
+        if first_eviction is None and core.evictions:
+            first_eviction = i + 1
+    assert first_eviction is not None and 2 * first_eviction <= len(requests)
+    window = requests[: 2 * first_eviction]
+    saved = {a: simulate(window, "marconi", capacity, spec, alpha=a, overflow=False).flops_saved for a in ALPHA_GRID}
+    assert len(set(saved.values())) > 1  # the window does tell the alphas apart
+    assert core.alpha == max(ALPHA_GRID, key=lambda a: (saved[a], -a))
