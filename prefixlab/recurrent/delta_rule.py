@@ -66,7 +66,7 @@ def gated_delta_rule(
     if initial_state is None:
         state = torch.zeros(batch, heads_v, dim_k, dim_v, dtype=torch.float32, device=q.device)
     else:
-        state = initial_state.to(torch.float32)
+        state = initial_state.to(torch.float32, copy=True)  # never alias the caller's tensor
 
     kernel = _KERNELS["naive" if length == 0 else backend]
     o, final, captured = kernel(q, k, v, g, beta, state, positions, chunk_size)

@@ -42,14 +42,23 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int):
 
 def scan_chunks(u, w, k_to_end, chunk_decay, state):
     """The sequential part: chunk-start states [B, H, N, K, V], corrected values v_new and the final state."""
+    batch, heads = state.shape[:2]
+    # Batch and heads flattened so each step is two fused multiply-adds (baddbmm) on [B*H, ...].
+    u, w, k_to_end_t = (x.flatten(0, 1) for x in (u, w, k_to_end.transpose(-1, -2)))
+    decay = chunk_decay.flatten(0, 1)[..., None]
+    state = state.flatten(0, 1)
     starts, corrected = [], []
-    k_to_end_t = k_to_end.transpose(-1, -2)
-    for c in range(u.shape[2]):
+    for c in range(u.shape[1]):
         starts.append(state)
-        v_new = u[:, :, c] - w[:, :, c] @ state
+        v_new = torch.baddbmm(u[:, c], w[:, c], state, alpha=-1)
         corrected.append(v_new)
-        state = state * chunk_decay[:, :, c, :, None] + k_to_end_t[:, :, c] @ v_new
-    return torch.stack(starts, dim=2), torch.stack(corrected, dim=2), state
+        state = torch.baddbmm(state * decay[:, c], k_to_end_t[:, c], v_new)
+    unflat = (batch, heads)
+    return (
+        torch.stack(starts, dim=1).unflatten(0, unflat),
+        torch.stack(corrected, dim=1).unflatten(0, unflat),
+        state.unflatten(0, unflat),
+    )
 
 
 def chunk_outputs(q_decayed, attn, starts, v_new, length: int) -> torch.Tensor:

@@ -71,7 +71,7 @@ def ssd(
     if initial_state is None:
         state = torch.zeros(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
     else:
-        state = initial_state.to(torch.float32)
+        state = initial_state.to(torch.float32, copy=True)  # never alias the caller's tensor
     kernel = {"naive": ssd_naive, "torch": ssd_chunked, "compiled": ssd_compiled}["naive" if length == 0 else backend]
     y, final, captured = kernel(x.to(torch.float32), dt, A.to(torch.float32), B, C, state, positions, chunk_size)
     if D is not None:
