@@ -183,6 +183,23 @@ def test_simulate_bad_arguments_exit_2_with_one_line(capsys, argv, match, stand_
     assert stand_in_replay == []  # rejected before any replay
 
 
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["simulate"], "prefixlab simulate: the following arguments are required: trace"),
+        (["trace"], "prefixlab trace: the following arguments are required: build"),
+        (["trace", "build"], "required: {conversations,shared-prefix,builtin}"),
+        (["trace", "build", "builtin"], "prefixlab trace build builtin: the following arguments are required: -o"),
+    ],
+)
+def test_usage_errors_are_one_line(capsys, argv, match):
+    with pytest.raises(SystemExit) as exit_info:
+        prefixlab.cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert err.startswith("prefixlab: error: ") and match in err
+
+
 def test_simulate_missing_trace_file(capsys, tmp_path):
     assert_one_line_error(capsys, "simulate", tmp_path / "absent.jsonl", match="does not exist")
 
