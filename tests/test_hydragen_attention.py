@@ -1,0 +1,138 @@
+"""hydragen_attention: split and packed-tree paths against the dense SDPA reference, and its input checks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixlab.attention import SharedLevel, choose_method, hydragen_attention
+from prefixlab.attention.packed import packed_tree_attention
+from prefixlab.attention.reference import reference_attention
+from prefixlab.attention.split import split_attention
+from prefixlab.attention.tree import plan_tree
+from prefixlab.errors import InvalidInputError
+
+ATOL = 1e-5
+
+
+def _rand(g, *shape):
+    return torch.randn(*shape, generator=g)
+
+
+def _case(seed, batch=3, kv_heads=2, group=2, queries=2, slots=4, dim=8, parents=(None, 0, 0), lengths=(5, 3, 4)):
+    g = torch.Generator().manual_seed(seed)
+    q = _rand(g, batch, kv_heads * group, queries, dim)
+    levels = [
+        SharedLevel(_rand(g, kv_heads, n, dim), _rand(g, kv_heads, n, dim), p)
+        for p, n in zip(parents, lengths, strict=True)
+    ]
+    return q, levels, _rand(g, batch, kv_heads, slots, dim), _rand(g, batch, kv_heads, slots, dim)
+
+
+@st.composite
+def batches(draw):
+    """A random forest of levels, each sequence under a random level (or none), random GQA/query/suffix shapes."""
+    n_levels = draw(st.integers(0, 4))
+    parents = [None] + [draw(st.one_of(st.none(), st.integers(0, i - 1))) for i in range(1, n_levels)]
+    lengths = [draw(st.integers(0, 9)) for _ in range(n_levels)]
+    batch, queries = draw(st.integers(1, 4)), draw(st.integers(1, 3))
+    slots = draw(st.integers(queries, queries + 4))
+    q, levels, sk, sv = _case(draw(st.integers(0, 2**16)), batch, draw(st.integers(1, 2)), draw(st.integers(1, 3)),
+                              queries, slots, 8, parents[:n_levels], lengths)
+    seq_levels = [draw(st.integers(-1, n_levels - 1)) for _ in range(batch)]
+    suffix_lengths = [draw(st.integers(queries, slots)) for _ in range(batch)] if draw(st.booleans()) else None
+    return q, levels, sk, sv, seq_levels, suffix_lengths
+
+
+@settings(max_examples=25, deadline=None)
+@given(batches())
+def test_split_and_packed_equal_reference(case):
+    q, levels, sk, sv, seq_levels, suffix_lengths = case
+    plan = plan_tree(q, levels, sk, sv, seq_levels, suffix_lengths=suffix_lengths)
+    ref = reference_attention(q, plan, sk, sv, 0.3)
+    torch.testing.assert_close(split_attention(q, plan, sk, sv, 0.3), ref, atol=ATOL, rtol=0)
+    # eager FlexAttention: same mask_mod and packing as the compiled path, without a compile per shape
+    torch.testing.assert_close(packed_tree_attention(q, plan, sk, sv, 0.3, compiled=False), ref, atol=ATOL, rtol=0)
+
+
+def test_reference_is_plain_sdpa_over_materialised_rows():
+    q, levels, sk, sv = _case(3, parents=(None, 0), lengths=(5, 3))
+    out = hydragen_attention(q, levels, sk, sv, seq_levels=[1, 0, -1], method="sdpa")
+    rows = [torch.cat([levels[0].keys, levels[1].keys, sk[0]], 1), torch.cat([levels[0].keys, sk[1]], 1), sk[2]]
+    values = [torch.cat([levels[0].values, levels[1].values, sv[0]], 1), torch.cat([levels[0].values, sv[1]], 1), sv[2]]
+    for b in range(3):
+        length = rows[b].shape[1]
+        causal = torch.ones(2, length, dtype=torch.bool).tril(length - 2)
+        ref = F.scaled_dot_product_attention(q[b : b + 1], rows[b][None], values[b][None], attn_mask=causal,
+                                             enable_gqa=True)
+        torch.testing.assert_close(out[b : b + 1], ref, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("queries,slots", [(1, 6), (6, 6)], ids=["decode", "prefill"])
+def test_public_api_methods_agree(queries, slots):
+    q, levels, sk, sv = _case(1, batch=4, queries=queries, slots=slots)
+    seq_levels = [1, 2, 2, 0]
+    ref = hydragen_attention(q, levels, sk, sv, seq_levels=seq_levels, method="sdpa")
+    # compiled FlexAttention for the packed path costs a compile per shape on CPU: once is enough here
+    for method in ("split", "auto") + (("packed",) if queries == 1 else ()):
+        out = hydragen_attention(q, levels, sk, sv, seq_levels=seq_levels, method=method)
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_empty_prefix_is_plain_attention_bit_for_bit():
+    q, _, sk, sv = _case(2, queries=1)
+    empty = SharedLevel(sk[0, :, :0], sv[0, :, :0])
+    out = hydragen_attention(q, [empty], sk, sv)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, sk, sv, enable_gqa=True))
+    assert choose_method(q, plan_tree(q, [empty], sk, sv)) == "sdpa"
+
+
+def test_auto_splits_on_cpu_when_something_is_shared():
+    q, levels, sk, sv = _case(4)
+    assert choose_method(q, plan_tree(q, levels, sk, sv)) == "split"
+
+
+def test_one_level_decode_batch_matches_per_sequence_sdpa():
+    """The benchmark's shape family: one prefix, GQA 8:1, decode."""
+    g = torch.Generator().manual_seed(5)
+    q, pk, pv = _rand(g, 16, 8, 1, 32), _rand(g, 1, 64, 32), _rand(g, 1, 64, 32)
+    sk, sv = _rand(g, 16, 1, 9, 32), _rand(g, 16, 1, 9, 32)
+    out = hydragen_attention(q, [SharedLevel(pk, pv)], sk, sv, method="split")
+    full_k = torch.cat([pk.expand(16, 1, 64, 32), sk], 2)
+    full_v = torch.cat([pv.expand(16, 1, 64, 32), sv], 2)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, full_k, full_v, enable_gqa=True), atol=ATOL,
+                               rtol=0)
+
+
+def _bad(**overrides):
+    q, levels, sk, sv = _case(0)
+    args = dict(q=q, levels=levels, suffix_keys=sk, suffix_values=sv, seq_levels=None)
+    args.update(overrides)
+    return args
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(q=torch.randn(3, 3, 2, 8)), "multiple of the KV heads"),
+        (dict(suffix_keys=torch.randn(2, 2, 4, 8), suffix_values=torch.randn(2, 2, 4, 8)), "one suffix per sequence"),
+        (dict(seq_levels=[0, 1]), "one per sequence"),
+        (dict(suffix_lengths=[4, 4]), "suffix_lengths has 2 entries"),
+        (dict(suffix_lengths=[4, 1, 4]), r"must lie in \[queries"),
+        (dict(q=torch.randn(3, 4, 5, 8)), "append the new tokens"),
+        (dict(levels=[SharedLevel(torch.randn(2, 3, 8), torch.randn(2, 3, 8), 1),
+                      SharedLevel(torch.randn(2, 3, 8), torch.randn(2, 3, 8), 0)]), "cycle"),
+        (dict(levels=[SharedLevel(torch.randn(2, 3, 8), torch.randn(2, 3, 8), 5)]), "parent=5"),
+        (dict(levels=[SharedLevel(torch.randn(1, 3, 8), torch.randn(1, 3, 8))]), "kv_heads=2"),
+        (dict(levels=[SharedLevel(torch.randn(2, 3, 8).double(), torch.randn(2, 3, 8).double())]), "dtype"),
+        (dict(levels=[SharedLevel(torch.randn(2, 3, 8, device="meta"), torch.randn(2, 3, 8))]), "device"),
+        (dict(suffix_mask=torch.ones(3, 2, 3, dtype=torch.bool)), "suffix_mask has shape"),
+        (dict(method="fast"), "method='fast'"),
+    ],
+)
+def test_bad_input_raises_clear_error(overrides, match):
+    args = _bad(**overrides)
+    with pytest.raises(InvalidInputError, match=match):
+        hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"), args.pop("suffix_values"),
+                           **args)
