@@ -226,6 +226,24 @@ def test_system_prompt_trace_popularity_determinism_and_queries(tmp_path, word_t
         assert len(r.output_tokens) == 2
 
 
+def test_system_prompt_trace_path_prefix_selects_one_family(tmp_path, word_tokenizer):
+    prompts = [
+        {"path": "a/v1.md", "text": "hello there"},
+        {"path": "b/x.md", "text": "bye"},
+        {"path": "a/v2.md", "text": "hello you"},
+    ]
+    path = write_jsonl(tmp_path / "prompts.jsonl", prompts)
+    requests = build_shared_prefix_trace(path, word_tokenizer, num_requests=50, path_prefix="a/")
+    first_tokens = {int(r.input_tokens[0]) for r in requests}
+    assert first_tokens == set(TextEncoder(word_tokenizer)(["hello"])[0])  # never the "bye" prompt
+    assert {r.session_id.split("-")[0] for r in requests} == {"p0", "p1"}
+    with pytest.raises(InvalidInputError, match="path_prefix 'c/' matches no prompt"):
+        build_shared_prefix_trace(path, word_tokenizer, path_prefix="c/")
+    documents = write_jsonl(tmp_path / "q.jsonl", [quality_row(["text"], [("q", ["a"], 1)])])
+    with pytest.raises(InvalidInputError, match="path_prefix selects system prompts"):
+        build_shared_prefix_trace(documents, word_tokenizer, path_prefix="a/")
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [

@@ -227,11 +227,13 @@ def parse_quality_article(obj: Any) -> tuple[str, list[tuple[str, str]]]:
     return _html_text(obj["article"]), questions
 
 
-def parse_system_prompt(obj: Any) -> str:
-    """The prompt text of one `{"text": ...}` line."""
+def parse_system_prompt(obj: Any) -> tuple[str, str]:
+    """(path, prompt text) of one `{"path": ..., "text": ...}` line; the path is optional ("")."""
     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or not obj["text"]:
         raise LineError('expected an object with a non-empty "text" (the system prompt)')
-    return obj["text"]
+    if not isinstance(obj.get("path", ""), str):
+        raise LineError(f"path must be a string, got {obj['path']!r}")
+    return obj.get("path", ""), obj["text"]
 
 
 def _ids(encode: TextEncoder, texts: list[str]) -> list[np.ndarray]:
@@ -252,10 +254,21 @@ def document_workload(path: Path, encode: TextEncoder, on_error: str) -> tuple[l
 
 
 def system_prompt_workload(
-    path: Path, encode: TextEncoder, on_error: str, query_tokens: tuple[int, int], output_tokens: tuple[int, int]
+    path: Path,
+    encode: TextEncoder,
+    on_error: str,
+    query_tokens: tuple[int, int],
+    output_tokens: tuple[int, int],
+    path_prefix: str = "",
 ) -> tuple[list[np.ndarray], QuerySampler]:
-    """System prompts as prefixes; a query and its output are random tokens (no real user queries ship with them)."""
-    prompts = _ids(encode, list(read_json_lines(path, parse_system_prompt, on_error)))
+    """System prompts (those whose path starts with `path_prefix`, e.g. one product's versions) as prefixes; a
+    query and its output are random tokens (no real user queries ship with the prompts)."""
+    prompts = [
+        text for name, text in read_json_lines(path, parse_system_prompt, on_error) if name.startswith(path_prefix)
+    ]
+    if path_prefix and not prompts:
+        raise InvalidInputError(f"path_prefix {path_prefix!r} matches no prompt path in {str(path)!r}")
+    prompts = _ids(encode, prompts)
 
     def sample_query(rng: np.random.Generator, i: int) -> tuple[np.ndarray, np.ndarray]:
         return random_tokens(rng, query_tokens, encode.vocab_size), random_tokens(rng, output_tokens, encode.vocab_size)
@@ -292,14 +305,16 @@ def build_shared_prefix_trace(
     query_tokens: tuple[int, int] = (16, 128),
     output_tokens: tuple[int, int] = (32, 256),
     seed: int = 0,
+    path_prefix: str = "",
     on_error: str = "stop",
 ) -> list[Request]:
     """A one-turn shared-prefix trace; the workload is detected from `input_path`:
 
     - QuALITY JSONL (long-document QA): a request is one document + one of its questions with the options; the
       output is the gold answer;
-    - system prompts JSONL (`{"text": ...}`): a request is one system prompt + a random user query of
-      `query_tokens` (min, max) tokens; the output is `output_tokens` random tokens.
+    - system prompts JSONL (`{"path": ..., "text": ...}`): a request is one system prompt (of those whose path
+      starts with `path_prefix`) + a random user query of `query_tokens` (min, max) tokens; the output is
+      `output_tokens` random tokens.
 
     Prefixes are drawn with Zipf popularity (`popularity_skew`; 0 = uniform), arrivals are Poisson at
     `requests_per_second`, and `seed` fixes everything.
@@ -308,6 +323,8 @@ def build_shared_prefix_trace(
     _check_number("popularity_skew", popularity_skew, strict=False)
     _check_int("num_requests", num_requests, 1)
     _check_int("seed", seed, 0)
+    if not isinstance(path_prefix, str):
+        raise InvalidInputError(f"path_prefix must be a string, got {path_prefix!r}")
     query_tokens, output_tokens = (
         _check_range("query_tokens", query_tokens),
         _check_range("output_tokens", output_tokens),
@@ -315,9 +332,13 @@ def build_shared_prefix_trace(
     encode = TextEncoder(tokenizer_path)
     path = existing_file(input_path, on_error)
     if detect_shared_prefix_kind(path) == "document":
+        if path_prefix:
+            raise InvalidInputError(f"path_prefix selects system prompts; {str(path)!r} holds QuALITY documents")
         prefixes, sample_query = document_workload(path, encode, on_error)
     else:
-        prefixes, sample_query = system_prompt_workload(path, encode, on_error, query_tokens, output_tokens)
+        prefixes, sample_query = system_prompt_workload(
+            path, encode, on_error, query_tokens, output_tokens, path_prefix
+        )
     if not prefixes:
         raise TraceFormatError(f"{path}: no usable line (every line was skipped)")
     return shared_prefix_requests(prefixes, sample_query, num_requests, requests_per_second, popularity_skew, seed)

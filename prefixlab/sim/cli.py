@@ -148,6 +148,7 @@ def run_trace_build(args: argparse.Namespace) -> int:
             requests_per_second=parse_number(args.rate, "--rate"),
             popularity_skew=parse_number(args.skew, "--skew", strict=False),
             seed=parse_number(args.seed, "--seed", integer=True, strict=False),
+            path_prefix=args.path_prefix,
             on_error=check_on_error(args.on_error),
         )
     if not Path(args.output).parent.is_dir():
@@ -198,6 +199,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     shared.add_argument("--num-requests", default="1000")
     shared.add_argument("--skew", default="1.0", help="Zipf popularity exponent of the prefixes (0 = uniform)")
     shared.add_argument("--seed", default="0")
+    shared.add_argument("--path-prefix", default="", help="system prompts: keep paths starting with this")
     builtin = kinds.add_parser("builtin", help="the small synthetic trace `simulate builtin` replays")
     builtin.add_argument("--seed", default="0")
     for kind in (conversations, shared):
