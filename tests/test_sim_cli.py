@@ -50,10 +50,10 @@ def test_simulate_builtin_json_matches_direct_replay(capsys):
     trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
     bound = ceiling(trace, spec)
     for row in rows:
-        direct = simulate(trace, row["policy"], int(row["capacity_gb"] * 1e9), spec)
+        direct = simulate(trace, row["policy"], round(row["capacity_gb"] * 1e9), spec)
         for key in ("token_hit_rate", "request_hit_rate", "flops_saved", "ttft_p50_s", "ttft_p95_s", "evictions"):
             assert row[key] == pytest.approx(getattr(direct, key)), key
-        assert row["capacity_bytes"] == int(row["capacity_gb"] * 1e9)
+        assert row["capacity_bytes"] == {0.3: 300_000_000, 1.0: 1_000_000_000}[row["capacity_gb"]]
         assert row["ceiling_token_hit_rate"] == pytest.approx(bound.token_hit_rate)
         assert 0 <= row["token_hit_rate"] <= row["ceiling_token_hit_rate"] + 1e-9
     assert any(row["evictions"] > 0 for row in rows) and any(row["token_hit_rate"] > 0 for row in rows)

@@ -50,7 +50,7 @@ def parse_capacities_gb(text: str) -> list[float]:
     """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"."""
     capacities = [parse_number(part.strip(), "--capacity-gb") for part in text.split(",")]
     for capacity_gb in capacities:
-        if int(capacity_gb * report.BYTES_PER_GB) < 1:
+        if report.gb_to_bytes(capacity_gb) < 1:
             raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is below one byte; pass sizes in GB, e.g. 1,2,5")
     return capacities
 
@@ -113,7 +113,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         for policy in policies:
             for capacity_gb in capacities_gb:
                 bar.set_postfix_str(f"{policy} {capacity_gb:g} GB")
-                result = simulate(requests, policy, int(capacity_gb * report.BYTES_PER_GB), spec, progress=bar.update)
+                result = simulate(requests, policy, report.gb_to_bytes(capacity_gb), spec, progress=bar.update)
                 rows.append(report.result_row(result, capacity_gb, bound))
     print(report.json_lines(rows) if args.json else report.format_table(rows))
     if args.plot:

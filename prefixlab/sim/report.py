@@ -12,6 +12,12 @@ from prefixlab.sim.metrics import SimResult
 
 BYTES_PER_GB = 10**9  # decimal gigabytes, as the Marconi simulator counts its 1/2/5 GB budgets
 
+
+def gb_to_bytes(capacity_gb: float) -> int:
+    """Bytes of `capacity_gb` decimal GB, rounded (0.3 GB is 300000000 B, not 299999999)."""
+    return round(capacity_gb * BYTES_PER_GB)
+
+
 # (row key, column header, format) of the comparison table.
 TABLE_COLUMNS = (
     ("policy", "policy", "{}"),
