@@ -4,8 +4,8 @@
   sequence extends a partial last block, the old end state is superseded (vLLM+ fills the block in place).
 - `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
   the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
-- `PlacedAdmission` (dp, marconi+balanced|block|log): Marconi's positions plus checkpoints placed inside the part
-  of the sequence the request computes anyway, by a placement function of (reused, length).
+- `PlacedAdmission` (marconi+balanced|block|log) and `DPAdmission` (dp): Marconi's positions plus checkpoints
+  placed inside the part of the sequence the request computes anyway.
 
 `refresh_path` says how hits refresh timestamps: SGLang / vLLM refresh every node on the matched path, Marconi
 only the node whose checkpoint is reused (section 4.3).
@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixlab.cache.tree import Node, RadixTree, Walk
-
-Placement = Callable[[int, int], list[int]]
 
 
 def _has_checkpoint_at(walk: Walk, position: int) -> bool:
@@ -38,8 +36,8 @@ class MarconiAdmission:
             positions.add(shared)
         return sorted(positions)
 
-    def observe(self, shared_length: int) -> None:
-        """Called with every request's overlap with the tree (used by placements that learn from it)."""
+    def observe(self, shared_length: int, reused_length: int) -> None:
+        """Called with every request's overlap with the tree and the part of it a checkpoint let it reuse."""
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
         """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted."""
@@ -74,16 +72,39 @@ class BlockAdmission(MarconiAdmission):
 
 
 class PlacedAdmission(MarconiAdmission):
-    """Marconi's positions plus `placement(reused, length)` positions strictly inside (reused, length)."""
+    """Marconi's positions plus `placement(length)` positions strictly inside (reused, length): the request
+    computes those tokens anyway, so their states cost only memory."""
 
-    def __init__(self, placement: Placement, observe: Callable[[int], None] | None = None) -> None:
+    def __init__(self, placement: Callable[[int], list[int]]) -> None:
         self.placement = placement
-        self._observe = observe
 
     def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
-        placed = [p for p in self.placement(reused, length) if reused < p < length]
+        placed = [p for p in self.placement(length) if reused < p < length] if length > 1 else []
         return sorted(set(super().plan(walk, length, reused)).union(placed))
 
-    def observe(self, shared_length: int) -> None:
-        if self._observe is not None:
-            self._observe(shared_length)
+
+class DPAdmission(PlacedAdmission):
+    """Marconi's positions plus the sparse-prefix-caching DP placement for the observed overlap law.
+
+    What a checkpoint can recover is the overlap a request could not reuse: each request contributes its shared
+    length when it exceeded what a checkpoint let it reuse, and 0 (nothing to recover) otherwise. The decayed
+    histogram of those depths is solved at `block` granularity every `resolve_every` requests, and each entry
+    gets at most `budget` placed checkpoints (so, with the branch point and the last token, <= budget + 2)."""
+
+    def __init__(self, budget: int, block: int, decay: float, resolve_every: int, max_len: int = 1 << 16) -> None:
+        from prefixlab.cache.placement import OverlapHistogram
+
+        self.histogram, self.budget, self.block = OverlapHistogram(max_len, decay, block, resolve_every), budget, block
+        self.deepest_loss = 0
+        super().__init__(self._positions)
+
+    def _positions(self, length: int) -> list[int]:
+        if self.deepest_loss < self.block or length < self.block:
+            return []  # no overlap was ever lost past the first block: nothing a checkpoint could recover
+        # The block DP depends on the length only through its whole blocks: round down so solutions are shared.
+        return self.histogram.positions(length // self.block * self.block, self.budget)
+
+    def observe(self, shared_length: int, reused_length: int) -> None:
+        lost = min(shared_length if shared_length > reused_length else 0, self.histogram.max_len)
+        self.deepest_loss = max(self.deepest_loss, lost)
+        self.histogram.observe(lost)

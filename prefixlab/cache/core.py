@@ -125,7 +125,7 @@ class PrefixCacheCore:
         else:
             node, length, state = walk.path[-1], walk.shared_length, None
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
-        self.admission.observe(walk.shared_length)
+        self.admission.observe(walk.shared_length, length)
         self.tree.lock(node, +1)
         kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in walk.path[1:] if n.start < length]
         match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node)

@@ -5,17 +5,28 @@
 | `vllm+`            | a state every block (32) and at the end     | LRU over blocks               |
 | `sglang+`          | Marconi's (branch point, last token)        | LRU over leaves               |
 | `marconi`          | Marconi's                                   | FLOP-aware, alpha tuned       |
-| `dp`               | Marconi's + sparse DP placement (placement) | FLOP-aware, alpha tuned       |
-| `marconi+balanced` | Marconi's + evenly spaced checkpoints       | FLOP-aware, alpha tuned       |
-| `marconi+block`    | Marconi's + one checkpoint per 64-token ... | FLOP-aware, alpha tuned       |
-| `marconi+log`      | Marconi's + checkpoints at log-spaced depths| FLOP-aware, alpha tuned       |
+| `dp`               | Marconi's + DP placement from the overlaps  | FLOP-aware, alpha tuned       |
+| `marconi+balanced` | Marconi's + `budget` evenly spaced states   | FLOP-aware, alpha tuned       |
+| `marconi+block`    | Marconi's + a state every 64 tokens         | FLOP-aware, alpha tuned       |
+| `marconi+log`      | Marconi's + `budget` states, dense near end | FLOP-aware, alpha tuned       |
+
+Placed checkpoints (dp, marconi+*) go only where the request computes anyway: strictly between the reused
+length and the end of the admitted sequence. The per-entry budget (default 4 placed states, so at most 6 with
+the branch point and the last token) bounds what an entry can cost: one marconi-7b state is ~27 MB, the KV of
+~400 tokens, so a few well-placed states pay off and a dense grid (vllm+) does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefixlab.cache.admission import BlockAdmission, MarconiAdmission, PlacedAdmission, SGLangAdmission
+from prefixlab.cache.admission import (
+    BlockAdmission,
+    DPAdmission,
+    MarconiAdmission,
+    PlacedAdmission,
+    SGLangAdmission,
+)
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.eviction import BlockLRU, EvictionPolicy, FlopAware, LeafLRU
 from prefixlab.cache.tree import RadixTree
@@ -66,11 +77,12 @@ def build_policy(
 def _placed_admission(name: str, options: PolicyOptions) -> PlacedAdmission:
     from prefixlab.cache import placement
 
-    if name == "dp":
-        planner = placement.DPPlanner(
-            options.checkpoint_budget, options.placement_block, options.histogram_decay, options.resolve_every
-        )
-        return PlacedAdmission(planner.positions, planner.observe)
-    heuristic = {"balanced": placement.balanced, "block": placement.block, "log": placement.log}[name.split("+")[1]]
     budget, block = options.checkpoint_budget, options.placement_block
-    return PlacedAdmission(lambda reused, length: heuristic(reused, length, budget, block))
+    if name == "dp":
+        return DPAdmission(budget, block, options.histogram_decay, options.resolve_every)
+    heuristics = {
+        "balanced": lambda length: placement.balanced_positions(length - 1, budget),
+        "block": lambda length: placement.block_positions(length - 1, block),
+        "log": lambda length: placement.log_positions(length - 1, budget),
+    }
+    return PlacedAdmission(heuristics[name.split("+")[1]])
