@@ -69,7 +69,10 @@ def causal_conv1d(
 
     history = _with_history(x, kernel_size, initial_conv_state)
     # The first output reads inputs 1 .. K of `history` (input 0 only matters to the state), hence [..., 1:].
-    y = F.conv1d(history[..., 1:].to(weight.dtype), weight[:, None, :], bias, groups=x.shape[1])
+    if x.shape[-1] == 0:  # conv1d rejects inputs shorter than the kernel
+        y = x.new_empty(x.shape, dtype=weight.dtype)
+    else:
+        y = F.conv1d(history[..., 1:].to(weight.dtype), weight[:, None, :], bias, groups=x.shape[1])
     if activation is not None:
         y = ACT2FN[activation](y)
     states = {p: history[..., p : p + kernel_size].clone() for p in positions}

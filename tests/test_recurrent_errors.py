@@ -1,0 +1,89 @@
+"""Bad input to the kernels raises InvalidInputError naming the argument, and never touches the caller's tensors."""
+
+import pytest
+import torch
+
+from prefixlab.errors import InvalidInputError
+from prefixlab.recurrent import gated_delta_rule, ssd
+from prefixlab.recurrent.inputs import delta_rule_inputs, random_state, ssd_inputs
+
+LENGTH = 6
+
+
+def delta_call(**overrides) -> dict:
+    call = {**delta_rule_inputs(1, LENGTH, 2, 4, 8, 4), "initial_state": random_state(1, 4, 8, 4)}
+    return {**call, **overrides}
+
+
+def ssd_call(**overrides) -> dict:
+    call = {**ssd_inputs(1, LENGTH, 4, 8, 2, 16), "initial_state": random_state(1, 4, 8, 16)}
+    return {**call, **overrides}
+
+
+DELTA_CASES = [
+    ({"capture": (LENGTH + 1,)}, "capture"),
+    ({"capture": (-1,)}, "capture"),
+    ({"capture": (3, 2)}, "capture"),
+    ({"capture": (2, 2)}, "capture"),
+    ({"capture": (1.5,)}, "capture"),
+    ({"capture": torch.tensor([1])}, "capture"),
+    ({"k": torch.zeros(1, LENGTH, 2, 7)}, "k"),
+    ({"q": torch.zeros(1, LENGTH, 2, 8, dtype=torch.float64)}, "dtype"),
+    ({"v": torch.zeros(1, LENGTH, 3, 4)}, "v has 3 heads"),
+    ({"g": torch.zeros(1, LENGTH, 2)}, "g"),
+    ({"g": torch.zeros(1, LENGTH)}, "g"),
+    ({"beta": torch.zeros(1, LENGTH + 1, 4)}, "beta"),
+    ({"initial_state": torch.zeros(1, 4, 4, 8)}, "initial_state"),
+    ({"initial_state": torch.zeros(1, 4, 8, 4, dtype=torch.float16)}, "initial_state"),
+    ({"initial_state": torch.zeros(1, 4, 8, 4, device="meta")}, "initial_state"),
+    ({"q": torch.zeros(1, LENGTH, 2, 8, dtype=torch.long)}, "q"),
+    ({"chunk_size": 0}, "chunk_size"),
+    ({"backend": "triton"}, "backend"),
+    ({"backend": "fla"}, "backend"),  # CPU tensors never go to a CUDA package, installed or not
+    ({"scale": "big"}, "scale"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", DELTA_CASES)
+def test_gated_delta_rule_rejects_bad_input(overrides, needle):
+    call = delta_call(**overrides)
+    before = {name: t.clone() for name, t in call.items() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    with pytest.raises(InvalidInputError, match=needle):
+        gated_delta_rule(**call)
+    assert all(torch.equal(call[name], t) for name, t in before.items())
+
+
+SSD_CASES = [
+    ({"capture": (0, LENGTH + 1)}, "capture"),
+    ({"capture": [4, 1]}, "capture"),
+    ({"dt": torch.zeros(1, LENGTH, 3)}, "dt"),
+    ({"A": torch.zeros(3)}, "A"),
+    ({"B": torch.zeros(1, LENGTH, 3, 16), "C": torch.zeros(1, LENGTH, 3, 16)}, "B has 3 groups"),
+    ({"C": torch.zeros(1, LENGTH, 2, 15)}, "C"),
+    ({"D": torch.zeros(4, 3)}, "D"),
+    ({"dt_bias": torch.zeros(5)}, "dt_bias"),
+    ({"initial_state": torch.zeros(1, 4, 16, 8)}, "initial_state"),
+    ({"x": torch.zeros(1, LENGTH, 4, 8, device="meta")}, "on meta"),
+    ({"dt_limit": (1.0, 0.0)}, "dt_limit"),
+    ({"backend": "mamba_ssm"}, "backend"),
+    ({"backend": "fla"}, "backend"),
+]
+
+
+@pytest.mark.parametrize("overrides,needle", SSD_CASES)
+def test_ssd_rejects_bad_input(overrides, needle):
+    call = ssd_call(**overrides)
+    before = {name: t.clone() for name, t in call.items() if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+    with pytest.raises(InvalidInputError, match=needle):
+        ssd(**call)
+    assert all(torch.equal(call[name], t) for name, t in before.items())
+
+
+def test_valid_calls_leave_inputs_unchanged():
+    for fn, call in ((gated_delta_rule, delta_call(capture=(0, 3, LENGTH))), (ssd, ssd_call(capture=(0, 3, LENGTH)))):
+        before = {name: t.clone() for name, t in call.items() if isinstance(t, torch.Tensor)}
+        for backend in ("naive", "torch"):
+            _, final, states = fn(**call, backend=backend)
+            final.add_(1.0)
+            states[0].add_(1.0)
+        assert all(torch.equal(call[name], t) for name, t in before.items())
