@@ -161,3 +161,36 @@ def test_alpha_is_tuned_on_the_bootstrap_window_to_the_best_replay():
     saved = {a: simulate(window, "marconi", capacity, spec, alpha=a, overflow=False).flops_saved for a in ALPHA_GRID}
     assert len(set(saved.values())) > 1  # the window does tell the alphas apart
     assert core.alpha == max(ALPHA_GRID, key=lambda a: (saved[a], -a))
+
+
+def _version_families(families, shared=200, tail=56, seed=1):
+    """Prompt families whose two versions share `shared` tokens and then diverge."""
+    rng = np.random.default_rng(seed)
+    stream = []
+    for _ in range(families):
+        common = list(rng.integers(1000, 2000, shared))
+        stream += [common + list(rng.integers(2000, 3000, tail)), common + list(rng.integers(3000, 4000, tail))]
+    return stream
+
+
+def test_dp_learns_where_requests_diverge_and_beats_marconi():
+    stream = _version_families(6)
+    hits = {}
+    for policy in ("marconi", "dp"):
+        core = _core(policy, capacity_bytes=10**7, alpha=0.0)
+        hits[policy] = [request(core, tokens).length for tokens in stream]
+        core.check_invariants()
+    assert hits["marconi"] == [0] * 12
+    # dp learns the 200-token divergence from the first family, then checkpoints block 3 (192) of every entry
+    assert hits["dp"][:2] == [0, 0] and hits["dp"][3::2] == [192] * 5
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [("marconi+balanced", [20, 40, 60, 80, 100]), ("marconi+block", [64, 100]), ("marconi+log", [69, 90, 97, 99, 100])],
+)
+def test_heuristic_placements_plan_inside_the_computed_part(policy, expected):
+    core = _core(policy)
+    match = core.match(list(range(100)))
+    assert core.plan(list(range(100)), match) == expected
+    core.release(match)

@@ -75,7 +75,7 @@ token_seqs = st.lists(st.integers(0, 3), min_size=0, max_size=24)
 
 @settings(max_examples=60, deadline=None)
 @given(
-    policy=st.sampled_from([p for p in POLICY_NAMES if p in ("vllm+", "sglang+", "marconi")]),
+    policy=st.sampled_from(POLICY_NAMES),
     hybrid=st.booleans(),
     capacity_bytes=st.integers(150, 2500),
     stream=st.lists(st.tuples(token_seqs, token_seqs, st.booleans()), max_size=20),
