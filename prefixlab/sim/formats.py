@@ -232,6 +232,13 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
     for index, request in enumerate(requests):
         if not isinstance(request, Request):
             raise InvalidInputError(f"requests[{index}] is a {type(request).__name__}; write_trace takes Requests")
+        for name in ("input_tokens", "output_tokens"):
+            tokens = np.asarray(getattr(request, name))
+            if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
+                raise InvalidInputError(
+                    f"requests[{index}].{name} must be a 1-D integer array, got dtype {tokens.dtype} "
+                    f"shape {tokens.shape}"
+                )
     records = [marconi_record(r) for r in requests]  # all converted before the file is opened
     with Path(path).open("w", encoding="utf-8") as out:
         for record in records:
