@@ -205,3 +205,31 @@ def test_mooncake_shared_hash_prefix_is_shared_token_prefix(tmp_path_factory, a,
     n = min(length_a, length_b)
     mismatches = np.flatnonzero(tokens_a[:n] != tokens_b[:n])
     assert (int(mismatches[0]) if mismatches.size else n) == expected
+
+
+def splitmix64_reference(key: int) -> int:
+    """splitmix64's finaliser on one Python int, written out with explicit mod-2**64 arithmetic."""
+    mask = (1 << 64) - 1
+    z = (key + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=20))
+def test_splitmix64_matches_scalar_reference(keys):
+    from prefixlab.sim.formats import splitmix64
+
+    assert splitmix64(np.asarray(keys, dtype=np.uint64)).tolist() == [splitmix64_reference(k) for k in keys]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 2**20), min_size=0, max_size=5), st.data())
+def test_mooncake_tokens_match_per_block_reference(hash_ids, data):
+    from prefixlab.sim.formats import mooncake_input_tokens
+
+    block = MOONCAKE_BLOCK_TOKENS
+    length = data.draw(st.integers(max(0, (len(hash_ids) - 1) * block + 1), len(hash_ids) * block))
+    reference = [splitmix64_reference(h * block + j) >> 33 for h in hash_ids for j in range(block)][:length]
+    assert mooncake_input_tokens(hash_ids, length).tolist() == reference
