@@ -67,11 +67,7 @@ class SharedPrefixLayer(CacheLayerMixin):
         self.expected_batch: int | None = None  # set by load_levels
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if self.expected_batch not in (None, key_states.shape[0]):
-            raise InvalidInputError(
-                f"load_shared_prefix(batch_size={self.expected_batch}) but generate runs {key_states.shape[0]} "
-                "sequences; pass the batch generate will run (prompts x num_return_sequences)"
-            )
+        _check_batch(self.expected_batch, key_states.shape[0])
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[:, :, :0]
         self.values = value_states[:, :, :0]
@@ -205,6 +201,16 @@ class HydragenCache(Cache):
             for kind, kw in zip(layer_types, layer_kwargs, strict=True)
         ]
         super().__init__(layers=layers)
+        self.expected_batch: int | None = None  # set by load_shared_prefix
+
+    def reset(self) -> None:
+        super().reset()
+        self.expected_batch = None
+
+    def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
+        # recurrent layers run before the first attention layer: check the batch here for a clear error
+        _check_batch(self.expected_batch, conv_states.shape[0])
+        return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
 
     def shared_bytes(self) -> int:
         """Bytes of attention KV stored once for several sequences."""
@@ -250,6 +256,7 @@ class HydragenCache(Cache):
             )
         if any(self.layers[i].is_initialized or self.layers[i].levels for i in attention):
             raise InvalidInputError("load_shared_prefix must be called on an empty cache, before generate/forward")
+        self.expected_batch = batch_size
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
         for i in recurrent if lengths != {0} else []:
@@ -260,6 +267,14 @@ class HydragenCache(Cache):
             layer.conv_states[0].copy_(conv)
             layer.update_recurrent_state(rec)
             layer.has_previous_state[0] = True
+
+
+def _check_batch(expected: int | None, batch: int) -> None:
+    if expected not in (None, batch):
+        raise InvalidInputError(
+            f"load_shared_prefix(batch_size={expected}) but generate runs {batch} sequences; "
+            "pass the batch generate will run (prompts x num_return_sequences)"
+        )
 
 
 def _indexed(per_layer, name: str):

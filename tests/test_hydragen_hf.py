@@ -1,0 +1,165 @@
+"""attn_implementation="hydragen" + HydragenCache inside HF generate: same tokens as standard generation, shared KV
+stored once (counted in bytes), prefixes fed from outside, padding, and bad input."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+from prefixlab.attention import HydragenCache
+from prefixlab.errors import InvalidInputError
+
+VOCAB, KV_HEADS, HEAD_DIM = 128, 2, 16
+GEN = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+
+
+def _llama():
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, pad_token_id=0)
+
+
+def _qwen35():
+    return Qwen3_5TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                             linear_value_head_dim=16, pad_token_id=0)
+
+
+MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _qwen35)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def pair(request):
+    """(standard sdpa model, the same weights with attn_implementation="hydragen"), fp32, eval."""
+    cls, config = MODELS[request.param]
+    torch.manual_seed(0)
+    standard = cls(config()).eval()
+    hydragen = cls(config()).eval()
+    hydragen.load_state_dict(standard.state_dict())
+    hydragen.set_attn_implementation("hydragen")
+    return standard, hydragen
+
+
+def _attention_layers(model) -> int:
+    return sum(kind == "full_attention" for kind in getattr(model.config, "layer_types", None) or
+               ["full_attention"] * model.config.num_hidden_layers)
+
+
+def _kv_bytes(model, tokens: int) -> int:
+    """Bytes of fp32 keys + values of `tokens` tokens in every attention layer, for ONE sequence."""
+    return _attention_layers(model) * 2 * KV_HEADS * HEAD_DIM * 4 * tokens
+
+
+def _generate(model, ids, seed, cache=None, **kwargs):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, past_key_values=cache, **GEN, **kwargs)
+
+
+def _assert_same(ref, out):
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.scores, out.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_sampled_completions_share_the_prompt_once(pair):
+    standard, hydragen = pair
+    prompt = torch.randint(1, VOCAB, (1, 24), generator=torch.Generator().manual_seed(1))
+    n = 6
+    cache = HydragenCache(hydragen.config)
+    out = _generate(hydragen, prompt, 7, cache, do_sample=True, num_return_sequences=n)
+    _assert_same(_generate(standard, prompt, 7, do_sample=True, num_return_sequences=n), out)
+    assert cache.shared_bytes() == _kv_bytes(hydragen, 24)  # the prompt, once (not n times)
+    assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, GEN["max_new_tokens"] - 1)  # fed-back tokens
+    standard_cache = DynamicCache(config=standard.config)
+    _generate(standard, prompt, 7, standard_cache, do_sample=True, num_return_sequences=n)
+    standard_bytes = sum(t.numel() * 4 for layer in standard_cache.layers if getattr(layer, "keys", None) is not None
+                         for t in (layer.keys, layer.values))
+    assert standard_bytes == n * _kv_bytes(hydragen, 24 + GEN["max_new_tokens"] - 1)
+
+
+def test_greedy_batch_of_prompts_sharing_a_prefix(pair):
+    standard, hydragen = pair
+    g = torch.Generator().manual_seed(2)
+    system = torch.randint(1, VOCAB, (1, 20), generator=g)
+    ids = torch.cat([system.repeat(4, 1), torch.randint(1, VOCAB, (4, 6), generator=g)], dim=1)
+    cache = HydragenCache(hydragen.config)
+    _assert_same(_generate(standard, ids, 0, do_sample=False), _generate(hydragen, ids, 0, cache, do_sample=False))
+    assert cache.shared_bytes() == _kv_bytes(hydragen, 20)
+    assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + GEN["max_new_tokens"] - 1)
+
+
+def test_prompts_times_samples_make_a_two_level_tree(pair):
+    standard, hydragen = pair
+    g = torch.Generator().manual_seed(3)
+    common = torch.randint(1, VOCAB, (1, 10), generator=g)
+    ids = torch.cat([common.repeat(2, 1), torch.randint(1, VOCAB, (2, 8), generator=g)], dim=1)
+    cache = HydragenCache(hydragen.config)
+    out = _generate(hydragen, ids, 4, cache, do_sample=True, num_return_sequences=3)
+    _assert_same(_generate(standard, ids, 4, do_sample=True, num_return_sequences=3), out)
+    layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
+    assert [level.length for level in layer.levels] == [10, 8, 8]
+    assert [level.parent for level in layer.levels] == [None, 0, 0]
+    assert cache.shared_bytes() == _kv_bytes(hydragen, 10 + 8 + 8)
+
+
+def test_left_padding_stays_exact(pair):
+    standard, hydragen = pair
+    ids = torch.randint(1, VOCAB, (2, 12), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[0, :3], mask[0, :3] = 0, 0
+    cache = HydragenCache(hydragen.config)
+    out = _generate(hydragen, ids, 5, cache, attention_mask=mask, do_sample=True, num_return_sequences=3)
+    _assert_same(_generate(standard, ids, 5, attention_mask=mask, do_sample=True, num_return_sequences=3), out)
+    assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 12)  # each prompt once, its padding included
+
+
+def _prefix_tensors(model, prefix):
+    """What a prefix store hands over: per-layer KV and recurrent states after `prefix`, computed by `model`."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prefix, past_key_values=cache, use_cache=True)
+    attention = {i: layer for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is not None}
+    recurrent = {i: layer for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states")}
+    return dict(
+        keys={i: layer.keys for i, layer in attention.items()},
+        values={i: layer.values for i, layer in attention.items()},
+        conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
+        recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()},
+    )
+
+
+def test_prefix_fed_from_outside(pair):
+    standard, hydragen = pair
+    prompt = torch.randint(1, VOCAB, (1, 18), generator=torch.Generator().manual_seed(6))
+    cache = HydragenCache(hydragen.config)
+    cache.load_shared_prefix(**_prefix_tensors(standard, prompt[:, :14]), batch_size=4)
+    out = _generate(hydragen, prompt, 8, cache, do_sample=True, num_return_sequences=4)
+    _assert_same(_generate(standard, prompt, 8, do_sample=True, num_return_sequences=4), out)
+    assert cache.shared_bytes() == _kv_bytes(hydragen, 18)  # fed 14 + the 4 prompt tokens generate ran, once
+
+
+def test_without_hydragen_cache_it_is_sdpa_bit_for_bit(pair):
+    standard, hydragen = pair
+    ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        assert torch.equal(standard(ids).logits, hydragen(ids).logits)
+
+
+def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
+    standard, hydragen = pair
+    prompt = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(8))
+    tensors = _prefix_tensors(standard, prompt[:, :6])
+    cache = HydragenCache(hydragen.config)
+    with pytest.raises(InvalidInputError, match="batch_size"):
+        cache.load_shared_prefix(**tensors, batch_size=0)
+    with pytest.raises(InvalidInputError, match="exactly the attention layers"):
+        cache.load_shared_prefix(**{**tensors, "keys": {}}, batch_size=2)
+    if tensors["conv_states"]:
+        with pytest.raises(InvalidInputError, match="recurrent layers"):
+            cache.load_shared_prefix(**{**tensors, "conv_states": {}}, batch_size=2)
+    assert cache.shared_bytes() == 0 and cache.get_seq_length() == 0
+    cache.load_shared_prefix(**tensors, batch_size=2)
+    with pytest.raises(InvalidInputError, match="empty cache"):
+        cache.load_shared_prefix(**tensors, batch_size=2)
+    with pytest.raises(InvalidInputError, match="batch_size=2"):
+        _generate(hydragen, prompt, 0, cache, do_sample=True, num_return_sequences=3)
