@@ -1,0 +1,83 @@
+"""simulate / ceiling: metrics against hand computations and the infinite-cache bound, progress, bad input."""
+
+import numpy as np
+import pytest
+from prefix_helpers import tiny_spec
+
+from prefixlab.cache.policies import POLICY_NAMES
+from prefixlab.errors import InvalidInputError
+from prefixlab.sim.replay import ceiling, simulate
+from prefixlab.sim.trace import Request
+
+
+def _conversations(sessions=8, turns=4, seed=0):
+    rng = np.random.default_rng(seed)
+    requests = []
+    for s in range(sessions):
+        history = rng.integers(0, 3, 3)  # a few shared opening tokens, like a chat template
+        for t in range(turns):
+            inp = np.concatenate([history, rng.integers(0, 100, rng.integers(3, 30))])
+            out = rng.integers(0, 100, rng.integers(3, 30))
+            requests.append(Request(str(s), t, s + 2.5 * t, inp, out))
+            history = np.concatenate([inp, out])
+    return sorted(requests, key=lambda r: r.ts)
+
+
+def test_two_turn_conversation_metrics_by_hand():
+    spec = tiny_spec()
+    turn1 = Request("s", 0, 0.0, np.arange(10), np.arange(10, 15))
+    turn2 = Request("s", 1, 1.0, np.arange(20), np.arange(20, 22))
+    result = simulate([turn1, turn2], "sglang+", 10**6, spec)
+    assert (result.input_tokens, result.reused_tokens) == (30, 15)
+    assert result.token_hit_rate == pytest.approx(50.0) and result.request_hit_rate == pytest.approx(50.0)
+    assert result.flops_saved == pytest.approx(spec.prefill_flops(15))
+    ttft = [spec.prefill_seconds(10), spec.prefill_seconds(5, 15)]
+    assert result.ttft_p50_s == pytest.approx(np.percentile(ttft, 50))
+    assert result.ttft_p95_s == pytest.approx(np.percentile(ttft, 95))
+
+
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+def test_no_policy_beats_the_ceiling(policy):
+    requests, spec = _conversations(), tiny_spec()
+    bound = ceiling(requests, spec).token_hit_rate
+    for capacity in (400, 3000, 10**7):
+        assert 0 <= simulate(requests, policy, capacity, spec).token_hit_rate <= bound + 1e-9
+
+
+def test_kv_only_model_with_unbounded_cache_reaches_the_ceiling():
+    requests, spec = _conversations(), tiny_spec(hybrid=False)
+    assert simulate(requests, "sglang+", 10**9, spec).reused_tokens == ceiling(requests, spec).reused_tokens > 0
+
+
+def test_more_capacity_never_hurts_lru_on_conversations():
+    requests, spec = _conversations(12, 5), tiny_spec()
+    rates = [simulate(requests, "sglang+", c, spec).token_hit_rate for c in (500, 2000, 8000, 10**7)]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+
+
+def test_strict_budget_never_beats_marconi_overflow():
+    requests, spec = _conversations(12, 5), tiny_spec()
+    strict = simulate(requests, "vllm+", 700, spec, block_size=4, overflow=False)
+    lenient = simulate(requests, "vllm+", 700, spec, block_size=4, overflow=True)
+    assert strict.reused_tokens <= lenient.reused_tokens
+
+
+def test_progress_is_called_once_per_request():
+    calls = []
+    requests = _conversations(3, 2)
+    simulate(requests, "marconi", 10**6, tiny_spec(), progress=calls.append)
+    assert calls == [1] * len(requests)
+
+
+@pytest.mark.parametrize(
+    ("requests", "policy", "capacity", "message"),
+    [
+        ([np.arange(3)], "marconi", 1000, "requests"),
+        ("trace.jsonl", "marconi", 1000, "requests"),
+        ([], "lru", 1000, "policy"),
+        ([], "marconi", 0, "capacity_bytes"),
+    ],
+)
+def test_bad_input(requests, policy, capacity, message):
+    with pytest.raises(InvalidInputError, match=message):
+        simulate(requests, policy, capacity, tiny_spec())
