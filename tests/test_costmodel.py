@@ -86,5 +86,9 @@ def test_bad_specs_are_refused():
         ModelSpec("empty", 8, 2, ())
     with pytest.raises(InvalidInputError, match="effective_flops_per_second"):
         ModelSpec("slow", 8, 2, (LayerGroup("mlp", 1, 1.0),), effective_flops_per_second=0)
+    with pytest.raises(InvalidInputError, match="hidden_size"):
+        ModelSpec("hollow", 0, 2, (LayerGroup("mlp", 1, 1.0),))
+    with pytest.raises(InvalidInputError, match="count"):
+        LayerGroup("mlp", -1, 1.0)
     with pytest.raises(InvalidInputError, match="kind"):
         MARCONI.layer_count("conv1d")

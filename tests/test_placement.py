@@ -112,6 +112,11 @@ def test_bad_input_raises_naming_the_argument(hist, budget, argument):
         solve_placement(hist, budget)
 
 
+def test_zero_budget_message_says_why():
+    with pytest.raises(InvalidInputError, match=r"budget=0 must be >= 1 \(0 checkpoints is no placement"):
+        optimal_checkpoints([1, 2, 3], 0)
+
+
 def test_expected_recompute_refuses_positions_outside_the_histogram():
     with pytest.raises(InvalidInputError, match="positions"):
         expected_recompute([1, 1, 1], [3])

@@ -18,17 +18,21 @@ Reading HF configs into layer groups lives in `prefixlab.cache.hfspec`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
+if TYPE_CHECKING:
+    import torch
+
 # An A100's 312 TFLOP/s fp16 dense peak at 50% model-FLOPs utilisation, typical of long prefills (Marconi's testbed).
 DEFAULT_EFFECTIVE_FLOPS_PER_SECOND = 312e12 * 0.5
 
 # Recurrent states stay fp32 whatever the model dtype: fla, mamba_ssm and transformers' torch paths run the scan
-# in fp32 and cache its result (checked against tiny bf16 models in tests/test_costmodel.py).
+# in fp32 and cache its result (checked against tiny bf16 models in tests/test_costmodel_hf.py).
 FP32_BYTES = 4
 
 LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "mlp", "moe")
@@ -36,7 +40,8 @@ LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "
 
 @dataclass(frozen=True, slots=True)
 class LayerGroup:
-    """`count` identical layers of one `kind`; all costs are per layer."""
+    """`count` identical layers of one `kind`; all costs are per layer. `dims` records the shape they came from
+    as (name, value) pairs (hidden, heads, state size, conv kernel, experts, ...)."""
 
     kind: str
     count: int
@@ -44,6 +49,7 @@ class LayerGroup:
     pair_flops: float = 0.0
     kv_bytes_per_token: int = 0
     state_bytes: int = 0
+    dims: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
@@ -61,12 +67,18 @@ def attention_layers(
     scores and values `4 q` per pair."""
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * (output_size or hidden)
-    return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes)
+    dims = _dims(hidden=hidden, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim, output_gate=gated)
+    return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes, dims=dims)
+
+
+def _dims(**dims: int) -> tuple[tuple[str, int], ...]:
+    return tuple((name, int(value)) for name, value in dims.items())
 
 
 def mlp_layers(count: int, hidden: int, intermediate: int, gated: bool = True) -> LayerGroup:
     """Dense MLP: up (+ gate for SwiGLU) and down projections, `2 h i` each."""
-    return LayerGroup("mlp", count, 2 * hidden * intermediate * (3 if gated else 2))
+    dims = _dims(hidden=hidden, intermediate=intermediate, gated=gated)
+    return LayerGroup("mlp", count, 2 * hidden * intermediate * (3 if gated else 2), dims=dims)
 
 
 def moe_layers(
@@ -83,18 +95,20 @@ def moe_layers(
     expert MLPs and an always-on shared MLP per token."""
     matrices = 3 if gated else 2
     experts = 2 * hidden * (top_k * expert_intermediate + shared_intermediate) * matrices
-    return LayerGroup("moe", count, 2 * hidden * (num_experts + shared_expert_gate) + experts)
+    dims = _dims(hidden=hidden, expert_intermediate=expert_intermediate, experts=num_experts, top_k=top_k,
+                 shared_intermediate=shared_intermediate, gated=gated)
+    return LayerGroup("moe", count, 2 * hidden * (num_experts + shared_expert_gate) + experts, dims=dims)
 
 
 def _ssm_layers(
     kind: str, count: int, hidden: int, d_inner: int, in_proj_width: int, conv_dim: int, conv_kernel: int,
-    state_elems: int, scan_flops: int, dtype_bytes: int, state_dtype_bytes: int,
+    state_elems: int, scan_flops: int, dtype_bytes: int, state_dtype_bytes: int, dims: tuple = (),
 ) -> LayerGroup:
     """Shared shape of every recurrent mixer: in_proj, depthwise causal conv, scan, out_proj. The conv state holds
     `conv_kernel` columns in the model dtype; the recurrent state has its own dtype."""
     flops = 2 * hidden * in_proj_width + 2 * conv_dim * conv_kernel + scan_flops + 2 * d_inner * hidden
     state_bytes = state_elems * state_dtype_bytes + conv_dim * conv_kernel * dtype_bytes
-    return LayerGroup(kind, count, flops, state_bytes=state_bytes)
+    return LayerGroup(kind, count, flops, state_bytes=state_bytes, dims=dims)
 
 
 def mamba2_layers(
@@ -108,6 +122,8 @@ def mamba2_layers(
     return _ssm_layers(
         "mamba2", count, hidden, d_inner, d_inner + conv_dim + num_heads, conv_dim, conv_kernel,
         d_inner * state_size, 8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
+        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, state_size=state_size, groups=n_groups,
+              conv_kernel=conv_kernel),
     )
 
 
@@ -120,9 +136,10 @@ def mamba_layers(
     layers = _ssm_layers(
         "mamba", count, hidden, d_inner, 2 * d_inner, d_inner, conv_kernel, d_inner * state_size,
         8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
+        _dims(hidden=hidden, d_inner=d_inner, state_size=state_size, dt_rank=dt_rank, conv_kernel=conv_kernel),
     )
     selective = 2 * d_inner * (dt_rank + 2 * state_size) + 2 * dt_rank * d_inner
-    return LayerGroup("mamba", count, layers.linear_flops_per_token + selective, state_bytes=layers.state_bytes)
+    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + selective)
 
 
 def gated_deltanet_layers(
@@ -138,13 +155,16 @@ def gated_deltanet_layers(
     return _ssm_layers(
         "gated_deltanet", count, hidden, value_dim, conv_dim + value_dim + 2 * num_v_heads, conv_dim, conv_kernel,
         state_elems, 8 * state_elems, dtype_bytes, state_dtype_bytes,
+        _dims(hidden=hidden, k_heads=num_k_heads, v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+              conv_kernel=conv_kernel),
     )
 
 
 def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:
     """LFM2 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h` channels, out_proj."""
     return _ssm_layers(
-        "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes
+        "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes,
+        _dims(hidden=hidden, conv_kernel=conv_kernel),
     )
 
 
@@ -169,6 +189,11 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidInputError(f"ModelSpec {self.name!r} has no layers; pass at least one LayerGroup")
+        if self.hidden_size < 1 or self.dtype_bytes < 1:
+            raise InvalidInputError(
+                f"ModelSpec {self.name!r}: hidden_size={self.hidden_size} and dtype_bytes={self.dtype_bytes} "
+                "must both be >= 1"
+            )
         if self.effective_flops_per_second <= 0:
             raise InvalidInputError(
                 f"effective_flops_per_second={self.effective_flops_per_second} must be > 0 (FLOP/s of prefill)"
@@ -220,7 +245,7 @@ class ModelSpec:
         return builders[name]()
 
     @classmethod
-    def from_config(cls, config, dtype=None) -> ModelSpec:
+    def from_config(cls, config, dtype: torch.dtype | str | None = None) -> ModelSpec:
         """Spec of a transformers config (`prefixlab.cache.hfspec.SUPPORTED_MODEL_TYPES`). `dtype` (torch dtype or
         name) overrides `config.dtype`; with neither, torch's default dtype is used, as `from_config` builds."""
         from prefixlab.cache.hfspec import spec_from_config  # hfspec imports this module
@@ -257,6 +282,7 @@ def _marconi_7b() -> ModelSpec:
     mamba = LayerGroup(
         "mamba2", 24, 12 * d * d + 16 * d * n + 10 * d,
         state_bytes=(d * n + (expand * d + 2 * n) * conv_kernel) * dtype_bytes,
+        dims=_dims(hidden=d, state_size=n, expand=expand, conv_kernel=conv_kernel),
     )
     attention = attention_layers(4, d, num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=dtype_bytes)
     mlp = mlp_layers(28, d, 4 * d, gated=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -159,7 +160,7 @@ def _zamba2(c, dtype_bytes):
                 dtype_bytes),
         cm.attention_layers(n_hybrid, c.attention_hidden_size, c.num_attention_heads, kv_heads, c.attention_head_dim,
                             dtype_bytes, output_size=h),
-        cm.LayerGroup("mlp", n_hybrid, mlp.linear_flops_per_token + adapter_and_linear),
+        replace(mlp, linear_flops_per_token=mlp.linear_flops_per_token + adapter_and_linear),
     )
 
 

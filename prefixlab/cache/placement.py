@@ -35,12 +35,15 @@ class PlacementResult:
     cost_curve: np.ndarray
 
 
-def _check_count(name: str, value, minimum: int) -> int:
+def _check_count(name: str, value, minimum: int, why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise InvalidInputError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
-        raise InvalidInputError(f"{name}={value} must be >= {minimum}")
+        raise InvalidInputError(f"{name}={value} must be >= {minimum}{why}")
     return int(value)
+
+
+NO_CHECKPOINTS = " (0 checkpoints is no placement: position 0, the zero state, is always free)"
 
 
 def _probabilities(hist) -> np.ndarray:
@@ -105,7 +108,7 @@ def solve_placement(hist, budget: int) -> PlacementResult:
 
 def _solve(hist, budget: int, layer) -> PlacementResult:
     """The DP of the module docstring with one envelope step `layer` (`_layer` or `_layer_reference`)."""
-    budget = _check_count("budget", budget, 1)
+    budget = _check_count("budget", budget, 1, NO_CHECKPOINTS)
     probs = _probabilities(hist)
     n = probs.size
     W, V = _prefix_sums(probs)
@@ -157,7 +160,7 @@ def expected_recompute(hist, positions) -> float:
 def balanced_positions(length: int, budget: int) -> list[int]:
     """`budget` checkpoints splitting overlaps 0..length into segments whose lengths differ by at most one:
     optimal when every overlap depth is equally likely (Theorem 1)."""
-    length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1)
+    length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1, NO_CHECKPOINTS)
     segments = min(budget, length) + 1
     return [(length + 1) * s // segments for s in range(1, segments)]
 
@@ -174,7 +177,7 @@ def log_positions(length: int, budget: int) -> list[int]:
     In multi-turn traffic most hits continue the whole previous context (overlap close to the entry's end), so
     short gaps there waste few tokens on the common hits, while rarer short overlaps tolerate long gaps.
     """
-    length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1)
+    length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1, NO_CHECKPOINTS)
     distances = {round(length ** (s / budget)) - 1 for s in range(budget)}
     return sorted(length - d for d in distances if d < length)
 
@@ -221,7 +224,7 @@ class OverlapHistogram:
 
     def positions(self, length: int, budget: int) -> list[int]:
         """Block-aligned DP checkpoint positions in [block, length] for an entry of `length` tokens."""
-        length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1)
+        length, budget = _check_count("length", length, 1), _check_count("budget", budget, 1, NO_CHECKPOINTS)
         epoch = self.observations // self.resolve_every
         if epoch != self._cache_epoch:
             self._cache, self._cache_epoch = {}, epoch
