@@ -45,8 +45,8 @@ def gated_delta_rule(
     p tokens of this call. scale defaults to K ** -0.5.
 
     Returns (o [B, T, Hv, V] in q's dtype, final state [B, Hv, K, V] float32, {p: state float32}).
-    backend: "naive" (token loop), "torch" (chunked), "compiled" (chunked, torch.compile), "fla" (CUDA only), or
-    "auto" (fla for CUDA tensors when installed, else torch).
+    backend: "naive" (token loop), "torch" (chunked), "compiled" (chunked, torch.compile), "fla" (CUDA fp16 / bf16
+    with one decay per head; always chunks of 64), or "auto" (fla where it applies and is installed, else torch).
     """
     batch, length, heads_k, dim_k, heads_v, dim_v = _check_delta_inputs(q, k, v, g, beta)
     _checks.check_state("initial_state", initial_state, (batch, heads_v, dim_k, dim_v), q.dtype)
@@ -54,7 +54,7 @@ def gated_delta_rule(
     positions = _checks.check_capture(capture, length)
     _checks.check_chunk_size(chunk_size)
     require(scale is None or isinstance(scale, (int, float)), f"scale must be a float or None, got {scale!r}")
-    backend = resolve_backend(backend, q.device, cuda_package="fla")
+    backend = resolve_backend(backend, q.device, "fla", _fla_unsupported(q.dtype, g.dim() == 4))
 
     out_dtype = q.dtype
     q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
@@ -68,8 +68,14 @@ def gated_delta_rule(
     else:
         state = initial_state.to(torch.float32, copy=True)  # never alias the caller's tensor
 
-    kernel = _KERNELS["naive" if length == 0 else backend]
-    o, final, captured = kernel(q, k, v, g, beta, state, positions, chunk_size)
+    if length == 0:
+        backend = "naive"
+    if backend == "fla":
+        from prefixlab.recurrent.cuda import delta_rule_fla  # imported only for CUDA tensors
+
+        o, final, captured = delta_rule_fla(q, k, v, g, beta, state, positions, out_dtype)
+    else:
+        o, final, captured = _KERNELS[backend](q, k, v, g, beta, state, positions, chunk_size)
     return o.to(out_dtype), final, captured
 
 
@@ -123,15 +129,12 @@ def delta_rule_naive(
     return o, state, captured
 
 
-def _fla_kernel(*args):
-    from prefixlab.recurrent.cuda_fla import delta_rule_fla  # imported only for CUDA tensors
+def _fla_unsupported(dtype: torch.dtype, per_channel_decay: bool) -> str | None:
+    if per_channel_decay:
+        return "takes one decay per head, not per key channel (KDA)"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"takes float16 / bfloat16 inputs, got {dtype}"
+    return None
 
-    return delta_rule_fla(*args)
 
-
-_KERNELS = {
-    "naive": delta_rule_naive,
-    "torch": delta_rule_chunked,
-    "compiled": delta_rule_compiled,
-    "fla": _fla_kernel,
-}
+_KERNELS = {"naive": delta_rule_naive, "torch": delta_rule_chunked, "compiled": delta_rule_compiled}

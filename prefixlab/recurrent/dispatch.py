@@ -13,15 +13,18 @@ from prefixlab.recurrent._checks import require
 PORTABLE_BACKENDS = ("naive", "torch", "compiled")
 
 
-def resolve_backend(backend: str, device: torch.device, cuda_package: str) -> str:
-    """'auto' -> `cuda_package` for CUDA tensors when it is installed, else 'torch'. Explicit names are checked."""
+def resolve_backend(backend: str, device: torch.device, cuda_package: str, cuda_unsupported: str | None = None) -> str:
+    """'auto' -> `cuda_package` for CUDA tensors when it is installed and can take these inputs (cuda_unsupported
+    is None; else a reason), otherwise 'torch'. Explicit names are checked and never silently replaced."""
     allowed = ("auto", *PORTABLE_BACKENDS, cuda_package)
     require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
     if backend == "auto":
-        return cuda_package if device.type == "cuda" and _installed(cuda_package) else "torch"
+        usable = device.type == "cuda" and cuda_unsupported is None and _installed(cuda_package)
+        return cuda_package if usable else "torch"
     if backend == cuda_package:
         require(device.type == "cuda", f"backend={backend!r} needs CUDA tensors, got tensors on {device}")
         require(_installed(cuda_package), f"backend={backend!r} needs the {cuda_package} package: pip install it")
+        require(cuda_unsupported is None, f"backend={backend!r} {cuda_unsupported}; use backend='torch'")
     return backend
 
 

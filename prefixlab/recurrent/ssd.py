@@ -55,9 +55,11 @@ def ssd(
         len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
         f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
     )
-    backend = resolve_backend(backend, x.device, cuda_package="mamba_ssm")
+    backend = resolve_backend(backend, x.device, "mamba_ssm")
+    if length == 0:
+        backend = "naive"
     if backend == "mamba_ssm":
-        from prefixlab.recurrent.cuda_mamba import ssd_mamba_ssm  # imported only for CUDA tensors
+        from prefixlab.recurrent.cuda import ssd_mamba_ssm  # imported only for CUDA tensors
 
         return ssd_mamba_ssm(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, positions, chunk_size)
 
@@ -72,7 +74,7 @@ def ssd(
         state = torch.zeros(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
     else:
         state = initial_state.to(torch.float32, copy=True)  # never alias the caller's tensor
-    kernel = {"naive": ssd_naive, "torch": ssd_chunked, "compiled": ssd_compiled}["naive" if length == 0 else backend]
+    kernel = {"naive": ssd_naive, "torch": ssd_chunked, "compiled": ssd_compiled}[backend]
     y, final, captured = kernel(x.to(torch.float32), dt, A.to(torch.float32), B, C, state, positions, chunk_size)
     if D is not None:
         y = y + x.to(torch.float32) * (D.to(torch.float32)[:, None] if D.dim() == 1 else D.to(torch.float32))

@@ -1,0 +1,100 @@
+"""Backend dispatch (by device, never by what is importable), the segment driver of the CUDA backends, and the CUDA
+backends themselves (skipped without a GPU / the packages)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from prefixlab.errors import InvalidInputError
+from prefixlab.recurrent import dispatch, gated_delta_rule, ssd
+from prefixlab.recurrent.cuda import run_in_segments
+from prefixlab.recurrent.inputs import delta_rule_inputs, random_state, ssd_inputs
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def needs_package(name: str):
+    return pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"needs the {name} package")
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float().cpu() - b.float().cpu()).abs().max().item()
+
+
+def test_auto_never_picks_a_cuda_package_for_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(dispatch, "_installed", lambda package: True)
+    assert dispatch.resolve_backend("auto", torch.device("cpu"), "fla") == "torch"
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla") == "fla"
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla", "takes bf16") == "torch"
+    with pytest.raises(InvalidInputError, match="takes bf16"):
+        dispatch.resolve_backend("fla", torch.device("cuda"), "fla", "takes bf16")
+    with pytest.raises(InvalidInputError, match="needs CUDA tensors"):
+        dispatch.resolve_backend("fla", torch.device("cpu"), "fla")
+
+
+def test_auto_without_the_package_falls_back_to_torch(monkeypatch):
+    monkeypatch.setattr(dispatch, "_installed", lambda package: False)
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "mamba_ssm") == "torch"
+    with pytest.raises(InvalidInputError, match="pip install"):
+        dispatch.resolve_backend("mamba_ssm", torch.device("cuda"), "mamba_ssm")
+
+
+def test_segment_driver_captures_what_the_chunked_kernel_captures():
+    # The CUDA backends split the sequence at the capture positions; check that driver with the CPU kernel.
+    inputs = delta_rule_inputs(1, 45, 2, 2, 8, 8, seed=9)
+    initial = random_state(1, 2, 8, 8)
+    positions = (0, 7, 16, 33, 45)
+    o, final, states = gated_delta_rule(**inputs, initial_state=initial, capture=positions, chunk_size=16,
+                                        use_qk_l2norm=True, backend="torch")  # fmt: skip
+
+    def segment(start, stop, state):
+        piece = {name: t[:, start:stop] for name, t in inputs.items()}
+        out, last, _ = gated_delta_rule(**piece, initial_state=state, chunk_size=16, use_qk_l2norm=True)
+        return out, last
+
+    o_seg, final_seg, states_seg = run_in_segments(45, positions, initial, segment)
+    assert max_diff(o_seg, o) <= 1e-5 and max_diff(final_seg, final) <= 1e-5
+    assert sorted(states_seg) == list(positions)
+    assert all(max_diff(states_seg[p], states[p]) <= 1e-5 for p in positions)
+
+
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "compiled"])
+def test_torch_backends_on_cuda_match_the_cpu_reference(backend):
+    inputs = delta_rule_inputs(1, 70, 2, 4, 16, 16, seed=2)
+    cpu = gated_delta_rule(**inputs, capture=(0, 31, 64, 70), use_qk_l2norm=True, backend="naive")
+    gpu = gated_delta_rule(**{n: t.cuda() for n, t in inputs.items()}, capture=(0, 31, 64, 70), use_qk_l2norm=True,
+                           backend=backend)  # fmt: skip
+    assert max_diff(gpu[0], cpu[0]) <= 1e-4 and max_diff(gpu[1], cpu[1]) <= 1e-4
+    assert all(max_diff(gpu[2][p], cpu[2][p]) <= 1e-4 for p in cpu[2])
+
+
+@needs_cuda
+@needs_package("fla")
+def test_fla_backend_captures_prefix_states_and_resumes():
+    inputs = {n: t.cuda() for n, t in delta_rule_inputs(2, 200, 2, 4, 64, 64, dtype=torch.bfloat16).items()}
+    positions = (0, 37, 128, 200)
+    o, final, states = gated_delta_rule(**inputs, capture=positions, use_qk_l2norm=True, backend="fla")
+    o_ref, final_ref, states_ref = gated_delta_rule(**inputs, capture=positions, use_qk_l2norm=True, backend="torch")
+    assert max_diff(o, o_ref) <= 5e-2 and max_diff(final, final_ref) <= 5e-2  # fla computes in bf16 / tf32
+    for p in positions:
+        assert max_diff(states[p], states_ref[p]) <= 5e-2
+        tail = {name: t[:, p:] for name, t in inputs.items()}
+        o_tail, _, _ = gated_delta_rule(**tail, initial_state=states[p], use_qk_l2norm=True, backend="fla")
+        assert max_diff(o_tail, o[:, p:]) <= 5e-2
+
+
+@needs_cuda
+@needs_package("mamba_ssm")
+def test_mamba_ssm_backend_captures_prefix_states_and_resumes():
+    inputs = {n: t.cuda() for n, t in ssd_inputs(2, 300, 8, 32, 2, 16).items()}
+    positions = (0, 99, 256, 300)
+    y, final, states = ssd(**inputs, capture=positions, chunk_size=64, backend="mamba_ssm")
+    y_ref, final_ref, states_ref = ssd(**inputs, capture=positions, chunk_size=64, backend="torch")
+    assert max_diff(y, y_ref) <= 1e-2 and max_diff(final, final_ref) <= 1e-2
+    for p in positions:
+        assert max_diff(states[p], states_ref[p]) <= 1e-2
+        tail = {name: t[:, p:] if name in ("x", "dt", "B", "C") else t for name, t in inputs.items()}
+        y_tail, _, _ = ssd(**tail, initial_state=states[p], chunk_size=64, backend="mamba_ssm")
+        assert max_diff(y_tail, y[:, p:]) <= 1e-2
