@@ -97,8 +97,10 @@ def test_only_weighted_depths_get_checkpoints():
 
 def test_counts_and_probabilities_agree():
     counts = [0, 3, 0, 5, 2, 9, 1]
-    scaled = [c / 20 for c in counts]
-    assert optimal_checkpoints(counts, 2) == optimal_checkpoints(scaled, 2)
+    expected_positions, expected_cost = optimal_checkpoints(counts, 2)
+    for scale in (1 / 20, 1e300, 1e-300):
+        positions, cost = optimal_checkpoints([c * scale for c in counts], 2)
+        assert positions == expected_positions and cost == pytest.approx(expected_cost, rel=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -58,10 +58,11 @@ def _probabilities(hist) -> np.ndarray:
         raise InvalidInputError("hist has NaN or infinite entries; pass finite counts or probabilities")
     if (weights < 0).any():
         raise InvalidInputError(f"hist has negative entries (min {weights.min()}); counts must be >= 0")
-    total = weights.sum()
-    if total <= 0:
+    peak = weights.max()
+    if peak <= 0:
         raise InvalidInputError("hist is all zeros; observe at least one overlap (or pass a uniform prior)")
-    return weights / total
+    weights = weights / peak  # so that the sum cannot overflow
+    return weights / weights.sum()
 
 
 def _prefix_sums(probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
