@@ -150,7 +150,13 @@ def test_mooncake_malformed_line(tmp_path, bad_row, reason):
     with pytest.raises(TraceFormatError, match=rf"bad\.jsonl:2: {reason}"):
         read_trace(path)
     with pytest.warns(UserWarning, match=r"bad\.jsonl:2"):
-        assert len(read_trace(path, on_error="skip")) == 2
+        first, third = read_trace(path, on_error="skip")
+    # a skipped line keeps its index: the third line's session and outputs do not depend on the second's fate
+    assert third.session_id == "mooncake-2"
+    good = write_lines(
+        tmp_path / "good.jsonl", [mooncake_row(0, 10, [1]), mooncake_row(3, 10, [1]), mooncake_row(5, 10, [1])]
+    )
+    np.testing.assert_array_equal(read_trace(good)[2].output_tokens, third.output_tokens)
 
 
 def test_invalid_utf8_line_is_a_format_error(tmp_path):

@@ -145,12 +145,14 @@ def parse_marconi(obj: Any) -> Request:
 
 
 class MooncakeParser:
-    """Mooncake JSONL objects -> Requests; counts requests so each gets its own synthetic output tokens."""
+    """Mooncake JSONL objects -> Requests. Lines are counted (skipped ones too), so each request's synthetic
+    output tokens depend only on its position in the file."""
 
     def __init__(self) -> None:
-        self.num_parsed = 0
+        self.num_seen = 0
 
     def __call__(self, obj: Any) -> Request:
+        index, self.num_seen = self.num_seen, self.num_seen + 1
         input_length = _non_negative_int(obj, "input_length")
         output_length = _non_negative_int(obj, "output_length")
         timestamp_ms = _finite_number(obj, "timestamp")
@@ -165,19 +167,15 @@ class MooncakeParser:
             raise LineError(f"hash_ids must be integers in [0, 2**54), got {hash_ids[:8]!r}...")
         with np.errstate(over="ignore"):
             output_keys = (
-                _OUTPUT_KEY_BASE
-                + np.uint64(self.num_parsed) * _OUTPUT_KEY_STRIDE
-                + np.arange(output_length, dtype=np.uint64)
+                _OUTPUT_KEY_BASE + np.uint64(index) * _OUTPUT_KEY_STRIDE + np.arange(output_length, dtype=np.uint64)
             )
-        request = Request(
-            session_id=f"mooncake-{self.num_parsed}",
+        return Request(
+            session_id=f"mooncake-{index}",
             turn_id=0,
             ts=timestamp_ms / 1000.0,
             input_tokens=mooncake_input_tokens(hash_ids, input_length),
             output_tokens=synthetic_ids(output_keys),
         )
-        self.num_parsed += 1
-        return request
 
 
 def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
