@@ -11,9 +11,10 @@ Checkpoints go at positions 1 .. len(hist) - 1. With prefix sums `W[j] = sum_{i<
 Letting k range over all positions (not only k < j) is harmless: k >= j costs at least F_{m-1}(j), which k = j
 attains ("use one checkpoint fewer"). Each layer is a lower envelope of lines with slopes -k queried at the
 non-decreasing points W[j]: the monotone convex hull trick, O(N) per layer, O(N M) in all.
-`_layer_reference` is that algorithm in plain Python; `_layer` computes the same envelope with numpy: the lower
-hull of the points (k, b_k) is their greatest convex minorant, whose slopes are the isotonic regression of
-diff(b) (scipy's C PAVA), and the best line for x is the hull vertex where those slopes reach x (searchsorted).
+`_layer_reference` is that algorithm in plain Python; `_layer` computes the same envelope with two C calls: the
+lower hull of the points (k, b_k) is their greatest convex minorant, whose slopes are the isotonic regression of
+diff(b) (scipy's PAVA, O(N)), and the best line for x is the hull vertex where those slopes reach x
+(searchsorted, N binary searches).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from scipy.optimize import isotonic_regression
 from prefixlab.errors import InvalidInputError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PlacementResult:
     """Optimal checkpoints for a budget: `cost_curve[m]` is the optimal expected recompute with m checkpoints."""
 
