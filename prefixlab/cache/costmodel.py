@@ -35,6 +35,8 @@ DEFAULT_EFFECTIVE_FLOPS_PER_SECOND = 312e12 * 0.5
 # in fp32 and cache its result (checked against tiny bf16 models in tests/test_costmodel_hf.py).
 FP32_BYTES = 4
 
+Tokens = int | np.ndarray  # a token count, or an integer array of them (vectorised pricing)
+
 LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "mlp", "moe")
 
 
@@ -213,26 +215,26 @@ class ModelSpec:
             raise InvalidInputError(f"kind={kind!r} is unknown; use one of {LAYER_KINDS}")
         return sum(g.count for g in self.layers if g.kind == kind)
 
-    def prefill_flops(self, n_new, n_past=0):
+    def prefill_flops(self, n_new: Tokens, n_past: Tokens = 0) -> float | np.ndarray:
         """FLOPs to prefill `n_new` tokens after `n_past` cached ones. Ints give a float; integer numpy arrays
         (broadcast together) give a float64 array, so a simulator can price many requests at once."""
         new, past = _tokens("n_new", n_new), _tokens("n_past", n_past)
         flops = self.linear_flops_per_token * new + self.pair_flops * new * (2.0 * past + new)
         return flops if isinstance(flops, np.ndarray) else float(flops)
 
-    def flops_saved(self, hit_tokens):
+    def flops_saved(self, hit_tokens: Tokens) -> float | np.ndarray:
         """FLOPs a hit of `hit_tokens` tokens avoids: the prefill of that prefix from scratch."""
         return self.prefill_flops(hit_tokens)
 
-    def entry_bytes(self, n_tokens):
+    def entry_bytes(self, n_tokens: Tokens) -> float | np.ndarray:
         """Bytes of a cached prefix of `n_tokens` tokens with one recurrent checkpoint at its end."""
         return self.state_bytes + self.kv_bytes_per_token * _tokens("n_tokens", n_tokens)
 
-    def flop_efficiency(self, n_tokens):
+    def flop_efficiency(self, n_tokens: Tokens) -> float | np.ndarray:
         """Marconi's FLOP efficiency: FLOPs saved by reusing an `n_tokens` prefix per byte it occupies."""
         return self.flops_saved(n_tokens) / self.entry_bytes(n_tokens)
 
-    def prefill_seconds(self, n_new, n_past=0):
+    def prefill_seconds(self, n_new: Tokens, n_past: Tokens = 0) -> float | np.ndarray:
         """Modeled prefill time: `prefill_flops / effective_flops_per_second` (compute-bound prefill)."""
         return self.prefill_flops(n_new, n_past) / self.effective_flops_per_second
 
@@ -253,7 +255,7 @@ class ModelSpec:
         return spec_from_config(config, dtype)
 
 
-def _tokens(arg: str, value):
+def _tokens(arg: str, value: Tokens) -> float | np.ndarray:
     """Validate a token count (int >= 0 or an integer array of them) and return it as float / float64 array."""
     if isinstance(value, np.ndarray):
         if value.dtype.kind not in "iu":
@@ -271,7 +273,8 @@ def _tokens(arg: str, value):
 def _marconi_7b() -> ModelSpec:
     """The 7B hybrid of Marconi's evaluation: 24 Mamba2 + 4 attention + 28 MLP layers, d=4096, N=128, fp16.
 
-    Reproduces the paper's accounting exactly, which is coarser than `mamba2_layers`:
+    Reproduces the paper's accounting exactly (Appendix A; the public simulator's utils, camera-ready version),
+    which is coarser than `mamba2_layers`:
     - attention `8 L d^2 + 4 L^2 d` (MHA, q = kv = d), KV `2 d` fp16 values per token;
     - MLP `16 L d^2` (two matrices, intermediate 4d);
     - Mamba `12 L d^2 + 16 L d N + 10 L d` (in/out projections with expand 2, scan, elementwise; the B, C, dt
