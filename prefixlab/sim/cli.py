@@ -130,6 +130,8 @@ def _input_path(given: str | None, shared: str, option: str) -> Path:
 
 
 def run_trace_build(args: argparse.Namespace) -> int:
+    if not Path(args.output).parent.is_dir():  # checked before the (slow) build
+        raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
     if args.kind == "builtin":
         requests = build.builtin_trace(seed=parse_number(args.seed, "--seed", integer=True, strict=False))
     elif args.kind == "conversations":
@@ -151,8 +153,6 @@ def run_trace_build(args: argparse.Namespace) -> int:
             path_prefix=args.path_prefix,
             on_error=check_on_error(args.on_error),
         )
-    if not Path(args.output).parent.is_dir():
-        raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
     formats.write_trace(args.output, requests)
     input_tokens = sum(len(r.input_tokens) for r in requests)
     print(f"wrote {len(requests)} requests ({input_tokens} input tokens) to {args.output}", file=sys.stderr)
