@@ -1,0 +1,82 @@
+"""Simulator speed: replay time per (policy, capacity) on the LMSys chat trace, and growth with trace size.
+
+Run with `make bench` (or `python -m pytest benchmarks/test_bench_sim.py --benchmark-enable -s`); each test
+prints what it measured. With benchmarks disabled (`make test`) they are skipped: a replay sweep is not a test.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.data import shared_file
+from prefixlab.sim.build import build_conversation_trace
+from prefixlab.sim.replay import simulate
+from prefixlab.sim.trace import Request
+
+GB = 10**9
+
+
+@pytest.fixture(autouse=True)
+def only_when_benchmarking(request):
+    options = request.config.getoption
+    if options("benchmark_disable", False) and not options("benchmark_enable", False):
+        pytest.skip("simulator benchmarks run with --benchmark-enable (make bench)")
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return ModelSpec.from_name("marconi-7b")
+
+
+@pytest.fixture(scope="module")
+def lmsys():
+    paths = shared_file("traces/lmsys_chat_1000.jsonl"), shared_file("tokenizers/gpt-neox-20b.json")
+    if None in paths:
+        pytest.skip("../shared/data traces or tokenizer not present")
+    return build_conversation_trace(*paths, 1.0)
+
+
+@pytest.mark.parametrize("gb", [1, 2, 5])
+@pytest.mark.parametrize("policy", ["vllm+", "sglang+", "marconi", "dp"])
+def test_replay_time_per_policy_and_capacity(benchmark, lmsys, spec, policy, gb):
+    result = benchmark.pedantic(simulate, args=(lmsys, policy, gb * GB, spec), rounds=3, iterations=1)
+    tokens = sum(len(r.input_tokens) for r in lmsys)
+    print(
+        f"\n{policy:8s} {gb} GB: {benchmark.stats.stats.min:.3f} s min / {benchmark.stats.stats.mean:.3f} s mean "
+        f"for {len(lmsys)} requests ({tokens} input tokens), token hit {result.token_hit_rate:.2f} %, "
+        f"alpha {result.alpha}"
+    )
+
+
+def _doubled(requests: list[Request], vocab_offset: int = 1 << 20) -> list[Request]:
+    """The trace followed by a copy on disjoint token ids: twice the tokens, the same sharing structure."""
+    span = max(r.ts for r in requests) + 1.0
+    copy = [
+        Request(f"copy-{r.session_id}", r.turn_id, r.ts + span, r.input_tokens + vocab_offset,
+                r.output_tokens + vocab_offset)
+        for r in requests
+    ]
+    return requests + copy
+
+
+@pytest.mark.parametrize("policy", ["sglang+", "marconi"])
+def test_replay_time_grows_linearly_with_trace_tokens(benchmark, lmsys, spec, policy):
+    sizes = {}
+    for name, trace in (("1x", lmsys), ("2x", _doubled(lmsys))):
+        runs = []
+        for _ in range(3):
+            started = time.perf_counter()
+            simulate(trace, policy, 2 * GB, spec, alpha=0.5)  # fixed alpha: the replay itself, no tuning window
+            runs.append(time.perf_counter() - started)
+        sizes[name] = (sum(len(r.input_tokens) for r in trace), min(runs))
+    benchmark.pedantic(simulate, args=(lmsys, policy, 2 * GB, spec), kwargs={"alpha": 0.5}, rounds=1, iterations=1)
+    (tokens_1x, seconds_1x), (tokens_2x, seconds_2x) = sizes["1x"], sizes["2x"]
+    ratio = seconds_2x / seconds_1x
+    print(
+        f"\n{policy} 2 GB (alpha fixed): {tokens_1x} tokens in {seconds_1x:.3f} s, {tokens_2x} tokens in "
+        f"{seconds_2x:.3f} s: x{ratio:.2f} time for x{tokens_2x / tokens_1x:.2f} tokens "
+        f"({np.mean([seconds_1x / tokens_1x, seconds_2x / tokens_2x]) * 1e9:.0f} ns per input token)"
+    )
+    assert ratio < 3.0  # linear gives ~2, quadratic 4
