@@ -64,7 +64,8 @@ class EvictionPolicy:
         self.by_recency = SortedIndex()
 
     def eligible(self, node: Node) -> bool:
-        return not node.is_root and node.lock_count == 0 and not node.children
+        """Whether the node's shape makes it a candidate (locked candidates stay indexed and are skipped)."""
+        return not node.is_root and not node.children
 
     def update(self, node: Node) -> None:
         if self.eligible(node):
@@ -83,7 +84,11 @@ class EvictionPolicy:
         self.remove(node)
 
     def pick(self, now: int) -> Node | None:
-        return self.nodes[self.by_recency.first()[-1]] if self.nodes else None
+        """The unlocked candidate to evict next, or None."""
+        for *_, node_id in self.by_recency:
+            if self.nodes[node_id].lock_count == 0:
+                return self.nodes[node_id]
+        return None
 
     def free(self, node: Node, want_bytes: int) -> int:
         """Evict (part of) the picked `node`; `want_bytes` is how much is still needed. Returns bytes freed."""
@@ -131,7 +136,7 @@ class FlopAware(EvictionPolicy):
 
     def eligible(self, node: Node) -> bool:
         max_children = 1 if self.hybrid else 0  # KV-only trees merge single-child nodes eagerly
-        return not node.is_root and node.lock_count == 0 and len(node.children) <= max_children
+        return not node.is_root and len(node.children) <= max_children
 
     def flop_efficiency(self, node: Node) -> float:
         freed = node.state_bytes + (0 if node.children else node.kv_bytes)
@@ -162,15 +167,16 @@ class FlopAware(EvictionPolicy):
     def pick(self, now: int) -> Node | None:
         if len(self.nodes) <= 1 or self.alpha == 0:
             return super().pick(now)
-        # Min-max normalisation is affine, so comparing r * recency_scale + eff * eff_scale ranks like S does.
+        # Min-max normalisation (over all candidates, locked ones included, as Marconi scores every node) is
+        # affine, so comparing recency * recency_scale + efficiency * eff_scale ranks like S does.
         recency_low, recency_high = 1.0 / (now - self.by_recency.first()[0]), 1.0 / (now - self.by_recency.last()[0])
         eff_low, eff_high = self.by_efficiency.first()[0], self.by_efficiency.last()[0]
         recency_scale = 1.0 / (recency_high - recency_low) if recency_high > recency_low else 0.0
         eff_scale = self.alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
-        best_score, best_id, seen = float("inf"), -1, set()
+        best_score, best_id, seen = float("inf"), None, set()
         for by_time, by_eff in zip(self.by_recency, self.by_efficiency, strict=True):
             for node_id in (by_time[-1], by_eff[-1]):
-                if node_id not in seen:
+                if node_id not in seen and self.nodes[node_id].lock_count == 0:
                     seen.add(node_id)
                     recency = 1.0 / (now - self.nodes[node_id].last_access)
                     score = recency * recency_scale + self.efficiency[node_id] * eff_scale
@@ -179,7 +185,7 @@ class FlopAware(EvictionPolicy):
             # Every unseen candidate is at least as old and as inefficient as the current rows of both indexes.
             if best_score <= recency_scale / (now - by_time[0]) + eff_scale * by_eff[0]:
                 break
-        return self.nodes[best_id]
+        return self.nodes[best_id] if best_id is not None else None
 
     def free(self, node: Node, want_bytes: int) -> int:
         if not node.children:

@@ -4,8 +4,9 @@ checkpoints at positions inside it or at its end; payloads are opaque (only `nby
 Positions are absolute token depths: a node's edge covers tokens [start, end) of every sequence through it and a
 checkpoint at p is the state after the first p tokens (start < p <= end). The tree only does structure and exact
 byte accounting; which checkpoints to keep and what to evict is decided by the policies. Every change to a node
-that a policy may rank by (timestamp, children, checkpoints, edge, locks) is reported through `on_change`, every
-removal through `on_remove`, so policies keep sorted indexes instead of scanning the tree.
+that a policy may rank by (timestamp, children, checkpoints, edge) is reported through `on_change`, every
+removal through `on_remove`, so policies keep sorted indexes instead of scanning the tree. Locks are not
+reported: they are short-lived, so policies skip locked nodes when they pick.
 """
 
 from __future__ import annotations
@@ -232,8 +233,6 @@ class RadixTree:
         """Add `delta` to the lock count of `node` and all its ancestors (locked nodes are never evicted)."""
         while node is not None:
             node.lock_count += delta
-            if node.lock_count in (0, delta):  # crossed between locked and unlocked: its eligibility changed
-                self.on_change(node)
             node = node.parent
 
     # inspection --------------------------------------------------------------------------------------------------
