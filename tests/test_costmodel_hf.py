@@ -99,9 +99,27 @@ def test_bytes_equal_the_cache_tensors(model_type, dtype):
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_linear_flops_match_the_weights(model_type):
+    model, cache = run_tiny(model_type, torch.float32)
+    assert ModelSpec.from_config(model.config).linear_flops_per_token == pytest.approx(
+        flops_from_weights(model, cache), rel=1e-12
+    )
+
+
+def test_nemotron_latent_moe_flops_match_the_weights():
+    torch.manual_seed(0)
+    config = TINY["nemotron_h"]()
+    config.moe_latent_size = 8
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True).past_key_values
+    spec = ModelSpec.from_config(model.config)
+    assert spec.linear_flops_per_token == pytest.approx(flops_from_weights(model, cache), rel=1e-12)
+    assert spec.linear_flops_per_token < ModelSpec.from_config(TINY["nemotron_h"]()).linear_flops_per_token
+
+
+def flops_from_weights(model, cache) -> float:
     """2 FLOPs per weight for every matmul a token meets (routers; routed experts scaled by top_k / E), 2 per
     depthwise conv weight, 8 per recurrent-state element (the scan), 2 per channel for LFM2's B*x and C*y gates."""
-    model, cache = run_tiny(model_type, torch.float32)
     config = model.config
     expected = 0.0
     for name, module in model.named_modules():
@@ -120,10 +138,9 @@ def test_linear_flops_match_the_weights(model_type):
         expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
     _, recurrent, _ = cache_tensors(cache)
     expected += 8 * sum(t.numel() for t in recurrent)
-    if model_type == "lfm2":
+    if config.model_type == "lfm2":
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
-    spec = ModelSpec.from_config(config)
-    assert spec.linear_flops_per_token == pytest.approx(expected, rel=1e-12)
+    return expected
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))

@@ -92,14 +92,21 @@ def moe_layers(
     shared_intermediate: int = 0,
     gated: bool = True,
     shared_expert_gate: bool = False,
+    latent_size: int | None = None,
 ) -> LayerGroup:
     """Mixture of experts: router `2 h E` (+`2 h` for Qwen's sigmoid gate on the shared expert), `top_k` routed
-    expert MLPs and an always-on shared MLP per token."""
+    expert MLPs and an always-on shared MLP per token. With `latent_size` (Nemotron-H) the routed experts work
+    on a latent of that width, projected from and back to `h` (`4 h latent`)."""
     matrices = 3 if gated else 2
-    experts = 2 * hidden * (top_k * expert_intermediate + shared_intermediate) * matrices
+    expert_width = latent_size or hidden
+    flops = (
+        2 * hidden * (num_experts + shared_expert_gate)
+        + 2 * matrices * (expert_width * top_k * expert_intermediate + hidden * shared_intermediate)
+        + (4 * hidden * latent_size if latent_size else 0)
+    )
     dims = _dims(hidden=hidden, expert_intermediate=expert_intermediate, experts=num_experts, top_k=top_k,
-                 shared_intermediate=shared_intermediate, gated=gated)
-    return LayerGroup("moe", count, 2 * hidden * (num_experts + shared_expert_gate) + experts, dims=dims)
+                 shared_intermediate=shared_intermediate, gated=gated, latent_size=latent_size or 0)
+    return LayerGroup("moe", count, flops, dims=dims)
 
 
 def _ssm_layers(

@@ -128,7 +128,8 @@ def _nemotron_h(c, dtype_bytes):
         _attention(c, kinds["full_attention"], dtype_bytes),
         cm.mlp_layers(kinds["mlp"], c.hidden_size, c.intermediate_size, gated=False),
         cm.moe_layers(kinds["moe"], c.hidden_size, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
-                      c.n_shared_experts * c.moe_shared_expert_intermediate_size, gated=False),
+                      c.n_shared_experts * c.moe_shared_expert_intermediate_size, gated=False,
+                      latent_size=c.moe_latent_size),
     )
 
 
