@@ -7,18 +7,42 @@ that a layer restarting from a zero state would still pass a 1e-5 comparison.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+from prefixlab.recurrent import patch, unpatch
+
 VOCAB = 64
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=256, pad_token_id=0)  # fmt: skip
-_GDN = dict(linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-            linear_num_value_heads=4)  # fmt: skip
+TOL = 1e-5  # fp32 logits and states against transformers' own layers
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+)
+_GDN = dict(
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 _MOE = dict(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
-_MAMBA = dict(mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-              mamba_chunk_size=8)  # fmt: skip
+_MAMBA = dict(
+    mamba_n_heads=8,
+    mamba_d_head=8,
+    mamba_n_groups=2,
+    mamba_d_state=8,
+    mamba_d_conv=4,
+    mamba_expand=2,
+    mamba_chunk_size=8,
+)
 _HYBRID = ["linear_attention", "full_attention"]
 
 CONFIGS: dict[str, dict] = {
@@ -26,22 +50,73 @@ CONFIGS: dict[str, dict] = {
     "qwen3_5_moe_text": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "qwen3_next": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "olmo_hybrid": dict(**_COMMON, **_GDN, num_hidden_layers=2, layer_types=_HYBRID),
-    "kimi_linear": dict(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, layer_types=_HYBRID,
-                        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, moe_intermediate_size=16,
-                        num_local_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, kv_lora_rank=16,
-                        q_lora_rank=None, qk_rope_head_dim=4, v_head_dim=8, qk_nope_head_dim=8,
-                        mlp_layer_types=["dense", "dense"]),  # fmt: skip
-    "mamba2": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_heads=8, head_dim=8, state_size=8,
-                   expand=2, n_groups=2, conv_kernel=4, chunk_size=8),  # fmt: skip
+    "kimi_linear": dict(
+        **{**_COMMON, "num_key_value_heads": 4},
+        num_hidden_layers=2,
+        layer_types=_HYBRID,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        moe_intermediate_size=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        mlp_layer_types=["dense", "dense"],
+    ),
+    "mamba2": dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_heads=8,
+        head_dim=8,
+        state_size=8,
+        expand=2,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+    ),
     "bamba": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, attn_layer_indices=[1]),
-    "nemotron_h": dict(**_COMMON, layers_block_type=["mamba", "attention", "mlp"], head_dim=8, ssm_state_size=8,
-                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, conv_kernel=4, expand=2, chunk_size=8),
+    "nemotron_h": dict(
+        **_COMMON,
+        layers_block_type=["mamba", "attention", "mlp"],
+        head_dim=8,
+        ssm_state_size=8,
+        mamba_num_heads=8,
+        mamba_head_dim=8,
+        n_groups=2,
+        conv_kernel=4,
+        expand=2,
+        chunk_size=8,
+    ),
     "falcon_h1": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, mamba_d_ssm=64),
-    "granitemoehybrid": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, layer_types=["mamba", "attention"],
-                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32),
-    "zamba2": dict(**_COMMON, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8,
-                   mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=8, chunk_size=8, num_mem_blocks=1,
-                   adapter_rank=4),  # fmt: skip
+    "granitemoehybrid": dict(
+        **_COMMON,
+        **_MAMBA,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=32,
+    ),
+    "zamba2": dict(
+        **_COMMON,
+        num_hidden_layers=3,
+        layers_block_type=["mamba", "hybrid", "mamba"],
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=2,
+        n_mamba_heads=8,
+        chunk_size=8,
+        num_mem_blocks=1,
+        adapter_rank=4,
+    ),
     "lfm2": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),
 }
 
@@ -95,3 +170,49 @@ def states(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Ten
     layer = cache.layers[layer_idx]
     recurrent = layer.recurrent_states[0]
     return layer.conv_states[0].clone(), None if recurrent is None else recurrent.clone()
+
+
+class RecordingCache(DynamicCache):
+    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record."""
+
+    def __init__(self, model, positions):
+        super().__init__(config=model.config)
+        self.prefixlab_capture_positions = positions
+        self.records: dict[tuple[int, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None):
+        assert (layer_idx, offset, row) not in self.records, "each state is recorded once"
+        self.records[(layer_idx, offset, row)] = (conv_state, recurrent_state)
+
+
+@contextmanager
+def unpatched(model):
+    """Run a block on transformers' own layers (the reference), re-patching after."""
+    unpatch(model)
+    try:
+        yield model
+    finally:
+        patch(model)
+
+
+def reference_states(model, ids, attention_mask=None):
+    """The cache a forward over `ids` with transformers' own layers leaves."""
+    cache = new_cache(model)
+    with unpatched(model):
+        forward(model, ids, cache, attention_mask=attention_mask)
+    return cache
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = TOL) -> None:
+    error = (actual - expected).abs().max().item()
+    assert error <= tol, f"max abs error {error:.3g} > {tol}"
+
+
+def assert_same_states(recorded, expected) -> None:
+    """Recorded (conv, recurrent) states match a cache slot's in shape, dtype and value."""
+    for got, want in zip(recorded, expected, strict=True):
+        if want is None:
+            assert got is None
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want)

@@ -6,37 +6,21 @@ import pytest
 import torch
 from recurrent_patch_models import (
     CONFIGS,
+    RecordingCache,
+    assert_close,
+    assert_same_states,
     build,
     forward,
     linear_layer_indices,
     new_cache,
+    reference_states,
     states,
     tokens,
 )
-from transformers import DynamicCache
 
 from prefixlab.recurrent.patch import patch, unpatch
 
-TOL = 1e-5
 FAMILIES = sorted(CONFIGS)
-
-
-class RecordingCache(DynamicCache):
-    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record."""
-
-    def __init__(self, model, positions):
-        super().__init__(config=model.config)
-        self.prefixlab_capture_positions = positions
-        self.records: dict[tuple[int, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
-
-    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None):
-        assert (layer_idx, offset, row) not in self.records, "each state is recorded once"
-        self.records[(layer_idx, offset, row)] = (conv_state, recurrent_state)
-
-
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: float = TOL) -> None:
-    error = (actual - expected).abs().max().item()
-    assert error <= tol, f"max abs error {error:.3g} > {tol}"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -76,8 +60,7 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
     layers = linear_layer_indices(cache)
     assert set(cache.records) == {(layer, offset, None) for layer in layers for offset in offsets}
     for offset in offsets:
-        expected = new_cache(model)
-        forward(model, ids[:, : prefix + offset], expected)
+        expected = reference_states(model, ids[:, : prefix + offset])
         for layer in layers:
             assert_same_states(cache.records[(layer, offset, None)], states(expected, layer))
 
@@ -86,19 +69,8 @@ def test_capture_during_prefill_starts_from_zero_states(family_model):
     _, model, ids, _ = family_model
     cache = RecordingCache(model, [0, 3])
     forward(model, ids[:, :8], cache)
-    expected = new_cache(model)
-    forward(model, ids[:, :3], expected)
+    expected = reference_states(model, ids[:, :3])
     for layer in linear_layer_indices(cache):
         conv, recurrent = cache.records[(layer, 0, None)]
         assert not conv.any() and (recurrent is None or not recurrent.any())
         assert_same_states(cache.records[(layer, 3, None)], states(expected, layer))
-
-
-def assert_same_states(recorded, expected) -> None:
-    """Recorded (conv, recurrent) states match a cache slot's in shape, dtype and value."""
-    for got, want in zip(recorded, expected, strict=True):
-        if want is None:
-            assert got is None
-            continue
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want)

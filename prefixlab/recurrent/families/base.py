@@ -169,8 +169,9 @@ def _is_int(value: Any) -> bool:
 def _offsets(values: Sequence[Any], length: int, name: str) -> tuple[int, ...]:
     offsets = tuple(values)
     if not all(_is_int(o) and 0 <= o <= length for o in offsets):
-        raise InvalidInputError(f"{name} must hold ints in [0, {length}] for a forward over {length} tokens, got "
-                                f"{list(offsets)}")  # fmt: skip
+        raise InvalidInputError(
+            f"{name} must hold ints in [0, {length}] for a forward over {length} tokens, got {list(offsets)}"
+        )
     if any(a >= b for a, b in zip(offsets, offsets[1:], strict=False)):
         raise InvalidInputError(f"{name} must be sorted and distinct, got {list(offsets)}")
     return offsets

@@ -84,8 +84,9 @@ class Qwen3NextGatedDeltaNet(GatedDeltaNet):
     classes = ("Qwen3NextGatedDeltaNet",)
 
     def project(self, layer: nn.Module, hidden_states: torch.Tensor) -> Projected:
-        q, k, v, z, b, a = layer.fix_query_key_value_ordering(layer.in_proj_qkvz(hidden_states),
-                                                              layer.in_proj_ba(hidden_states))  # fmt: skip
+        q, k, v, z, b, a = layer.fix_query_key_value_ordering(
+            layer.in_proj_qkvz(hidden_states), layer.in_proj_ba(hidden_states)
+        )
         qkv = torch.cat([x.reshape(*x.shape[:2], -1) for x in (q, k, v)], dim=-1)
         return Projected(qkv.transpose(1, 2), {"gate": z, "beta": b.sigmoid(), "g": _decay(layer, a)})
 

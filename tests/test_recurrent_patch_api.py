@@ -1,0 +1,163 @@
+"""patch / unpatch / patched: idempotence, reversibility, errors, padding and per-row capture, greedy generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from recurrent_patch_models import (
+    CONFIGS,
+    RecordingCache,
+    assert_close,
+    build,
+    forward,
+    linear_layer_indices,
+    states,
+    tokens,
+)
+from torch import nn
+
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.recurrent import patch, patched, unpatch
+from prefixlab.recurrent.patch import is_patched, linear_attention_layers
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build("qwen3_5_text")
+
+
+def layer_forwards(model):
+    return [vars(layer).get("forward") for layer, _ in linear_attention_layers(model)]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_generation_is_unchanged(name):
+    model, ids = build(name), tokens(2, 10)
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        expected = model.generate(ids, **settings)
+        with patched(model):
+            assert torch.equal(model.generate(ids, **settings), expected)
+
+
+def test_patch_is_idempotent_and_unpatch_restores_the_class_forward(qwen):
+    ids = tokens(1, 12)
+    reference = forward(qwen, ids)
+    assert not is_patched(qwen) and all(f is None for f in layer_forwards(qwen))
+    patch(qwen)
+    first = layer_forwards(qwen)
+    patch(qwen)  # again: same layers, a fresh forward each, one saved original
+    assert is_patched(qwen) and qwen.prefixlab_patched and all(f is not None for f in first)
+    assert_close(forward(qwen, ids), reference)
+    unpatch(qwen)
+    assert not is_patched(qwen) and not hasattr(qwen, "prefixlab_patched")
+    assert all(f is None for f in layer_forwards(qwen))
+    assert torch.equal(forward(qwen, ids), reference)
+    unpatch(qwen)  # no-op on an unpatched model
+
+
+def test_patched_context_restores_on_error_and_keeps_an_earlier_patch(qwen):
+    with pytest.raises(RuntimeError, match="inside"):
+        with patched(qwen):
+            assert is_patched(qwen)
+            raise RuntimeError("inside")
+    assert not is_patched(qwen)
+    patch(qwen)
+    with patched(qwen):
+        pass
+    assert is_patched(qwen)
+    unpatch(qwen)
+
+
+def test_patch_swaps_accelerates_inner_forward_when_hooked(qwen):
+    layer = qwen.model.layers[0].linear_attn
+    hooked = layer.forward  # what accelerate's add_hook_to_module keeps as _old_forward
+    layer._hf_hook, layer._old_forward = object(), hooked
+    try:
+        patch(qwen)
+        assert layer._old_forward is not hooked and "forward" not in vars(layer)
+        unpatch(qwen)
+        assert layer._old_forward is hooked
+    finally:
+        del layer._hf_hook, layer._old_forward
+
+
+class UnknownMixer(nn.Module):
+    """Looks like a linear-attention layer (depthwise conv + layer_idx) but no family serves it."""
+
+    def __init__(self, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.conv1d = nn.Conv1d(8, 8, kernel_size=4, groups=8)
+
+
+class Qwen3_5GatedDeltaNet(UnknownMixer):
+    """Remote code reusing transformers' class name must not be taken for transformers' layer."""
+
+
+@pytest.mark.parametrize("layer_class", [UnknownMixer, Qwen3_5GatedDeltaNet])
+def test_unknown_linear_attention_layers_are_refused_and_nothing_is_patched(qwen, layer_class):
+    qwen.model.layers[1].extra_mixer = layer_class(1)
+    try:
+        with pytest.raises(UnsupportedModelError, match=layer_class.__qualname__):
+            patch(qwen)
+        assert not is_patched(qwen)
+    finally:
+        del qwen.model.layers[1].extra_mixer
+
+
+def test_models_without_linear_attention_are_left_alone():
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(4, 4, 3))
+    assert patch(mlp) is mlp and not is_patched(mlp)
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda m: patch(m, backend="fast"), "backend"),
+        (lambda m: patch("model"), "torch.nn.Module"),
+    ],
+)
+def test_bad_patch_arguments(qwen, call, match):
+    with pytest.raises(InvalidInputError, match=match):
+        call(qwen)
+    assert not is_patched(qwen)
+
+
+@pytest.mark.parametrize(
+    ("positions", "match"),
+    [
+        ([3, 1], "sorted and distinct"),
+        ([0, 9], r"in \[0, 8\]"),
+        ([1.0], "ints"),
+        ([[1], [2], [3]], "2 lists"),
+        ("12", "list of ints"),
+    ],
+)
+def test_bad_capture_positions_raise_and_leave_the_cache_unchanged(qwen, positions, match):
+    ids = tokens(2, 12)
+    with patched(qwen):
+        cache = RecordingCache(qwen, None)
+        forward(qwen, ids[:, :4], cache)
+        before = [states(cache, layer) for layer in linear_layer_indices(cache)]
+        cache.prefixlab_capture_positions = positions
+        with pytest.raises(InvalidInputError, match=match):
+            forward(qwen, ids[:, 4:], cache, start=4)
+        after = [states(cache, layer) for layer in linear_layer_indices(cache)]
+        assert cache.get_seq_length() == 4 and not cache.records
+        for (conv_before, rec_before), (conv_after, rec_after) in zip(before, after, strict=True):
+            assert torch.equal(conv_before, conv_after) and torch.equal(rec_before, rec_after)
+
+
+def test_a_4d_mask_is_refused(qwen):
+    layer = qwen.model.layers[0].linear_attn
+    with patched(qwen), pytest.raises(InvalidInputError, match="attention_mask"):
+        layer(torch.zeros(1, 3, 32), attention_mask=torch.ones(1, 1, 3, 3))
+
+
+def test_the_naive_backend_agrees(qwen):
+    """The token-by-token reference kernels behind the patched layers give the same model outputs."""
+    ids = tokens(1, 12)
+    reference = forward(qwen, ids)
+    with patched(qwen, backend="naive"):
+        assert_close(forward(qwen, ids), reference)
