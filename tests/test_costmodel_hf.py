@@ -105,16 +105,26 @@ def test_linear_flops_match_the_weights(model_type):
     )
 
 
-def test_nemotron_latent_moe_flops_match_the_weights():
+VARIANTS = {  # config branches the TINY models do not take
+    "nemotron_h latent MoE": lambda: NemotronHConfig(**{**TINY["nemotron_h"]().to_dict(), "moe_latent_size": 8}),
+    "granitemoehybrid without experts": lambda: GraniteMoeHybridConfig(
+        **DIMS, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
+        shared_intermediate_size=24, **MAMBA2),
+    "qwen3_next sparse step 2": lambda: Qwen3NextConfig(**DIMS, **GDN, **QWEN_MOE, decoder_sparse_step=2),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variants_bytes_and_flops(variant):
     torch.manual_seed(0)
-    config = TINY["nemotron_h"]()
-    config.moe_latent_size = 8
-    model = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(VARIANTS[variant]()).eval()
     with torch.no_grad():
         cache = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True).past_key_values
     spec = ModelSpec.from_config(model.config)
+    kv, recurrent, conv = cache_tensors(cache)
+    assert spec.kv_bytes_per_token * N_TOKENS == sum(t.nbytes for t in kv)
+    assert spec.state_bytes == sum(t.nbytes for t in recurrent + conv)
     assert spec.linear_flops_per_token == pytest.approx(flops_from_weights(model, cache), rel=1e-12)
-    assert spec.linear_flops_per_token < ModelSpec.from_config(TINY["nemotron_h"]()).linear_flops_per_token
 
 
 def flops_from_weights(model, cache) -> float:
