@@ -124,6 +124,8 @@ def test_expected_recompute_refuses_positions_outside_the_histogram():
         expected_recompute([1, 1, 1], [3])
     with pytest.raises(InvalidInputError, match="positions"):
         expected_recompute([1, 1, 1], [0])
+    with pytest.raises(InvalidInputError, match="positions"):
+        expected_recompute([1, 1, 1], [1.5])
 
 
 def test_balanced_positions_spacing():

@@ -151,6 +151,8 @@ def optimal_checkpoints(hist, budget: int) -> tuple[list[int], float]:
 def expected_recompute(hist, positions) -> float:
     """Expected recomputed tokens when requests overlap per `hist` and resume from the deepest checkpoint."""
     probs = _probabilities(hist)
+    if not all(isinstance(p, int | np.integer) and not isinstance(p, bool) for p in positions):
+        raise InvalidInputError(f"positions must be int token positions, got {positions!r}")
     marks = np.asarray(sorted(positions), dtype=np.int64)
     if marks.size and (marks[0] < 1 or marks[-1] >= probs.size):
         raise InvalidInputError(f"positions must lie in [1, {probs.size - 1}] (len(hist) - 1), got {positions}")
