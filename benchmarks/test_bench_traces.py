@@ -17,7 +17,10 @@ def report(benchmark, what: str, tokens: int) -> None:
     print(f"\n{what}: {mean_s * 1e3:.1f} ms mean, {tokens / mean_s / 1e6:.2f} M tokens/s ({tokens} tokens)")
 
 
-def shared_or_skip(relative: str):
+def shared_or_skip(benchmark, relative: str):
+    """A shared data file; skipped when absent or when benchmarking is off (the builds take seconds)."""
+    if benchmark.disabled:
+        pytest.skip("building from shared data is timed only with --benchmark-enable (make bench)")
     path = shared_file(relative)
     if path is None:
         pytest.skip(f"../shared/data/{relative} not present")
@@ -45,8 +48,8 @@ def test_read_mooncake_jsonl(benchmark, tmp_path):
 
 def test_build_lmsys_conversation_trace(benchmark):
     conversations, tokenizer = (
-        shared_or_skip("traces/lmsys_chat_1000.jsonl"),
-        shared_or_skip("tokenizers/gpt-neox-20b.json"),
+        shared_or_skip(benchmark, "traces/lmsys_chat_1000.jsonl"),
+        shared_or_skip(benchmark, "tokenizers/gpt-neox-20b.json"),
     )
     requests = benchmark.pedantic(build_conversation_trace, args=(conversations, tokenizer), rounds=3, iterations=1)
     report(
@@ -58,8 +61,8 @@ def test_build_lmsys_conversation_trace(benchmark):
 
 def test_build_system_prompt_trace(benchmark):
     prompts, tokenizer = (
-        shared_or_skip("system_prompts/system_prompts.jsonl"),
-        shared_or_skip("tokenizers/gpt-neox-20b.json"),
+        shared_or_skip(benchmark, "system_prompts/system_prompts.jsonl"),
+        shared_or_skip(benchmark, "tokenizers/gpt-neox-20b.json"),
     )
     requests = benchmark.pedantic(build_shared_prefix_trace, args=(prompts, tokenizer), rounds=3, iterations=1)
     report(
