@@ -1,0 +1,63 @@
+"""Tiny random-init models of every family prefixlab serves, built from the real transformers config classes (fp32,
+no downloads). Shared by tests/test_hf_*.py and benchmarks/test_bench_hf.py."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+torch.set_num_threads(1)  # tiny matmuls: threads only add contention on the shared test machine
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+_GDN = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
+            linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=16, mamba_chunk_size=8,
+               mamba_n_groups=1)
+
+# family -> (config class, model class, config overrides); every model has attention and recurrent layers where
+# its family has them (3:1 for the GatedDeltaNet families, as Qwen3.5).
+FAMILIES = {
+    "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(num_hidden_layers=2)),
+    "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(num_hidden_layers=2)),
+    "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(num_hidden_layers=4, **_GDN)),
+    "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
+    "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
+    "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(num_hidden_layers=4, **_GDN)),
+    "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM, dict(
+        num_hidden_layers=4, num_key_value_heads=4, linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 4,
+                                                 "head_dim": 16, "short_conv_kernel_size": 4})),
+    "bamba": (tf.BambaConfig, tf.BambaForCausalLM, dict(num_hidden_layers=4, attn_layer_indices=[3], **_MAMBA2)),
+    "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, dict(num_hidden_layers=2, mamba_d_ssm=128, **_MAMBA2)),
+    "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM, dict(
+        num_hidden_layers=4, layer_types=["mamba", "mamba", "mamba", "attention"], num_local_experts=4,
+        num_experts_per_tok=2, **_MAMBA2)),
+    "nemotron_h": (tf.NemotronHConfig, tf.NemotronHForCausalLM, dict(
+        hybrid_override_pattern="M-M*", mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, chunk_size=8,
+        n_groups=1)),
+    "jamba": (tf.JambaConfig, tf.JambaForCausalLM, dict(
+        num_hidden_layers=4, attn_layer_period=4, attn_layer_offset=3, expert_layer_period=2, expert_layer_offset=1,
+        num_experts=2, mamba_d_state=8, mamba_dt_rank=8, mamba_expand=2)),
+    "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM, dict(
+        num_hidden_layers=4, layers_block_type=["mamba", "mamba", "hybrid", "mamba"], mamba_d_state=16,
+        mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=8, num_mem_blocks=1)),
+    "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
+        num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], conv_L_cache=3)),
+    "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
+        num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
+}
+
+
+def build(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny fp32 random-init model of `family`, in eval mode."""
+    config_class, model_class, overrides = FAMILIES[family]
+    torch.manual_seed(seed)
+    return model_class(config_class(**(_COMMON | overrides))).eval()
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The generate() keyword a family takes its cache under (Mamba2: cache_params)."""
+    return "cache_params" if "mamba" in type(model).__name__.lower() else "past_key_values"

@@ -1,0 +1,217 @@
+"""HybridPrefixCache behaviour on a tiny Qwen3.5-architecture hybrid (3 GatedDeltaNet : 1 attention, fp32):
+batches, sampling, immutability of cached tensors, namespaces, failures mid-generate, bad input."""
+
+import warnings
+
+import pytest
+import torch
+from hf_models import build
+
+from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.store import PrefixStore
+from prefixlab.errors import InvalidInputError, ModelMismatchError
+
+FAMILY = "qwen3_5"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build(FAMILY)
+
+
+def new_store(model, **options):
+    return PrefixStore(model, **({"capacity": "64MB", "policy": "marconi", "block_size": 4} | options))
+
+
+def tokens(*shape, seed=0):
+    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, input_ids, cache=None, **kwargs):
+    options = dict(max_new_tokens=5, do_sample=False, pad_token_id=0) | kwargs
+    return model.generate(input_ids, past_key_values=cache, **options)
+
+
+def warm(model, store, prompt, namespace="default"):
+    """Serve `prompt` twice, so the store holds its all-but-last-token state; returns the second cache."""
+    generate(model, prompt, HybridPrefixCache(store, namespace))
+    cache = HybridPrefixCache(store, namespace)
+    generate(model, prompt, cache)
+    return cache
+
+
+def test_identical_prompt_reuses_all_but_its_last_token(model):
+    store, prompt = new_store(model), tokens(1, 20)
+    assert warm(model, store, prompt).reused_tokens == 19
+
+
+def test_prompt_shorter_than_a_block_still_hits(model):
+    store, prompt = new_store(model, block_size=32), tokens(1, 3)
+    cache = warm(model, store, prompt)
+    assert cache.reused_tokens == 2
+    assert torch.equal(generate(model, prompt), generate(model, prompt, HybridPrefixCache(store)))
+
+
+def test_prompts_diverging_mid_edge_both_keep_hitting(model):
+    store = new_store(model)
+    first = tokens(1, 30, seed=1)
+    second = torch.cat([first[:, :17], tokens(1, 13, seed=2)], dim=1)  # diverges inside first's edge
+    for prompt in (first, second, first, second):
+        generate(model, prompt, HybridPrefixCache(store))
+    for prompt in (first, second):
+        cache = HybridPrefixCache(store)
+        assert torch.equal(generate(model, prompt, cache), generate(model, prompt))
+        assert cache.reused_tokens == 29
+    store.core.check_invariants()
+
+
+def test_cached_tensors_are_bit_identical_after_100_hits(model):
+    store, prompt = new_store(model), tokens(1, 16)
+    warm(model, store, prompt)
+    match = store.core.match(prompt[0, :15].tolist())
+    saved = [t.clone() for t in (*match.state.conv.values(), *match.state.recurrent.values())]
+    saved += [t.clone() for kv in match.kv for t in (*kv.keys.values(), *kv.values.values())]
+    store.core.release(match)
+    for seed in range(100):  # hits that go on with other tokens and decode past the cached prefix
+        follow = torch.cat([prompt[:, :15], tokens(1, 2, seed=seed)], dim=1)
+        generate(model, follow, HybridPrefixCache(store), max_new_tokens=2)
+    match = store.core.match(prompt[0, :15].tolist())
+    now = [*match.state.conv.values(), *match.state.recurrent.values()]
+    now += [t for kv in match.kv for t in (*kv.keys.values(), *kv.values.values())]
+    store.core.release(match)
+    assert len(now) == len(saved) and all(torch.equal(a, b) for a, b in zip(saved, now, strict=True))
+
+
+def test_batch_rows_share_the_common_prefix(model):
+    store = new_store(model)
+    system = tokens(1, 20, seed=3)
+    batch = torch.cat([system.repeat(3, 1), tokens(3, 4, seed=4)], dim=1)
+    warm(model, store, torch.cat([system, tokens(1, 4, seed=5)], dim=1))
+    generate(model, torch.cat([system, tokens(1, 4, seed=6)], dim=1), HybridPrefixCache(store))  # branch at 20
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(model, batch, cache), generate(model, batch))
+    assert cache.reused_tokens == 20
+    for row in range(3):  # every row was admitted: each is now an identical-prompt hit
+        cache = HybridPrefixCache(store)
+        generate(model, batch[row:row + 1], cache)
+        assert cache.reused_tokens == batch.shape[1] - 1
+
+
+def test_left_padded_batch_runs_uncached_and_exact(model):
+    store = new_store(model)
+    prompt = tokens(2, 12, seed=7)
+    warm(model, store, prompt[:1])
+    mask = torch.ones_like(prompt)
+    mask[1, :3] = 0
+    padded = prompt.clone()
+    padded[1, :3] = 0
+    cache = HybridPrefixCache(store)
+    out = generate(model, padded, cache, attention_mask=mask)
+    assert cache.reused_tokens == 0
+    assert torch.equal(out, generate(model, padded, attention_mask=mask))
+
+
+def test_sampling_with_several_return_sequences_is_exact(model):
+    store, prompt = new_store(model), tokens(1, 18, seed=8)
+    warm(model, store, prompt)
+    options = dict(do_sample=True, top_k=20, num_return_sequences=3, max_new_tokens=6)
+    torch.manual_seed(11)
+    reference = generate(model, prompt, **options)
+    torch.manual_seed(11)
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(model, prompt, cache, **options), reference)
+    assert cache.reused_tokens == 17
+
+
+def test_namespaces_never_share_entries(model):
+    store, prompt = new_store(model), tokens(1, 14, seed=9)
+    warm(model, store, prompt, namespace="tenant-a")
+    other = HybridPrefixCache(store, namespace="tenant-b")
+    generate(model, prompt, other)
+    assert other.reused_tokens == 0
+    assert warm(model, store, prompt, namespace="tenant-a").reused_tokens == 13
+
+
+def test_store_stats_report_hits_reused_tokens_and_bytes(model):
+    store, prompt = new_store(model), tokens(1, 14, seed=10)
+    warm(model, store, prompt)
+    stats = store.stats()
+    assert stats["sequences"] == 2 and stats["hit_sequences"] == 1 and stats["reused_tokens"] == 13
+    assert stats["reused_bytes"] == 13 * store.spec.kv_bytes_per_token + store.spec.state_bytes
+    assert 0 < stats["used_bytes"] <= store.capacity_bytes
+
+
+def test_exception_mid_generate_leaves_store_consistent_and_cache_reusable(model):
+    store, prompt = new_store(model), tokens(1, 16, seed=12)
+    warm(model, store, prompt)
+    calls = {"n": 0}
+
+    def fail_on_third_forward(module, args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected failure")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail_on_third_forward)
+    cache = HybridPrefixCache(store)
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            generate(model, prompt, cache)
+    finally:
+        handle.remove()
+    store.core.check_invariants()
+    assert store.core.stats()["locked_matches"] == 0
+    assert torch.equal(generate(model, prompt, cache), generate(model, prompt))  # same object, fresh request
+    assert cache.reused_tokens == 15
+    store.core.check_invariants()
+
+
+def test_capacity_too_small_runs_uncached_with_a_warning(model):
+    store, prompt = new_store(model, capacity=1024), tokens(1, 16, seed=13)
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        generate(model, prompt, HybridPrefixCache(store))
+        store.flush()
+    cache = HybridPrefixCache(store)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert torch.equal(generate(model, prompt, cache), generate(model, prompt))
+    assert cache.reused_tokens == 0 and store.core.used_bytes == 0
+
+
+def test_cache_of_another_models_store_is_refused(model):
+    other = build("qwen3_5", seed=1)
+    other.config.rms_norm_eps = 1e-5  # a different config
+    foreign = HybridPrefixCache(new_store(other))
+    new_store(model)  # this model's hooks see the foreign cache
+    with pytest.raises(ModelMismatchError, match="config or dtype differ"):
+        generate(model, tokens(1, 8), foreign)
+
+
+def test_cache_used_by_a_model_without_store_is_refused(model):
+    stranger = build("qwen3_5", seed=2)
+    with pytest.raises(ModelMismatchError, match="not built for"):
+        generate(stranger, tokens(1, 8), HybridPrefixCache(new_store(model)))
+
+
+def test_bad_arguments_raise_clear_errors(model):
+    with pytest.raises(InvalidInputError, match="PrefixStore"):
+        HybridPrefixCache(object())
+    with pytest.raises(InvalidInputError, match="namespace"):
+        HybridPrefixCache(new_store(model), namespace="")
+    cache = HybridPrefixCache(new_store(model))
+    with pytest.raises(InvalidInputError, match="input_ids"):
+        model(inputs_embeds=torch.zeros(1, 4, 64), past_key_values=cache)
+
+
+def test_for_model_builds_one_default_store(model):
+    first = HybridPrefixCache.for_model(model, capacity="32MB", policy="marconi")
+    second = HybridPrefixCache.for_model(model)
+    assert first.store is second.store and first.store.capacity_bytes == 32 * 10**6
+    prompt = tokens(1, 12, seed=14)
+    generate(model, prompt, first)
+    generate(model, prompt, HybridPrefixCache.for_model(model))
+    third = HybridPrefixCache.for_model(model)
+    generate(model, prompt, third)
+    assert third.reused_tokens == 11
+    with pytest.raises(InvalidInputError, match="already exists"):
+        HybridPrefixCache.for_model(model, capacity="1GB")
+    first.store.close()

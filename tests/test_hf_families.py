@@ -1,0 +1,83 @@
+"""Exactness of HybridPrefixCache on every family: generate() with reuse == generate() without prefixlab.
+
+Each family serves three questions over one system prompt and a follow-up chat turn. The reference is the same model
+without any cache object of ours: greedy tokens identical, fp32 logits of every step within 1e-5.
+"""
+
+import sys
+
+import pytest
+import torch
+from hf_models import FAMILIES, build, cache_argument
+
+from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
+from prefixlab.errors import UnsupportedModelError
+from prefixlab.recurrent.families import SUPPORTED_CLASSES
+from prefixlab.recurrent.patch import patch
+
+SERVED = [f for f in FAMILIES if f not in STATE_DROPPING_MODEL_TYPES]
+TOLERANCE = 1e-5
+
+
+def generate(model, input_ids, cache=None, max_new_tokens=6):
+    kwargs = {cache_argument(model): cache} if cache is not None else {}
+    return model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                          return_dict_in_generate=True, pad_token_id=0, **kwargs)
+
+
+def assert_same(reference, served):
+    assert torch.equal(reference.sequences, served.sequences)
+    for ref_step, step in zip(reference.logits, served.logits, strict=True):
+        torch.testing.assert_close(step, ref_step, rtol=0, atol=TOLERANCE)
+
+
+def serve_workload(model, store):
+    """Three questions over a system prompt, then a second chat turn; returns the reuse of each request."""
+    rng = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 128, (1, 24), generator=rng)
+    reused = []
+    for _ in range(3):
+        prompt = torch.cat([system, torch.randint(3, 128, (1, 5), generator=rng)], dim=1)
+        cache = HybridPrefixCache(store)
+        served = generate(model, prompt, cache)
+        assert_same(generate(model, prompt), served)
+        reused.append(cache.reused_tokens)
+    follow_up = torch.cat([served.sequences, torch.randint(3, 128, (1, 4), generator=rng)], dim=1)
+    cache = HybridPrefixCache(store)
+    assert_same(generate(model, follow_up), generate(model, follow_up, cache))
+    reused.append(cache.reused_tokens)
+    return reused, served.sequences.shape[1]
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_reuse_is_exact(family):
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    reused, previous_length = serve_workload(model, store)
+    assert reused[0] == 0
+    assert reused[2] >= 24, "the third question reuses the system prompt"
+    # the previous turn fed prompt + output[:-1]: all of it is reused, its last sampled token is run
+    assert reused[3] == previous_length - 1
+    store.core.check_invariants()
+
+
+def has_patchable_layers(family: str) -> bool:
+    module = sys.modules[FAMILIES[family][1].__module__]
+    return any(hasattr(module, name) for name in SUPPORTED_CLASSES)
+
+
+@pytest.mark.parametrize("family", [f for f in SERVED if has_patchable_layers(f)])
+def test_reuse_is_exact_with_patched_recurrent_layers(family):
+    """Patched layers record the planned states inside one forward instead of the hook splitting the prefill."""
+    model = patch(build(family))
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    assert store.records_in_kernel
+    reused, previous_length = serve_workload(model, store)
+    assert reused[2] >= 24 and reused[3] == previous_length - 1
+
+
+@pytest.mark.parametrize("family", sorted(STATE_DROPPING_MODEL_TYPES))
+def test_families_that_cannot_resume_are_refused(family):
+    with pytest.raises(UnsupportedModelError, match="cannot be reused"):
+        PrefixStore(build(family))
