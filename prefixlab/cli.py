@@ -16,8 +16,16 @@ SUBCOMMAND_MODULES = (
 )
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """Usage errors are one `prefixlab: error: ...` line (exit 2); subcommand parsers inherit this class."""
+
+    def error(self, message: str):
+        print(f"prefixlab: error: {self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefixlab", description=__doc__)
+    parser = ArgumentParser(prog="prefixlab", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMAND_MODULES:
         importlib.import_module(name).register(subparsers)

@@ -159,22 +159,9 @@ def run_trace_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Make `parser` report usage errors as one `prefixlab: error: ...` line (exit 2) instead of usage + error."""
-
-    def error(message: str):
-        print(f"prefixlab: error: {parser.prog}: {message} (see {parser.prog} --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-    parser.error = error
-    return parser
-
-
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `simulate` and `trace build {conversations,shared-prefix,builtin}`."""
-    sim = one_line_errors(
-        subparsers.add_parser("simulate", help="replay a trace through cache policies and capacities")
-    )
+    sim = subparsers.add_parser("simulate", help="replay a trace through cache policies and capacities")
     sim.add_argument("trace", help="Marconi or Mooncake JSONL trace, or 'builtin' (a small synthetic trace)")
     sim.add_argument(
         "--policy", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})"
@@ -206,9 +193,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         kind.add_argument("--input", help="input JSONL (default: the shared data file)")
         kind.add_argument("--tokenizer", help="tokenizers JSON (default: the shared GPT-NeoX tokenizer)")
         kind.add_argument("--on-error", default="stop", help="stop (default) or skip malformed input lines")
-    for parser in (trace, build_parser):
-        one_line_errors(parser)
     for kind in (conversations, shared, builtin):
-        one_line_errors(kind)
         kind.add_argument("-o", "--output", required=True, help="output Marconi JSONL path")
         kind.set_defaults(func=run_trace_build)
