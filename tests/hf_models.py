@@ -28,8 +28,9 @@ FAMILIES = {
     "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
     "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(num_hidden_layers=4, **_GDN)),
     "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM, dict(
-        num_hidden_layers=4, num_key_value_heads=4, linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 4,
-                                                 "head_dim": 16, "short_conv_kernel_size": 4})),
+        num_hidden_layers=4, num_key_value_heads=4,
+        linear_attn_config={"full_attn_layers": [4], "kda_layers": [1, 2, 3], "num_heads": 4, "head_dim": 16,
+                            "short_conv_kernel_size": 4})),
     "bamba": (tf.BambaConfig, tf.BambaForCausalLM, dict(num_hidden_layers=4, attn_layer_indices=[3], **_MAMBA2)),
     "falcon_h1": (tf.FalconH1Config, tf.FalconH1ForCausalLM, dict(num_hidden_layers=2, mamba_d_ssm=128, **_MAMBA2)),
     "granitemoehybrid": (tf.GraniteMoeHybridConfig, tf.GraniteMoeHybridForCausalLM, dict(

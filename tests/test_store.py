@@ -1,0 +1,137 @@
+"""PrefixStore and its tensor payloads: capacity strings, KV split/concat, save/load, model identity."""
+
+import pytest
+import torch
+from hf_models import build
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import prefixlab
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.cache.payload import KVPayload
+from prefixlab.cache.store import CacheLayout, model_identity, parse_capacity
+from prefixlab.cache.tensors import TensorKV, TensorState, kv_from_flat, kv_to_flat, state_from_flat, state_to_flat
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
+
+
+@pytest.mark.parametrize(
+    "text, nbytes",
+    [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29), ("64kb", 64_000), ("100", 100),
+     (4096, 4096)],
+)
+def test_capacity_strings_and_ints(text, nbytes):
+    assert parse_capacity(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["4 parsecs", "", "GB", "-1GB", 0, -5, 3.5, True, None, "0MB"])
+def test_bad_capacity_raises_naming_the_argument(bad):
+    with pytest.raises(InvalidInputError, match="capacity"):
+        parse_capacity(bad)
+
+
+def random_kv(ntokens: int, layers=(0, 3), seed=0) -> TensorKV:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorKV(ntokens, {i: torch.randn(2, ntokens, 4, generator=gen) for i in layers},
+                    {i: torch.randn(2, ntokens, 4, generator=gen) for i in layers})
+
+
+@settings(max_examples=30, deadline=None)
+@given(ntokens=st.integers(0, 40), data=st.data())
+def test_kv_split_then_concat_is_the_identity_with_exact_bytes(ntokens, data):
+    kv = random_kv(ntokens)
+    at = data.draw(st.integers(0, ntokens))
+    head, tail = kv.split(at)
+    assert isinstance(kv, KVPayload)
+    assert (head.ntokens, tail.ntokens) == (at, ntokens - at)
+    assert head.nbytes + tail.nbytes == kv.nbytes == 2 * 2 * ntokens * 2 * 4 * 4
+    joined = head.concat(tail)
+    assert all(torch.equal(joined.keys[i], kv.keys[i]) and torch.equal(joined.values[i], kv.values[i]) for i in kv.keys)
+    if 0 < at < ntokens:  # halves own their storage: evicting one frees exactly its bytes
+        assert head.keys[0].untyped_storage().nbytes() == head.keys[0].nbytes
+
+
+def test_kv_rejects_bad_shapes_and_split_points():
+    with pytest.raises(InvalidInputError, match="no batch axis"):
+        TensorKV(3, {0: torch.zeros(1, 2, 3, 4)}, {0: torch.zeros(1, 2, 3, 4)})
+    with pytest.raises(InvalidInputError, match="split at"):
+        random_kv(5).split(6)
+    with pytest.raises(InvalidInputError, match="same attention layers"):
+        random_kv(2, layers=(0,)).concat(random_kv(2, layers=(1,)))
+
+
+def test_flat_names_round_trip():
+    kv = random_kv(5)
+    state = TensorState({(1, 0): torch.randn(6, 4)}, {(1, 0): torch.randn(2, 3, 3), (2, 0): torch.randn(1)})
+    flat = kv_to_flat(kv, "n7") | state_to_flat(state, "n7.s5") | state_to_flat(state, "n17.s5")
+    back_kv, back_state = kv_from_flat(flat, "n7", 5), state_from_flat(flat, "n7.s5")
+    assert back_kv.nbytes == kv.nbytes and torch.equal(back_kv.values[3], kv.values[3])
+    assert back_state.nbytes == state.nbytes and torch.equal(back_state.recurrent[(1, 0)], state.recurrent[(1, 0)])
+
+
+def test_layout_and_bytes_match_the_models_own_cache():
+    model = build("zamba2")  # has a layer holding both KV and recurrent states
+    layout = CacheLayout.from_config(model.config)
+    assert layout.kv_layers == (2,) and layout.state_layers == (0, 1, 2, 3)
+    store = PrefixStore(model, capacity="16MB", policy="marconi", block_size=4)
+    prompt = torch.randint(3, 128, (1, 10))
+    model.generate(prompt, past_key_values=HybridPrefixCache(store), max_new_tokens=1, pad_token_id=0)
+    store.flush()
+    entry = store.core.match(prompt[0].tolist())
+    assert entry.state.nbytes == store.spec.state_bytes
+    assert sum(kv.nbytes for kv in entry.kv) == entry.length * store.spec.kv_bytes_per_token
+    store.core.release(entry)
+
+
+def test_sliding_window_models_are_refused():
+    model = build("qwen3")
+    model.config.layer_types = ["sliding_attention", "full_attention"]
+    model.config.sliding_window = 8
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        PrefixStore(model)
+
+
+def serve(model, store, prompt):
+    cache = HybridPrefixCache(store)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return out, cache.reused_tokens
+
+
+def test_save_then_load_keeps_every_entry_and_stays_exact(tmp_path):
+    model = build("qwen3_5")
+    store = prefixlab.PrefixStore(model, capacity="8MB", policy="dp")
+    prompts = [torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(s)) for s in range(2)]
+    for prompt in prompts * 2:
+        serve(model, store, prompt)
+    store.save(tmp_path / "store.safetensors")
+    before = store.stats()
+    store.close()
+    loaded = PrefixStore.load(tmp_path / "store.safetensors", model)
+    after = loaded.stats()
+    assert (after["used_bytes"], after["checkpoints"]) == (before["used_bytes"], before["checkpoints"])
+    assert after["capacity_bytes"] == 8 * 10**6 and after["policy"] == "dp"
+    for prompt in prompts:
+        out, reused = serve(model, loaded, prompt)
+        assert reused == 29
+        assert torch.equal(out, model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0))
+
+
+def test_load_for_another_model_raises_model_mismatch(tmp_path):
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="8MB", policy="marconi")
+    serve(model, store, torch.randint(3, 128, (1, 12)))
+    store.save(tmp_path / "s.safetensors")
+    store.close()
+    assert model_identity(build("qwen3_5", seed=3)) == model_identity(model)  # weights are not part of identity
+    with pytest.raises(ModelMismatchError, match="saved for a model"):
+        PrefixStore.load(tmp_path / "s.safetensors", build("qwen3_5").double())
+    other = build("qwen3_5")
+    other.config.rope_parameters = {**other.config.rope_parameters, "rope_theta": 5.0}
+    with pytest.raises(ModelMismatchError, match="saved for a model"):
+        PrefixStore.load(tmp_path / "s.safetensors", other)
+    with pytest.raises(InvalidInputError, match="not a file"):
+        PrefixStore.load(tmp_path / "missing.safetensors", model)
+
+
+def test_store_rejects_what_is_not_a_model():
+    with pytest.raises(InvalidInputError, match="transformers model"):
+        PrefixStore(torch.nn.Linear(2, 2))
