@@ -57,7 +57,7 @@ def test_dp_is_at_least_marconi_on_chat(lmsys_results, gb):
 def test_dp_beats_marconi_on_system_prompt_versions(spec):
     trace = build_shared_prefix_trace(
         require_shared("system_prompts/system_prompts.jsonl"), require_shared("tokenizers/gpt-neox-20b.json"),
-        num_requests=600,
+        num_requests=400,
     )
     marconi = simulate(trace, "marconi", 5 * GB, spec).token_hit_rate
     dp = simulate(trace, "dp", 5 * GB, spec).token_hit_rate

@@ -52,7 +52,6 @@ class Match:
     namespace: str
     input_length: int
     node: Node = field(repr=False)
-    released: bool = field(default=False, repr=False)
 
 
 class PrefixCacheCore:
@@ -149,7 +148,7 @@ class PrefixCacheCore:
     ) -> bool:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
-        last kept checkpoint is useless and not stored. Returns False if it cannot fit (nothing changes then)."""
+        last kept checkpoint is useless and not stored. Returns False if no part of it fits."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -198,7 +197,6 @@ class PrefixCacheCore:
     def release(self, match: Match) -> None:
         """Unlock what `match` returned (once)."""
         self._check_match(match)
-        match.released = True
         del self._live[id(match)]
         self.tree.lock(match.node, -1)
         self._compact(match.node)
