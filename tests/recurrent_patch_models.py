@@ -117,11 +117,27 @@ CONFIGS: dict[str, dict] = {
         num_mem_blocks=1,
         adapter_rank=4,
     ),
+    "jamba": dict(
+        **_COMMON,
+        num_hidden_layers=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+    ),
+    "mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
+    "falcon_mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "lfm2": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),
 }
 
-# Models whose forward takes the cache as `cache_params` (pure Mamba2) and has no positions.
-_CACHE_PARAMS = {"mamba2"}
+# Models whose forward takes the cache as `cache_params` (pure Mamba / Mamba2) and has no positions.
+_CACHE_PARAMS = {"mamba", "mamba2", "falcon_mamba"}
 
 
 def build(name: str, seed: int = 0, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from recurrent_patch_models import (
     tokens,
 )
 
-from prefixlab.recurrent.patch import patch, unpatch
+from prefixlab.recurrent.patch import patch, patched, unpatch
 
 FAMILIES = sorted(CONFIGS)
 
@@ -52,7 +52,7 @@ def test_continuing_from_the_cache_equals_one_forward(family_model):
 def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model):
     """Offsets over a forward that continues a 5-token prefix: 0 is the cached state it starts from, 16 its end."""
     _, model, ids, _ = family_model
-    prefix, offsets = 5, [0, 1, 7, 11, 16]
+    prefix, offsets = 5, [0, 6, 16]
     cache = RecordingCache(model, None)
     forward(model, ids[:, :prefix], cache)
     cache.prefixlab_capture_positions = offsets
@@ -74,3 +74,19 @@ def test_capture_during_prefill_starts_from_zero_states(family_model):
         conv, recurrent = cache.records[(layer, 0, None)]
         assert not conv.any() and (recurrent is None or not recurrent.any())
         assert_same_states(cache.records[(layer, 3, None)], states(expected, layer))
+
+
+@pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
+def test_mamba1_models_need_the_patch_to_resume(name):
+    """transformers' Mamba1 torch path restarts its scan from zeros for multi-token forwards, so a cached prefix
+    is only resumed exactly once patched (if this starts failing on the unpatched side, transformers fixed it)."""
+    model, ids = build(name), tokens(2, 16)
+    reference = forward(model, ids)
+
+    def resumed():
+        cache = new_cache(model)
+        return torch.cat([forward(model, ids[:, :7], cache), forward(model, ids[:, 7:], cache, start=7)], dim=1)
+
+    assert (resumed() - reference).abs().max() > 1e-2
+    with patched(model):
+        assert_close(resumed(), reference)
