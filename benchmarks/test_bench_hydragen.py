@@ -1,0 +1,66 @@
+"""Hydragen speed (`make bench`): attention vs SDPA over per-sequence KV swept over batch and prefix, and tiny-model
+end-to-end decode. Heavy cases run only with --benchmark-enable; a small smoke case always runs."""
+
+import pytest
+import torch
+
+from prefixlab.attention.bench import attention_case, bench_attention
+from prefixlab.attention.bench_e2e import bench_e2e, format_e2e
+from prefixlab.attention.split import split_attention
+from prefixlab.attention.tree import plan_tree
+
+BATCH_SWEEP = [(8, 4096), (16, 4096), (32, 4096), (64, 4096)]
+PREFIX_SWEEP = [(64, 512), (64, 1024), (64, 2048), (64, 4096)]
+SUFFIX = 128
+
+
+def _skip_unless_enabled(benchmark):
+    if benchmark.disabled:
+        pytest.skip("benchmark: run with --benchmark-enable (make bench)")
+
+
+def test_bench_smoke_reports_all_fields():
+    result = bench_attention(batch=2, prefix=16, suffix=4, q_heads=4, kv_heads=2, head_dim=16, repeats=1,
+                             packed=False)
+    assert {"sdpa_ms", "split_ms", "packed_ms", "speedup"} <= result.keys()
+    assert result["sdpa_ms"] > 0 and result["split_ms"] > 0
+    assert result["speedup"] == pytest.approx(result["sdpa_ms"] / result["split_ms"])
+
+
+@pytest.mark.parametrize("batch,prefix", BATCH_SWEEP + PREFIX_SWEEP[:-1], ids=lambda x: str(x))
+def test_bench_split_decode(benchmark, batch, prefix):
+    """pytest-benchmark timing of the split path (the CPU default) for one decode step."""
+    _skip_unless_enabled(benchmark)
+    q, level, suffix_k, suffix_v = attention_case(batch, prefix, SUFFIX)
+    plan = plan_tree(q, [level], suffix_k, suffix_v)
+    benchmark.pedantic(split_attention, args=(q, plan, suffix_k, suffix_v, q.shape[-1] ** -0.5), rounds=5,
+                       warmup_rounds=1)
+
+
+def test_bench_speedup_grows_with_batch_and_prefix(benchmark):
+    """SDPA / Hydragen time across the sweeps: the shared prefix is read once instead of B times."""
+    _skip_unless_enabled(benchmark)
+    rows = {}
+    for batch, prefix in dict.fromkeys(BATCH_SWEEP + PREFIX_SWEEP):
+        rows[batch, prefix] = bench_attention(batch, prefix, SUFFIX, repeats=5, packed=(batch, prefix) == (64, 4096))
+        r = rows[batch, prefix]
+        packed = "" if r["packed_ms"] is None else f" packed {r['packed_ms']:8.2f} ms"
+        print(f"B={batch:3d} P={prefix:5d} S={SUFFIX} sdpa {r['sdpa_ms']:8.2f} ms split {r['split_ms']:8.2f} ms"
+              f"{packed} speedup {r['speedup']:6.2f}x ({torch.get_num_threads()} threads)")
+    benchmark.extra_info["speedups"] = {f"B{b}_P{p}": r["speedup"] for (b, p), r in rows.items()}
+    benchmark.pedantic(lambda: None, rounds=1)
+    by_batch = [rows[key]["speedup"] for key in BATCH_SWEEP]
+    by_prefix = [rows[key]["speedup"] for key in PREFIX_SWEEP]
+    assert by_batch[-1] > by_batch[0] and by_prefix[-1] > by_prefix[0]
+    assert rows[64, 4096]["speedup"] >= 4.0
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_5"])
+def test_bench_e2e_decode(benchmark, model):
+    """64 completions of a 2048-token prompt: standard vs Hydragen generate vs the no-attention ceiling."""
+    _skip_unless_enabled(benchmark)
+    result = bench_e2e(model, completions=64, prompt_tokens=2048, new_tokens=16)
+    print(format_e2e(result))
+    benchmark.extra_info.update(result)
+    benchmark.pedantic(lambda: None, rounds=1)
+    assert result["same_tokens"] and result["speedup"] > 1.0

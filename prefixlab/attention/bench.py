@@ -1,0 +1,145 @@
+"""`prefixlab bench hydragen`: Hydragen attention vs SDPA over materialised per-sequence KV; `--e2e` for generate.
+
+    prefixlab bench hydragen --batch 64 --prefix 4096 --suffix 128 --json
+    prefixlab bench hydragen --e2e --model llama --completions 64 --prompt 2048 --new-tokens 32 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from prefixlab.attention.api import hydragen_attention
+from prefixlab.attention.reference import causal_suffix_mask
+from prefixlab.attention.tree import SharedLevel
+from prefixlab.errors import InvalidInputError
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of `fn` in milliseconds (after `warmup` untimed calls, which also absorb compiles)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def attention_case(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_heads: int = 1, head_dim: int = 128,
+                   queries: int = 1, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0):
+    """Random decode (queries=1) or prefill inputs: q, the shared prefix level, per-sequence suffix KV."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    return (rand(batch, q_heads, queries, head_dim), SharedLevel(rand(kv_heads, prefix, head_dim),
+            rand(kv_heads, prefix, head_dim)), rand(batch, kv_heads, suffix, head_dim),
+            rand(batch, kv_heads, suffix, head_dim))
+
+
+def bench_attention(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_heads: int = 1, head_dim: int = 128,
+                    queries: int = 1, dtype: str = "fp32", device: str = "cpu", repeats: int = 10,
+                    packed: bool = True) -> dict:
+    """Times SDPA over each sequence's full KV (materialised before timing), split and packed Hydragen."""
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
+    for name, value in dict(batch=batch, prefix=prefix, suffix=suffix, queries=queries, repeats=repeats).items():
+        if value < 1:
+            raise InvalidInputError(f"--{name}={value} must be at least 1")
+    if queries > suffix:
+        raise InvalidInputError(f"--queries={queries} must not exceed --suffix={suffix} (queries are suffix tokens)")
+    q, level, suffix_k, suffix_v = attention_case(batch, prefix, suffix, q_heads, kv_heads, head_dim, queries,
+                                                  DTYPES[dtype], device)
+    # what a standard cache holds: every sequence's own copy of the prefix
+    full_k = torch.cat([level.keys.expand(batch, -1, -1, -1), suffix_k], dim=2).contiguous()
+    full_v = torch.cat([level.values.expand(batch, -1, -1, -1), suffix_v], dim=2).contiguous()
+    mask = None
+    if queries > 1:
+        mask = torch.cat([torch.ones(queries, prefix, dtype=torch.bool, device=device),
+                          causal_suffix_mask(queries, suffix, torch.device(device))], dim=1)
+    result = dict(batch=batch, prefix=prefix, suffix=suffix, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                  queries=queries, dtype=dtype, device=str(q.device), threads=torch.get_num_threads())
+    result["sdpa_ms"] = time_ms(
+        lambda: F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, enable_gqa=True), repeats)
+    result["split_ms"] = time_ms(lambda: hydragen_attention(q, [level], suffix_k, suffix_v, method="split"), repeats)
+    result["packed_ms"] = None
+    if packed:
+        result["packed_ms"] = time_ms(lambda: hydragen_attention(q, [level], suffix_k, suffix_v, method="packed"),
+                                      repeats)
+    best = min(t for t in (result["split_ms"], result["packed_ms"]) if t is not None)
+    result["best"] = "split" if best == result["split_ms"] else "packed"
+    result["speedup"] = result["sdpa_ms"] / best
+    result["split_speedup"] = result["sdpa_ms"] / result["split_ms"]
+    result["packed_speedup"] = result["sdpa_ms"] / result["packed_ms"] if packed else None
+    return result
+
+
+def _format(result: dict) -> str:
+    if "completions" in result:
+        from prefixlab.attention.bench_e2e import format_e2e
+
+        return format_e2e(result)
+    packed = "n/a" if result["packed_ms"] is None else f"{result['packed_ms']:.2f} ms"
+    return (
+        f"hydragen attention  B={result['batch']} P={result['prefix']} S={result['suffix']} Tq={result['queries']} "
+        f"heads {result['q_heads']}/{result['kv_heads']} d={result['head_dim']} {result['dtype']} on "
+        f"{result['device']} ({result['threads']} threads)\n"
+        f"  sdpa (full KV per sequence) {result['sdpa_ms']:.2f} ms\n"
+        f"  split                       {result['split_ms']:.2f} ms\n"
+        f"  packed                      {packed}\n"
+        f"  speedup sdpa/best ({result['best']}) {result['speedup']:.2f}x"
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError(f"--threads={args.threads} must be at least 1")
+        torch.set_num_threads(args.threads)
+    if args.e2e:
+        from prefixlab.attention.bench_e2e import bench_e2e
+
+        result = bench_e2e(args.model, args.completions, args.prompt, args.new_tokens, repeats=args.repeats)
+    else:
+        result = bench_attention(args.batch, args.prefix, args.suffix, args.q_heads, args.kv_heads, args.head_dim,
+                                 args.queries, args.dtype, args.device, args.repeats, packed=not args.no_packed)
+    print(json.dumps(result) if args.json else _format(result))
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench hydragen`."""
+    p = subparsers.add_parser("hydragen", help="Hydragen shared-prefix attention vs SDPA (and --e2e generate)")
+    p.add_argument("--batch", type=int, default=64, help="sequences sharing the prefix")
+    p.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens")
+    p.add_argument("--suffix", type=int, default=128, help="per-sequence tokens after the prefix")
+    p.add_argument("--queries", type=int, default=1, help="query tokens per sequence (1 = decode)")
+    p.add_argument("--q-heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs; the median is reported")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    p.add_argument("--no-packed", action="store_true", help="skip the packed path (its compile takes a while on CPU)")
+    p.add_argument("--e2e", action="store_true", help="end-to-end decode throughput of a tiny model instead")
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_5"), help="--e2e: tiny architecture")
+    p.add_argument("--completions", type=int, default=64, help="--e2e: num_return_sequences")
+    p.add_argument("--prompt", type=int, default=2048, help="--e2e: prompt tokens")
+    p.add_argument("--new-tokens", type=int, default=32, help="--e2e: tokens generated per completion")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_run)
