@@ -144,8 +144,12 @@ def test_bad_admit_arguments_change_nothing(kv, states, message):
 
 
 def test_bad_namespace():
+    core = _core()
     with pytest.raises(InvalidInputError, match="namespace"):
-        _core().match([1], namespace="")
+        core.match([1], namespace="")
+    match = core.match([1, 2], namespace="a")
+    with pytest.raises(InvalidInputError, match="namespace"):
+        core.admit([1, 2], lambda a, b: TokenKV((1, 2)[a:b]), {2: PrefixState((1, 2))}, match, namespace="b")
 
 
 def test_marconi_7b_sizes_flow_through():

@@ -160,6 +160,8 @@ class PrefixCacheCore:
                 raise InvalidInputError(f"states[{position}] must be a payload with an int nbytes, got {state!r}")
         if match is not None:
             self._check_match(match)
+            if namespace not in ("default", match.namespace):
+                raise InvalidInputError(f"namespace={namespace!r} differs from the match's {match.namespace!r}")
             namespace = match.namespace
         walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
         shared = walk.shared_length
