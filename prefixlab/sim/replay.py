@@ -50,8 +50,9 @@ def simulate(
             progress(1)
     elapsed = time.perf_counter() - started
     lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
-    return summarize(policy, capacity_bytes, lengths, hits, spec, alpha=core.alpha, evictions=core.evictions,
-                     replay_seconds=elapsed)
+    return summarize(
+        policy, capacity_bytes, lengths, hits, spec, alpha=core.alpha, evictions=core.evictions, replay_seconds=elapsed
+    )
 
 
 def ceiling(requests: Sequence[Request], spec: ModelSpec) -> SimResult:
@@ -66,6 +67,6 @@ def ceiling(requests: Sequence[Request], spec: ModelSpec) -> SimResult:
         walk = tree.walk(tokens, "default")
         if walk.shared_length < len(tokens):
             parent = tree.split(walk.path[-1], walk.shared_length, 0) if walk.ends_inside_edge else walk.path[-1]
-            tree.add_leaf(parent, tokens[walk.shared_length:].copy(), None, 0)
+            tree.add_leaf(parent, tokens[walk.shared_length :].copy(), None, 0)
     lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
     return summarize("ceiling", 0, lengths, hits, spec)
