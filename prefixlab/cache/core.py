@@ -57,8 +57,10 @@ class Match:
 class PrefixCacheCore:
     """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
 
-    `alpha=None` tunes Marconi's FLOP-efficiency weight by replaying a bootstrap window of
-    `bootstrap_multiplier` x the requests seen before the first eviction; a number fixes it.
+    `alpha=None` (FLOP-aware policies) starts at 0 and tunes Marconi's FLOP-efficiency weight once, as the paper
+    does: with N0 the requests seen when the first eviction happens, the first `bootstrap_multiplier` x N0
+    requests are replayed from an empty cache for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
+    FLOPs is kept (alpha stays 0 if the trace ends first). A number fixes alpha.
 
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
