@@ -81,3 +81,13 @@ def test_progress_is_called_once_per_request():
 def test_bad_input(requests, policy, capacity, message):
     with pytest.raises(InvalidInputError, match=message):
         simulate(requests, policy, capacity, tiny_spec())
+
+
+@pytest.mark.parametrize("gb", [0.5, 2])
+def test_dp_never_loses_to_marconi_on_a_chat_and_prompt_versions_mix(gb):
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.sim.build import builtin_trace
+
+    trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
+    marconi = simulate(trace, "marconi", int(gb * 1e9), spec).token_hit_rate
+    assert simulate(trace, "dp", int(gb * 1e9), spec).token_hit_rate >= marconi

@@ -72,14 +72,14 @@ class BlockAdmission(MarconiAdmission):
 
 
 class PlacedAdmission(MarconiAdmission):
-    """Marconi's positions plus `placement(length)` positions strictly inside (reused, length): the request
-    computes those tokens anyway, so their states cost only memory."""
+    """Marconi's positions plus `placement(reused, length)` positions strictly inside (reused, length): the
+    request computes those tokens anyway, so their states cost only memory."""
 
-    def __init__(self, placement: Callable[[int], list[int]]) -> None:
+    def __init__(self, placement: Callable[[int, int], list[int]]) -> None:
         self.placement = placement
 
     def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
-        placed = [p for p in self.placement(length) if reused < p < length] if length > 1 else []
+        placed = [p for p in self.placement(reused, length) if reused < p < length] if length > reused + 1 else []
         return sorted(set(super().plan(walk, length, reused)).union(placed))
 
 
@@ -88,21 +88,29 @@ class DPAdmission(PlacedAdmission):
 
     What a checkpoint can recover is the overlap a request could not reuse: each request contributes its shared
     length when it exceeded what a checkpoint let it reuse, and 0 (nothing to recover) otherwise. The decayed
-    histogram of those depths is solved at `block` granularity every `resolve_every` requests, and each entry
-    gets at most `budget` placed checkpoints (so, with the branch point and the last token, <= budget + 2)."""
+    histogram of those depths is solved at `block` granularity every `resolve_every` requests.
 
-    def __init__(self, budget: int, block: int, decay: float, resolve_every: int, max_len: int = 1 << 16) -> None:
+    Budget per entry: a state is worth `state_tokens` tokens of KV, so an entry computing n new tokens gets at most
+    `memory_fraction * n / state_tokens` placed states (its placed states cost at most that fraction of its KV)
+    and never more than `budget`; with the branch point and the last token an entry holds <= budget + 2 states."""
+
+    def __init__(
+        self, budget: int, block: int, decay: float, resolve_every: int, state_tokens: float,
+        memory_fraction: float = 0.15, max_len: int = 1 << 16,
+    ) -> None:
         from prefixlab.cache.placement import OverlapHistogram
 
         self.histogram, self.budget, self.block = OverlapHistogram(max_len, decay, block, resolve_every), budget, block
+        self.state_tokens, self.memory_fraction = state_tokens, memory_fraction
         self.deepest_loss = 0
         super().__init__(self._positions)
 
-    def _positions(self, length: int) -> list[int]:
-        if self.deepest_loss < self.block or length < self.block:
-            return []  # no overlap was ever lost past the first block: nothing a checkpoint could recover
+    def _positions(self, reused: int, length: int) -> list[int]:
+        budget = min(self.budget, int(self.memory_fraction * (length - reused) / max(self.state_tokens, 1e-9)))
+        if self.deepest_loss < self.block or length < self.block or budget < 1:
+            return []  # nothing a checkpoint could recover, or the entry is too small to pay for one
         # The block DP depends on the length only through its whole blocks: round down so solutions are shared.
-        return self.histogram.positions(length // self.block * self.block, self.budget)
+        return self.histogram.positions(length // self.block * self.block, budget)
 
     def observe(self, shared_length: int, reused_length: int) -> None:
         lost = min(shared_length if shared_length > reused_length else 0, self.histogram.max_len)

@@ -13,7 +13,10 @@
 Placed checkpoints (dp, marconi+*) go only where the request computes anyway: strictly between the reused
 length and the end of the admitted sequence. The per-entry budget (default 4 placed states, so at most 6 with
 the branch point and the last token) bounds what an entry can cost: one marconi-7b state is ~27 MB, the KV of
-~400 tokens, so a few well-placed states pay off and a dense grid (vllm+) does not.
+~400 tokens, so a few well-placed states pay off and a dense grid (vllm+) does not. dp also caps its placed
+states at `memory_fraction` (15 %) of the bytes of the KV the entry adds: with 25 % or 50 % it lost up to 4
+points to marconi on a trace mixing chats and prompt versions (prefixlab.sim.build.builtin_trace); with 15 % it
+never lost and kept most of its gain on system-prompt versions.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class PolicyOptions:
     placement_block: int = 64
     histogram_decay: float = 0.99
     resolve_every: int = 10
+    memory_fraction: float = 0.15
 
 
 def check_policy_name(name: object) -> str:
@@ -71,18 +75,20 @@ def build_policy(
     eviction = FlopAware(tree, spec, options.block_size, alpha)
     if name == "marconi":
         return MarconiAdmission(), eviction
-    return _placed_admission(name, options), eviction
+    return _placed_admission(name, spec, options), eviction
 
 
-def _placed_admission(name: str, options: PolicyOptions) -> PlacedAdmission:
+def _placed_admission(name: str, spec: ModelSpec, options: PolicyOptions) -> PlacedAdmission:
     from prefixlab.cache import placement
 
     budget, block = options.checkpoint_budget, options.placement_block
     if name == "dp":
-        return DPAdmission(budget, block, options.histogram_decay, options.resolve_every)
+        state_tokens = spec.state_bytes / max(spec.kv_bytes_per_token, 1)
+        return DPAdmission(budget, block, options.histogram_decay, options.resolve_every, state_tokens,
+                           options.memory_fraction)
     heuristics = {
-        "balanced": lambda length: placement.balanced_positions(length - 1, budget),
-        "block": lambda length: placement.block_positions(length - 1, block),
-        "log": lambda length: placement.log_positions(length - 1, budget),
+        "balanced": lambda reused, length: placement.balanced_positions(length - 1, budget),
+        "block": lambda reused, length: placement.block_positions(length - 1, block),
+        "log": lambda reused, length: placement.log_positions(length - 1, budget),
     }
     return PlacedAdmission(heuristics[name.split("+")[1]])
