@@ -17,9 +17,10 @@ from prefixlab.errors import InvalidInputError
 Method = Literal["auto", "split", "packed", "sdpa"]
 METHODS = ("auto", "split", "packed", "sdpa")
 
-# Measured (benchmarks/RESULTS.md, "Hydragen"): on CPU the split path's fused flash kernel beats compiled
-# FlexAttention at every size we swept, so CPU always splits. On CUDA one packed launch wins while the per-level calls
-# of the split path are launch-bound: many small levels, few queries.
+# CPU, measured (benchmarks/RESULTS.md, "Hydragen"): the split path's fused flash kernel beat compiled FlexAttention
+# in every case swept (one level or many small ones, B 4..64), so CPU always splits. CUDA, NOT measured (no GPU
+# here): one packed launch should win where the split path's per-level calls are launch-bound (many small levels,
+# few queries); these thresholds are a starting point to re-measure with `prefixlab bench hydragen` on a GPU.
 PACKED_MAX_QUERIES_CUDA = 256
 PACKED_MIN_LEVELS_CUDA = 3
 

@@ -27,6 +27,7 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
+from prefixlab.attention.reference import materialize_rows
 from prefixlab.attention.tree import SharedLevel
 from prefixlab.errors import InvalidInputError
 
@@ -43,12 +44,7 @@ class SharedBatchKV:
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every sequence's full (B, kv_heads, prefix + S, D) keys and values, as a standard cache holds them."""
-        from prefixlab.attention.reference import materialize_kv
-        from prefixlab.attention.tree import plan_tree
-
-        q_stub = self.suffix_keys[:, :, :0]
-        plan = plan_tree(q_stub, self.levels, self.suffix_keys, self.suffix_values, self.seq_levels)
-        rows = [materialize_kv(plan, self.suffix_keys, self.suffix_values, b) for b in range(plan.batch_size)]
+        rows = materialize_rows(self.levels, self.seq_levels.tolist(), self.suffix_keys, self.suffix_values)
         return torch.stack([k for k, _ in rows]), torch.stack([v for _, v in rows])
 
 

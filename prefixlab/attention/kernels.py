@@ -56,7 +56,8 @@ def _attention_with_lse_cpu(
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # default (automatic) dynamic shapes: a decode loop's growing suffix recompiles once, not every step
+    return torch.compile(flex_attention)
 
 
 def _attention_with_lse_flex(

@@ -81,7 +81,8 @@ def pack_batch(q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffi
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # default (automatic) dynamic shapes: a decode loop's growing suffix recompiles once, not every step
+    return torch.compile(flex_attention)
 
 
 def packed_attention(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from prefixlab.attention.tree import TreePlan, ancestors_of
+from prefixlab.attention.tree import SharedLevel, TreePlan, ancestors_of
 
 
 def causal_suffix_mask(queries: int, slots: int, device: torch.device) -> torch.Tensor:
@@ -21,13 +23,17 @@ def suffix_visibility(plan: TreePlan, queries: int, slots: int, device: torch.de
     return causal_suffix_mask(queries, slots, device).expand(plan.batch_size, queries, slots)
 
 
-def materialize_kv(plan: TreePlan, suffix_keys: torch.Tensor, suffix_values: torch.Tensor, b: int):
-    """Sequence b's keys and values (kv_heads, prefix + S, D): its shared levels root first, then its suffix."""
-    paths = ancestors_of([level.parent for level in plan.levels])
-    leaf_path = max((paths[n] for n in range(len(plan.levels)) if plan.visible[b, n]), key=len, default=[])
-    keys = [plan.levels[n].keys for n in leaf_path] + [suffix_keys[b]]
-    values = [plan.levels[n].values for n in leaf_path] + [suffix_values[b]]
-    return torch.cat(keys, dim=1), torch.cat(values, dim=1)
+def materialize_rows(
+    levels: Sequence[SharedLevel], seq_levels: Sequence[int], suffix_keys: torch.Tensor, suffix_values: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each sequence's keys and values (kv_heads, prefix + S, D): its shared levels root first, then its suffix."""
+    paths = ancestors_of([level.parent for level in levels])
+    rows = []
+    for b, leaf in enumerate(seq_levels):
+        path = paths[leaf] if leaf >= 0 else []
+        rows.append((torch.cat([levels[n].keys for n in path] + [suffix_keys[b]], dim=1),
+                     torch.cat([levels[n].values for n in path] + [suffix_values[b]], dim=1)))
+    return rows
 
 
 def reference_attention(
@@ -38,8 +44,8 @@ def reference_attention(
     slots = suffix_keys.shape[2]
     visible = suffix_visibility(plan, queries, slots, q.device)
     outs = []
-    for b in range(plan.batch_size):
-        keys, values = materialize_kv(plan, suffix_keys, suffix_values, b)
+    rows = materialize_rows(plan.levels, plan.seq_levels, suffix_keys, suffix_values)
+    for b, (keys, values) in enumerate(rows):
         prefix = keys.shape[1] - slots
         mask = torch.cat([visible.new_ones(queries, prefix), visible[b]], dim=1)
         outs.append(

@@ -38,6 +38,7 @@ class TreePlan:
     """A validated batch layout: which sequences see which level, and the suffix visibility."""
 
     levels: tuple[SharedLevel, ...]
+    seq_levels: tuple[int, ...]  # deepest level of each sequence, -1: none
     visible: torch.Tensor  # (batch, n_levels) bool: level n is on sequence b's shared prefix
     members: tuple[torch.Tensor, ...]  # per level: sorted int64 indices of the sequences that see it
     prefix_lengths: torch.Tensor  # (batch,) int64: tokens of each sequence's shared prefix
@@ -185,5 +186,5 @@ def plan_tree(
             )
         if suffix_mask.device != q.device:
             raise InvalidInputError(f"suffix_mask is on {suffix_mask.device} but q on {q.device}")
-    return TreePlan(tuple(levels), visible.to(q.device), tuple(m.to(q.device) for m in members),
+    return TreePlan(tuple(levels), tuple(seq_levels), visible.to(q.device), tuple(m.to(q.device) for m in members),
                     prefix_lengths.to(q.device), suffix_mask)
