@@ -9,6 +9,7 @@ anything changes.
 from __future__ import annotations
 
 import bisect
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -293,16 +294,25 @@ class PrefixCacheCore:
         split = match.input_length if match else len(tokens)
         self._history.append((tokens[:split], tokens[split:]))
         if self._tune_at is not None and self.requests >= self._tune_at:
-            self.eviction.alpha = tune_alpha(self._replay_flops_saved)
+            self.eviction.alpha = self._tune_alpha()
             self._tuning, self._history = False, []
 
-    def _replay_flops_saved(self, alpha: float) -> float:
-        core = PrefixCacheCore(
-            self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=alpha,
+    def _tune_alpha(self) -> float:
+        # Until the first eviction alpha plays no part: replay that stretch once and copy it for every alpha.
+        warm = self._tune_at // self.bootstrap_multiplier - 1
+        base = PrefixCacheCore(
+            self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
             checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
         )
-        hits = np.array([replay_request(core, inp, out) for inp, out in self._history], dtype=np.int64)
-        return float(np.sum(self.spec.flops_saved(hits)))
+        warm_hits = [replay_request(base, inp, out) for inp, out in self._history[:warm]]
+
+        def flops_saved(alpha: float) -> float:
+            core = copy.deepcopy(base)
+            core.eviction.alpha = alpha
+            hits = warm_hits + [replay_request(core, inp, out) for inp, out in self._history[warm:]]
+            return float(np.sum(self.spec.flops_saved(np.array(hits, dtype=np.int64))))
+
+        return tune_alpha(flops_saved)
 
     # inspection --------------------------------------------------------------------------------------------------
 
