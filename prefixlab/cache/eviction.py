@@ -148,7 +148,8 @@ class FlopAware(EvictionPolicy):
         super().update(node)
         if node.id in self.nodes:
             # Locks and timestamps change far more often than what the efficiency depends on.
-            shape = (node.start, len(node.tokens), tuple(node.ckpt_pos[-1:]), node.state_bytes, not node.children)
+            # (stored states never change size, so their count and the deepest position pin the freed bytes)
+            shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1:], not node.children)
             cached = self._shapes.get(node.id)
             if cached is None or cached[0] != shape:
                 cached = self._shapes[node.id] = (shape, self.flop_efficiency(node))
