@@ -1,0 +1,102 @@
+"""HybridPrefixCache costs on the demo's model (tiny Qwen3.5-architecture hybrid, GPT-NeoX-sized vocab, CPU fp32).
+
+- hit TTFT vs the floor: generate() on a cache hit (lookup, copies into the cache, hooks, the suffix prefill, first
+  token) against a bare forward of the same suffix from a ready DynamicCache holding the same state;
+- the demo workload: total prefill time with and without prefixlab.
+
+Run with `make bench` (or `python -m pytest benchmarks/test_bench_hf.py --benchmark-enable -s`); each test prints
+what it measured. With benchmarks disabled (`make test`) they are skipped: timings are not tests.
+"""
+
+import copy
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.demo import build_model, build_workload, serve, summarize
+
+SYSTEM_TOKENS, SUFFIX_TOKENS, ROUNDS = 2048, 40, 15
+
+
+@pytest.fixture(autouse=True)
+def only_when_benchmarking(request):
+    options = request.config.getoption
+    if options("benchmark_disable", False) and not options("benchmark_enable", False):
+        pytest.skip("HF cache benchmarks run with --benchmark-enable (make bench)")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return build_model(50281)
+
+
+def suffix(seed: int) -> torch.Tensor:
+    return torch.randint(3, 50000, (1, SUFFIX_TOKENS), generator=torch.Generator().manual_seed(seed))
+
+
+def test_hit_ttft_is_within_1_2x_of_the_bare_suffix_prefill(benchmark, model):
+    system = torch.randint(3, 50000, (1, SYSTEM_TOKENS), generator=torch.Generator().manual_seed(0))
+    store = PrefixStore(model, capacity="2GB", policy="dp")
+    with torch.inference_mode():
+        for seed in range(3):  # the second request captures the branch point, the third hits it
+            model.generate(torch.cat([system, suffix(seed)], 1), past_key_values=HybridPrefixCache(store),
+                           max_new_tokens=1, pad_token_id=0)
+        store.flush()
+        ready = DynamicCache(config=model.config)  # a plain cache holding the state the hits resume from
+        model(input_ids=system, past_key_values=ready, logits_to_keep=1)
+    seeds = iter(range(100, 10_000))
+
+    def hit():
+        cache = HybridPrefixCache(store)
+        model.generate(torch.cat([system, suffix(next(seeds))], 1), past_key_values=cache, max_new_tokens=1,
+                       pad_token_id=0)
+        assert cache.reused_tokens == SYSTEM_TOKENS
+
+    def floor():
+        plain = copy.deepcopy(ready)
+        start = time.perf_counter()
+        model(input_ids=suffix(next(seeds)), past_key_values=plain, logits_to_keep=1)
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        hits, floors = [], []
+        for _ in range(ROUNDS):  # interleaved, so machine load hits both alike
+            start = time.perf_counter()
+            hit()
+            hits.append(time.perf_counter() - start)
+            store.flush()  # admission happens after the response, not in the next request's TTFT
+            floors.append(floor())
+        benchmark.pedantic(hit, setup=store.flush, rounds=5, iterations=1)
+    ratio = min(hits) / min(floors)
+    print(f"\nhit TTFT {min(hits) * 1e3:.1f} ms (median {sorted(hits)[ROUNDS // 2] * 1e3:.1f}) vs bare suffix "
+          f"prefill {min(floors) * 1e3:.1f} ms (median {sorted(floors)[ROUNDS // 2] * 1e3:.1f}) for {SUFFIX_TOKENS} "
+          f"new tokens after {SYSTEM_TOKENS} cached: ratio {ratio:.2f} (min of {ROUNDS})")
+    assert ratio <= 1.2
+
+
+def test_demo_workload_prefill_time_saved(benchmark, model, capsys):
+    from prefixlab.demo import _encoder
+
+    encode, _, source = _encoder()
+    system, requests = build_workload(24, encode)
+
+    def run():
+        store = PrefixStore(model, capacity="1GB", policy="dp")
+        with torch.inference_mode(), open("/dev/null", "w") as sink:
+            from tqdm import tqdm
+
+            with tqdm(total=len(requests), file=sink) as progress:
+                served = serve(model, store, system, requests, 4, progress)
+        store.close()
+        return served
+
+    served = benchmark.pedantic(run, rounds=1, iterations=1)
+    text, identical = summarize(served)
+    print(f"\ndemo workload ({len(requests)} requests, {source}):\n{text}")
+    base = sum(s.baseline_seconds for s in served)
+    cached = sum(s.cached_seconds for s in served)
+    assert identical and base / cached >= 5
