@@ -200,3 +200,13 @@ def test_heuristic_placements_plan_inside_the_computed_part(policy, expected):
     match = core.match(list(range(100)))
     assert core.plan(list(range(100)), match) == expected
     core.release(match)
+
+
+def test_kv_only_vllm_evicts_and_cuts_whole_blocks():
+    core = PrefixCacheCore(4 * 10, "vllm+", tiny_spec(hybrid=False), block_size=4)
+    request(core, [1] * 6)
+    request(core, [2] * 6)  # 24 + 24 bytes > 40: the older entry loses its last (partial) block
+    assert naive_match(core, [1] * 6)[0] == 4 and naive_match(core, [2] * 6)[0] == 6
+    request(core, [3] * 13)  # larger than the cache: everything else goes, then the longest whole-block prefix fits
+    assert naive_match(core, [3] * 13)[0] == 8 and core.used_bytes == 32
+    core.check_invariants()
