@@ -27,6 +27,13 @@ def _qwen35():
 MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _qwen35)}
 
 
+def _rows_bitwise_batch_invariant(model) -> bool:
+    """Sharing is found by BITWISE equality of rows' KV. transformers' CPU fallback for Gated DeltaNet can round
+    identical rows differently depending on their batch position, so for Qwen3.5 some groups of identical prompts
+    are (correctly) not merged; exactness holds either way, the exact tree shape is only asserted for Llama."""
+    return isinstance(model, LlamaForCausalLM)
+
+
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def pair(request):
     """(standard sdpa model, the same weights with attn_implementation="hydragen"), fp32, eval."""
@@ -97,9 +104,10 @@ def test_prompts_times_samples_make_a_two_level_tree(pair):
     out = _generate(hydragen, ids, 4, cache, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 4, do_sample=True, num_return_sequences=3), out)
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
-    assert [level.length for level in layer.levels] == [10, 8, 8]
-    assert [level.parent for level in layer.levels] == [None, 0, 0]
-    assert cache.shared_bytes() == _kv_bytes(hydragen, 10 + 8 + 8)
+    assert layer.levels[0].length == 10 and cache.shared_bytes() >= _kv_bytes(hydragen, 10)
+    if _rows_bitwise_batch_invariant(hydragen):
+        assert [(level.length, level.parent) for level in layer.levels] == [(10, None), (8, 0), (8, 0)]
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 10 + 8 + 8)
 
 
 def test_left_padding_stays_exact(pair):
@@ -136,6 +144,23 @@ def test_prefix_fed_from_outside(pair):
     out = _generate(hydragen, prompt, 8, cache, do_sample=True, num_return_sequences=4)
     _assert_same(_generate(standard, prompt, 8, do_sample=True, num_return_sequences=4), out)
     assert cache.shared_bytes() == _kv_bytes(hydragen, 18)  # fed 14 + the 4 prompt tokens generate ran, once
+
+
+def test_prefix_fed_then_prompts_branch(pair):
+    """A store hit shared by two prompts, each sampled 3 times: fed level -> one level per prompt -> suffixes."""
+    standard, hydragen = pair
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(1, VOCAB, (1, 12), generator=g)
+    ids = torch.cat([prefix.repeat(2, 1), torch.randint(1, VOCAB, (2, 5), generator=g)], dim=1)
+    cache = HydragenCache(hydragen.config)
+    cache.load_shared_prefix(**_prefix_tensors(standard, prefix), batch_size=6)
+    out = _generate(hydragen, ids, 10, cache, do_sample=True, num_return_sequences=3)
+    _assert_same(_generate(standard, ids, 10, do_sample=True, num_return_sequences=3), out)
+    layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
+    assert layer.levels[0].length == 12 and cache.shared_bytes() >= _kv_bytes(hydragen, 12)
+    if _rows_bitwise_batch_invariant(hydragen):
+        assert [(level.length, level.parent) for level in layer.levels] == [(12, None), (5, 0), (5, 0)]
+        assert layer.seq_levels.tolist() == [1, 1, 1, 2, 2, 2]
 
 
 def test_without_hydragen_cache_it_is_sdpa_bit_for_bit(pair):

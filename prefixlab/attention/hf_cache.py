@@ -89,7 +89,9 @@ class SharedPrefixLayer(CacheLayerMixin):
             )
         suffix_keys = torch.cat([self.keys, key_states], dim=-2)
         suffix_values = torch.cat([self.values, value_states], dim=-2)
-        view = SharedBatchKV(tuple(self.levels), self.seq_levels, suffix_keys, suffix_values, self.prefix_length)
+        # a snapshot: `_absorb` below edits the tree for the NEXT step, this step attends over the current one
+        view = SharedBatchKV(tuple(self.levels), self.seq_levels.clone(), suffix_keys, suffix_values,
+                             self.prefix_length)
         if self.keys.shape[-2] == 0 and self.share_new_tokens and self._one_leaf() and key_states.shape[0] > 1:
             self._absorb(key_states, value_states)
         else:
