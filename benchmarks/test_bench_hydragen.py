@@ -1,10 +1,13 @@
 """Hydragen speed (`make bench`): attention vs SDPA over per-sequence KV swept over batch and prefix, and tiny-model
 end-to-end decode. Heavy cases run only with --benchmark-enable; a small smoke case always runs."""
 
+from functools import partial
+
 import pytest
 import torch
 
-from prefixlab.attention.bench import attention_case, bench_attention
+from prefixlab.attention import SharedLevel, hydragen_attention
+from prefixlab.attention.bench import attention_case, bench_attention, time_ms
 from prefixlab.attention.bench_e2e import bench_e2e, format_e2e
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import plan_tree
@@ -53,6 +56,41 @@ def test_bench_speedup_grows_with_batch_and_prefix(benchmark):
     by_prefix = [rows[key]["speedup"] for key in PREFIX_SWEEP]
     assert by_batch[-1] > by_batch[0] and by_prefix[-1] > by_prefix[0]
     assert rows[64, 4096]["speedup"] >= 4.0
+
+
+def _tree_case(batch, root, children, child_length, suffix, queries):
+    """A root level, `children` levels below it splitting the batch evenly, 8:1 GQA, head_dim 128."""
+    q, level, suffix_k, suffix_v = attention_case(batch, root, suffix, queries=queries)
+    g = torch.Generator().manual_seed(1)
+    levels = [level] + [SharedLevel(torch.randn(1, child_length, 128, generator=g),
+                                    torch.randn(1, child_length, 128, generator=g), parent=0)
+                        for _ in range(children)]
+    seq_levels = [1 + b * children // batch for b in range(batch)] if children else None
+    return q, levels, suffix_k, suffix_v, seq_levels
+
+
+TREES = {  # name: (batch, root, children, child_length, suffix, queries)
+    "decode_one_level_B64_P4096": (64, 4096, 0, 0, 128, 1),
+    "decode_small_B4_P256": (4, 256, 0, 0, 16, 1),
+    "decode_tree_B64_root1024_16x256": (64, 1024, 16, 256, 32, 1),
+    "prefill_chunk_B8_P1024_Tq16": (8, 1024, 0, 0, 64, 16),
+}
+
+
+def test_bench_split_vs_packed_cpu(benchmark):
+    """The measurement behind choose_method on CPU: split vs packed (compiled FlexAttention) on several trees."""
+    _skip_unless_enabled(benchmark)
+    if torch.cuda.is_available():
+        pytest.skip("CPU measurement")
+    for name, shape in TREES.items():
+        q, levels, suffix_k, suffix_v, seq_levels = _tree_case(*shape)
+        times = {method: time_ms(partial(hydragen_attention, q, levels, suffix_k, suffix_v, seq_levels=seq_levels,
+                                         method=method), 5)
+                 for method in ("sdpa", "split", "packed")}
+        print(f"{name:34s} " + " ".join(f"{m} {t:8.2f} ms" for m, t in times.items()))
+        benchmark.extra_info[name] = times
+        assert times["split"] < times["packed"], f"{name}: packed faster on CPU, revisit choose_method"
+    benchmark.pedantic(lambda: None, rounds=1)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen3_5"])
