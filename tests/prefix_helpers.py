@@ -86,7 +86,7 @@ def request(core: PrefixCacheCore, inp, out=(), namespace: str = "default", rele
     assert sum((kv.tokens for kv in match.kv), ()) == reused, "matched KV is not the KV of the reused tokens"
     if core.hybrid and match.length:
         assert match.state.prefix == reused, "matched state summarises another prefix"
-    positions = core.plan(tokens, match) if core.hybrid else []
+    positions = core.plan(tokens, match)
     assert positions == sorted(set(positions)) and all(match.length < p <= len(tokens) for p in positions)
     states = {p: PrefixState(tuple(int(t) for t in tokens[:p])) for p in positions}
     core.admit(tokens, lambda a, b: TokenKV(tuple(int(t) for t in tokens[a:b])), states, match)

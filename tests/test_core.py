@@ -28,6 +28,7 @@ def test_kv_only_model_reuses_every_shared_token():
     match = request(core, [1, 2, 3, 9])
     assert (match.length, match.state) == (3, None)
     assert core.tree.state_bytes == 0
+    assert core.plan([1, 2, 3, 9, 9], core.match([1, 2, 3, 9])) == []  # nothing recurrent to capture
     core.check_invariants()
 
 

@@ -135,11 +135,12 @@ class PrefixCacheCore:
         return match
 
     def plan(self, tokens: object, match: Match) -> list[int]:
-        """Sorted positions in (match.length, len(tokens)] whose recurrent states the request should capture."""
+        """Sorted positions in (match.length, len(tokens)] whose recurrent states the request should capture
+        (none for a KV-only model)."""
         tokens = as_tokens(tokens)
         self._check_match(match)
         walk = self._walk_extending(tokens, match)
-        return self.admission.plan(walk, len(tokens), match.length)
+        return self.admission.plan(walk, len(tokens), match.length) if self.hybrid else []
 
     def admit(
         self,
@@ -375,7 +376,7 @@ def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_token
     match = core.match(input_tokens, namespace)
     tokens = np.concatenate([input_tokens, output_tokens]) if len(output_tokens) else input_tokens
     state = SizedState(spec.state_bytes)
-    positions = core.plan(tokens, match) if core.hybrid else []
+    positions = core.plan(tokens, match)
     core.admit(tokens, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state), match)
     core.release(match)
     return match.length
