@@ -19,14 +19,20 @@ def padded_length(length: int, chunk_size: int) -> int:
     return -(-length // chunk_size) * chunk_size
 
 
-def chunked(x: torch.Tensor, chunk_size: int, seq_dim: int = 2) -> torch.Tensor:
-    """Zero-pad dim `seq_dim` to a multiple of chunk_size and split it into [num_chunks, chunk_size]."""
-    length = x.shape[seq_dim]
-    pad = padded_length(length, chunk_size) - length
+def chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, T, H, *rest] -> [N, B, H, C, *rest], zero-padded to whole chunks. Chunk-major, so that each chunk's
+    slice is one contiguous block for the sequential scan's matmuls."""
+    pad = padded_length(x.shape[1], chunk_size) - x.shape[1]
     if pad:
-        # F.pad lists (left, right) pairs from the last dim backwards.
-        x = F.pad(x, (0, 0) * (x.dim() - 1 - seq_dim) + (0, pad))
-    return x.unflatten(seq_dim, (-1, chunk_size))
+        # F.pad lists (left, right) pairs from the last dim backwards; the time dim is dim 1.
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    x = x.unflatten(1, (-1, chunk_size))
+    return x.permute(1, 0, 3, 2, *range(4, x.dim())).contiguous()
+
+
+def unchunked(x: torch.Tensor, length: int) -> torch.Tensor:
+    """[N, B, H, C, D] -> [B, length, H, D] (drops the padding)."""
+    return x.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :length]
 
 
 def causal_mask(chunk_size: int, device: torch.device) -> torch.Tensor:
@@ -71,7 +77,7 @@ def states_at_positions(
     right: torch.Tensor,
     length: int,
 ) -> dict[int, torch.Tensor]:
-    """{p: state after p tokens} from chunk-start states [B, H, N, R, S] and chunked per-token tensors [B, H, N, C, *].
+    """{p: state after p tokens} from chunk-start states [N, B, H, R, S] and chunked per-token tensors [N, B, H, C, *].
 
     Returned states are fresh tensors (never views of the kernel's buffers)."""
     chunk_size = left.shape[-2]
@@ -81,9 +87,8 @@ def states_at_positions(
         if p == length:
             captured[p] = final_state.clone()
         elif offset == 0:
-            captured[p] = chunk_starts[:, :, chunk].clone()
+            captured[p] = chunk_starts[chunk].clone()
         else:
-            captured[p] = state_within_chunk(
-                chunk_starts[:, :, chunk], log_decay_cum[:, :, chunk], left[:, :, chunk], right[:, :, chunk], offset
-            )
+            per_chunk = (chunk_starts[chunk], log_decay_cum[chunk], left[chunk], right[chunk])
+            captured[p] = state_within_chunk(*per_chunk, offset)
     return captured

@@ -36,18 +36,17 @@ def run_in_segments(
     return torch.cat(outputs, dim=1), state, captured
 
 
-def delta_rule_fla(q, k, v, g, beta, state, positions, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """Prepared fp32 inputs ([B, T, H, *], heads expanded, q/k normalised and q scaled) -> fla in `dtype`
-    (fla's chunked kernel takes fp16 / bf16; it always uses chunks of 64)."""
+def delta_rule_fla(
+    q, k, v, g, beta, state, positions, use_qk_l2norm: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, States]:
+    """[B, T, H, *] fp16 / bf16 inputs (heads expanded), fp32 state -> fla's chunked kernel (chunks of 64)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    q, k, v, beta = (x.to(dtype) for x in (q, k, v, beta))
 
     def segment(start: int, stop: int, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         piece = slice(start, stop)
         return chunk_gated_delta_rule(
             q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece],
-            scale=1.0, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=False,
+            scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
 
     return run_in_segments(q.shape[1], positions, state, segment)

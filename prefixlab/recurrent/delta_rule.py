@@ -13,15 +13,10 @@ import torch
 
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
-from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled
+from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled, prepare_qk
 from prefixlab.recurrent.dispatch import resolve_backend
 
 States = dict[int, torch.Tensor]
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fla's / transformers' l2norm (eps inside the rsqrt)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def gated_delta_rule(
@@ -57,12 +52,9 @@ def gated_delta_rule(
     backend = resolve_backend(backend, q.device, "fla", _fla_unsupported(q.dtype, g.dim() == 4))
 
     out_dtype = q.dtype
-    q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+    scale = dim_k**-0.5 if scale is None else float(scale)
     if heads_k != heads_v:
         q, k = (x.repeat_interleave(heads_v // heads_k, dim=2) for x in (q, k))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * (dim_k**-0.5 if scale is None else scale)
     if initial_state is None:
         state = torch.zeros(batch, heads_v, dim_k, dim_v, dtype=torch.float32, device=q.device)
     else:
@@ -73,9 +65,10 @@ def gated_delta_rule(
     if backend == "fla":
         from prefixlab.recurrent.cuda import delta_rule_fla  # imported only for CUDA tensors
 
-        o, final, captured = delta_rule_fla(q, k, v, g, beta, state, positions, out_dtype)
+        o, final, captured = delta_rule_fla(q, k, v, g, beta, state, positions, use_qk_l2norm, scale)
     else:
-        o, final, captured = _KERNELS[backend](q, k, v, g, beta, state, positions, chunk_size)
+        q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+        o, final, captured = _KERNELS[backend](q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale)
     return o.to(out_dtype), final, captured
 
 
@@ -107,10 +100,13 @@ def delta_rule_naive(
     beta: torch.Tensor,
     state: torch.Tensor,
     positions: tuple[int, ...],
-    chunk_size: int = 0,
+    chunk_size: int,
+    use_qk_l2norm: bool,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """Reference: one token at a time. Inputs prepared (fp32, heads expanded, q scaled), [B, T, H, D] layouts;
-    g [B, T, H] or [B, T, H, K]. chunk_size is unused (kept for a uniform kernel signature)."""
+    """Reference: one token at a time, on fp32 [B, T, H, *] inputs with heads expanded; g [B, T, H] or
+    [B, T, H, K]. chunk_size is unused (kept for a uniform kernel signature)."""
+    q, k = prepare_qk(q, k, use_qk_l2norm, scale)
     wanted = set(positions)
     captured: States = {}
     outputs = []

@@ -1,38 +1,52 @@
 """Chunked gated delta rule in torch (the CPU / portable fast path), with exact states at any position.
 
-Within a chunk the delta rule's sequential corrections are one unit-lower-triangular solve (the WY / UT form of
+Within a chunk the delta rule's sequential corrections are one unit-lower-triangular system (the WY / UT form of
 DeltaNet); only a [K, V] state crosses chunk boundaries. Compared with transformers' torch_chunk_gated_delta_rule:
-one solve for both right-hand sides, and the outputs are computed for all chunks at once after the scan, so the
-sequential loop holds only the two matmuls that carry the state.
+the [C, C] system is inverted once and applied with matmuls (beta folded into its columns), the outputs of all
+chunks are computed at once after the scan, and the scan only does the two matmul-adds that carry the state, in
+preallocated chunk-major buffers. q/k normalisation happens here so that torch.compile fuses it with the chunking.
 """
 
 from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions
+from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions, unchunked
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
 
 
-def intra_chunk(q, k, v, g, beta, chunk_size: int):
-    """The parallel part: per-chunk tensors [B, H, N, C, *] from prepared [B, T, H, *] inputs.
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """fla's / transformers' l2norm (eps inside the rsqrt)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
-    Returns u, w (the UT-transformed values and decayed keys: a chunk starting in S writes v_new = u - w @ S),
-    attn (intra-chunk scores), q_decayed, k_to_end (keys decayed to the chunk end), chunk_decay [B, H, N, 1|K],
-    log_decay_cum [B, H, N, C, 1|K] and the chunked keys."""
-    q, k, v = (chunked(x.transpose(1, 2), chunk_size) for x in (q, k, v))
-    beta = chunked(beta.transpose(1, 2), chunk_size)[..., None]
-    g = chunked(g.transpose(1, 2), chunk_size)
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, use_qk_l2norm: bool, scale: float):
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * scale, k
+
+
+def intra_chunk(q, k, v, g, beta, chunk_size: int, use_qk_l2norm: bool, scale: float):
+    """The parallel part: per-chunk tensors [N, B, H, C, *] from fp32 [B, T, H, *] inputs (heads expanded).
+
+    Returns u, w (a chunk starting in state S writes v_new = u - w @ S), attn (intra-chunk scores), q_decayed,
+    k_to_end (keys decayed to the chunk end), chunk_decay [N, B, H, 1|K], log_decay_cum [N, B, H, C, 1|K] and the
+    chunked keys."""
+    q, k = prepare_qk(q, k, use_qk_l2norm, scale)
+    q, k, v, beta, g = (chunked(x, chunk_size) for x in (q, k, v, beta, g))
     log_decay_cum = (g[..., None] if g.dim() == 4 else g).cumsum(dim=-2)
+    beta_cols = beta[..., None, :]
 
-    k_beta = k * beta
-    ut_system = decayed_scores(k_beta, k, log_decay_cum)
-    rhs = torch.cat([v * beta, k_beta * log_decay_cum.exp()], dim=-1)
-    u, w = torch.linalg.solve_triangular(ut_system, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], k.shape[-1]], dim=-1
-    )
+    # (I + strictly_lower(diag(beta) K K^T * decay))^-1 by one solve against I, then u = T diag(beta) V and
+    # w = T diag(beta) (K * exp(G)): two matmuls instead of a solve with V + K right-hand sides.
+    ut_system = decayed_scores(k, k, log_decay_cum) * beta[..., None]
+    eye = torch.eye(chunk_size, dtype=k.dtype, device=k.device)
+    inverse = torch.linalg.solve_triangular(ut_system, eye.expand_as(ut_system), upper=False, unitriangular=True)
+    inverse = inverse * beta_cols
+    u = inverse @ v
+    w = inverse @ (k * log_decay_cum.exp())
     attn = decayed_scores(q, k, log_decay_cum)
     q_decayed = q * log_decay_cum.exp()
     k_to_end = k * (log_decay_cum[..., -1:, :] - log_decay_cum).exp()
@@ -41,48 +55,48 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int):
 
 
 def scan_chunks(u, w, k_to_end, chunk_decay, state):
-    """The sequential part: chunk-start states [B, H, N, K, V], corrected values v_new and the final state."""
-    batch, heads = state.shape[:2]
-    # Batch and heads flattened so each step is two fused multiply-adds (baddbmm) on [B*H, ...].
-    u, w, k_to_end_t = (x.flatten(0, 1) for x in (u, w, k_to_end.transpose(-1, -2)))
-    decay = chunk_decay.flatten(0, 1)[..., None]
-    state = state.flatten(0, 1)
-    starts, corrected = [], []
-    for c in range(u.shape[1]):
-        starts.append(state)
-        v_new = torch.baddbmm(u[:, c], w[:, c], state, alpha=-1)
-        corrected.append(v_new)
-        state = torch.baddbmm(state * decay[:, c], k_to_end_t[:, c], v_new)
-    unflat = (batch, heads)
-    return (
-        torch.stack(starts, dim=1).unflatten(0, unflat),
-        torch.stack(corrected, dim=1).unflatten(0, unflat),
-        state.unflatten(0, unflat),
-    )
+    """The sequential part: chunk-start states [N, B, H, K, V], corrected values v_new [N, B, H, C, V] and the
+    final state. Writes into preallocated chunk-major buffers: each step is two fused matmul-adds on contiguous
+    [B*H, ...] blocks, and nothing is stacked or copied afterwards."""
+    num_chunks, batch, heads = u.shape[:3]
+    u, w, k_to_end_t = (x.flatten(1, 2) for x in (u, w, k_to_end.transpose(-1, -2)))
+    decay = chunk_decay.flatten(1, 2)[..., None]
+    starts = state.new_empty(num_chunks + 1, batch * heads, *state.shape[2:])
+    starts[0] = state.flatten(0, 1)
+    v_new = torch.empty_like(u)
+    for c in range(num_chunks):
+        torch.baddbmm(u[c], w[c], starts[c], alpha=-1, out=v_new[c])
+        torch.mul(starts[c], decay[c], out=starts[c + 1])
+        starts[c + 1].baddbmm_(k_to_end_t[c], v_new[c])
+    by_head = (batch, heads)
+    # The final state is cloned so that it does not keep the whole buffer alive.
+    return starts[:-1].unflatten(1, by_head), v_new.unflatten(1, by_head), starts[-1].unflatten(0, by_head).clone()
 
 
 def chunk_outputs(q_decayed, attn, starts, v_new, length: int) -> torch.Tensor:
     """o [B, T, H, V]: each token reads its chunk's start state plus the chunk's earlier tokens."""
-    o = q_decayed @ starts + attn @ v_new
-    return o.flatten(2, 3)[:, :, :length].transpose(1, 2)
+    return unchunked(q_decayed @ starts + attn @ v_new, length)
 
 
-def _run(q, k, v, g, beta, state, positions, chunk_size, use_compile: bool):
-    prepare, output = (compiled(intra_chunk), compiled(chunk_outputs)) if use_compile else (intra_chunk, chunk_outputs)
-    u, w, attn, q_decayed, k_to_end, chunk_decay, log_decay_cum, k_chunks = prepare(q, k, v, g, beta, chunk_size)
+def _run(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile: bool):
+    prepare, output = (intra_chunk, chunk_outputs)
+    if use_compile:
+        prepare, output = compiled(prepare), compiled(output)
+    u, w, attn, q_decayed, k_to_end, chunk_decay, log_decay_cum, k_chunks = prepare(
+        q, k, v, g, beta, chunk_size, use_qk_l2norm, scale
+    )
     starts, v_new, final = scan_chunks(u, w, k_to_end, chunk_decay, state)
     o = output(q_decayed, attn, starts, v_new, q.shape[1])
     captured = states_at_positions(positions, starts, final, log_decay_cum, k_chunks, v_new, q.shape[1])
     return o, final, captured
 
 
-def delta_rule_chunked(q, k, v, g, beta, state, positions, chunk_size) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """Chunked kernel on prepared inputs (fp32, heads expanded, q scaled; [B, T, H, *]); same contract as
-    delta_rule_naive."""
-    return _run(q, k, v, g, beta, state, positions, chunk_size, use_compile=False)
+def delta_rule_chunked(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale):
+    """Chunked kernel on fp32 [B, T, H, *] inputs (heads expanded); same contract as delta_rule_naive."""
+    return _run(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile=False)
 
 
-def delta_rule_compiled(q, k, v, g, beta, state, positions, chunk_size) -> tuple[torch.Tensor, torch.Tensor, States]:
+def delta_rule_compiled(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale):
     """delta_rule_chunked with its parallel parts through torch.compile (the chunk loop stays eager: it is two
-    matmuls per chunk, and unrolling it would recompile for every sequence length)."""
-    return _run(q, k, v, g, beta, state, positions, chunk_size, use_compile=True)
+    matmul-adds per chunk, and unrolling it would recompile for every sequence length)."""
+    return _run(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile=True)

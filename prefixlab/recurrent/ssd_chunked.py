@@ -9,18 +9,18 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions
+from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions, unchunked
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
 
 
 def ssd_intra_chunk(x, dt, A, B, C, chunk_size: int):
-    """The parallel part on prepared [B, T, H, *] inputs. Returns per-chunk tensors [B, H, N, L, *]:
-    y_diag (intra-chunk outputs), chunk_writes [B, H, N, P, S] (what each chunk adds to the state, decayed to its
-    end), chunk_decay [B, H, N, 1], C_decayed, log_decay_cum [B, H, N, L, 1], x*dt and B."""
-    x_dt, B, C = (chunked(t.transpose(1, 2), chunk_size) for t in (x * dt[..., None], B, C))
-    log_decay_cum = chunked((dt * A).transpose(1, 2), chunk_size)[..., None].cumsum(dim=-2)
+    """The parallel part on prepared [B, T, H, *] inputs. Returns per-chunk tensors [N, B, H, L, *]:
+    y_diag (intra-chunk outputs), chunk_writes [N, B, H, P, S] (what each chunk adds to the state, decayed to its
+    end), chunk_decay [N, B, H, 1], C_decayed, log_decay_cum [N, B, H, L, 1], x*dt and B."""
+    x_dt, B, C = (chunked(t, chunk_size) for t in (x * dt[..., None], B, C))
+    log_decay_cum = chunked(dt * A, chunk_size)[..., None].cumsum(dim=-2)
     y_diag = decayed_scores(C, B, log_decay_cum) @ x_dt
     to_end = (log_decay_cum[..., -1:, :] - log_decay_cum).exp()
     chunk_writes = x_dt.transpose(-1, -2) @ (B * to_end)
@@ -30,18 +30,19 @@ def ssd_intra_chunk(x, dt, A, B, C, chunk_size: int):
 
 
 def scan_chunk_states(chunk_writes, chunk_decay, state):
-    """Chunk-start states [B, H, N, P, S] and the final state."""
-    starts = []
-    for c in range(chunk_writes.shape[2]):
-        starts.append(state)
-        state = state * chunk_decay[:, :, c, :, None] + chunk_writes[:, :, c]
-    return torch.stack(starts, dim=2), state
+    """Chunk-start states [N, B, H, P, S] (one preallocated buffer) and the final state."""
+    num_chunks = chunk_writes.shape[0]
+    starts = state.new_empty(num_chunks + 1, *state.shape)
+    starts[0] = state
+    for c in range(num_chunks):
+        torch.mul(starts[c], chunk_decay[c, ..., None], out=starts[c + 1])
+        starts[c + 1] += chunk_writes[c]
+    return starts[:-1], starts[-1].clone()
 
 
 def ssd_outputs(y_diag, C_decayed, starts, length: int) -> torch.Tensor:
     """y [B, T, H, P] without the D skip."""
-    y = y_diag + C_decayed @ starts.transpose(-1, -2)
-    return y.flatten(2, 3)[:, :, :length].transpose(1, 2)
+    return unchunked(y_diag + C_decayed @ starts.transpose(-1, -2), length)
 
 
 def _run(x, dt, A, B, C, state, positions, chunk_size, use_compile: bool):
