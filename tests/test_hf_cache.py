@@ -215,3 +215,40 @@ def test_for_model_builds_one_default_store(model):
     with pytest.raises(InvalidInputError, match="already exists"):
         HybridPrefixCache.for_model(model, capacity="1GB")
     first.store.close()
+
+
+def test_entries_evicted_from_the_device_are_served_from_the_host_tier(model):
+    first, second = tokens(1, 40, seed=15), tokens(1, 40, seed=16)
+    probe = new_store(model, capacity="16MB")
+    warm(model, probe, first)
+    entry_bytes = probe.stats()["used_bytes"]
+    probe.close()
+    # the device holds one entry, the host several
+    store = new_store(model, capacity=entry_bytes + entry_bytes // 2, offload_capacity="16MB")
+    warm(model, store, first)
+    warm(model, store, second)  # evicts first's entry to the host tier
+    stats = store.stats()
+    assert stats["evictions"] > 0 and stats["offload_used_bytes"] > 0
+    cache = HybridPrefixCache(store)
+    out = generate(model, first, cache)
+    assert cache.reused_tokens == 39 and store.stats()["offload_hits"] == 1
+    assert torch.equal(out, generate(model, first))
+    store.core.check_invariants()
+    store.offload.check_invariants()
+    match = store.offload.match(first[0, :39].tolist())
+    assert match.length == 39 and all(t.device.type == "cpu" for t in match.state.recurrent.values())
+    store.offload.release(match)
+
+
+def test_without_a_host_tier_evicted_entries_are_gone(model):
+    first, second = tokens(1, 40, seed=15), tokens(1, 40, seed=16)
+    probe = new_store(model, capacity="16MB")
+    warm(model, probe, first)
+    entry_bytes = probe.stats()["used_bytes"]
+    probe.close()
+    store = new_store(model, capacity=entry_bytes + entry_bytes // 2)
+    warm(model, store, first)
+    warm(model, store, second)
+    cache = HybridPrefixCache(store)
+    generate(model, first, cache)
+    assert cache.reused_tokens == 0

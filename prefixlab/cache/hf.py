@@ -122,16 +122,20 @@ class HybridPrefixCache(DynamicCache):
         shared = _common_prefix_length(ids)
         probe = ids[0, : min(shared, length - 1)].tolist()  # keep >= 1 token to run, so the model yields logits
         match = self.store.match(probe, self.namespace)
+        offloaded = self.store.match_offloaded(probe, self.namespace, longer_than=match.length)
         try:
-            reused = match.length
+            source = offloaded or match
+            reused = source.length
             self._plan = [p for p in self.store.plan(ids[0].tolist(), match) if p > reused]
             if length - 1 > reused and length - 1 not in self._plan:
                 # an identical prompt later reuses all but its last token
                 self._plan = sorted([*self._plan, length - 1])
             if reused:
-                self._load(match, batch)
+                self._load(source, batch)
         finally:
             self.store.release(match)
+            if offloaded is not None:
+                self.store.release(offloaded)
         self.reused_tokens = reused
         self._fed.append(ids[:, :reused])
         self._seen = reused

@@ -139,14 +139,16 @@ class PrefixStore:
         self.capacity_bytes = parse_capacity(capacity)
         self.core = PrefixCacheCore(self.capacity_bytes, policy=policy, spec=self.spec, block_size=block_size,
                                     **core_options)
-        self.offload = (
-            None if offload_capacity is None
-            else PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy, spec=self.spec,
-                                 block_size=block_size, **core_options)
-        )
+        self.offload = None
+        self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
+        if offload_capacity is not None:
+            self.offload = PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy,
+                                           spec=self.spec, block_size=block_size, **core_options)
+            self._evict_to_host(self.core.eviction)
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, HybridPrefixCache] = {}
-        self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0}
+        self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
+                          "offload_hits": 0}
         self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
@@ -181,15 +183,53 @@ class PrefixStore:
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], namespace: str = "default"):
-        """Longest reusable prefix of `tokens` (locked until `release`); admits open caches first."""
+        """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first."""
         self.flush()
         return self.core.match(tokens, namespace=namespace)
+
+    def match_offloaded(self, tokens: Sequence[int], namespace: str, longer_than: int):
+        """A host-tier match reusing more than `longer_than` tokens (locked until `release`), else None."""
+        if self.offload is None:
+            return None
+        match = self.offload.match(tokens, namespace=namespace)
+        if match.length > longer_than:
+            self._counters["offload_hits"] += 1
+            self._host_matches.add(id(match))
+            return match
+        self.offload.release(match)
+        return None
 
     def plan(self, tokens: Sequence[int], match) -> list[int]:
         return self.core.plan(tokens, match)
 
     def release(self, match) -> None:
-        self.core.release(match)
+        """Unlock a match of either tier."""
+        if id(match) in self._host_matches:
+            self._host_matches.discard(id(match))
+            self.offload.release(match)
+        else:
+            self.core.release(match)
+
+    def _evict_to_host(self, eviction) -> None:
+        """Before the device policy frees a victim, copy its whole path (tokens up to the victim's end, their KV and
+        the victim's checkpoints) into the host tier, which admits or drops it under its own budget."""
+        free_on_device = eviction.free
+        pin = torch.cuda.is_available()
+
+        def free(node, want_bytes: int) -> int:
+            path = []
+            while not node.is_root:
+                path.append(node)
+                node = node.parent
+            path.reverse()
+            tokens = [t for n in path for t in n.tokens.tolist()]
+            states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
+            kv_on_device = _path_kv([n.kv for n in path])
+            self.offload.admit(tokens, kv=lambda a, b: kv_on_device(a, b).to("cpu", pin), states=states,
+                               namespace=path[-1].namespace)
+            return free_on_device(path[-1], want_bytes)
+
+        eviction.free = free
 
     def record_reuse(self, reused_tokens: int, rows: int) -> None:
         self._counters["sequences"] += rows
@@ -222,7 +262,9 @@ class PrefixStore:
         """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
         hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
         self.flush()
-        return {**self.core.stats(), **self._counters}
+        host = self.offload.stats() if self.offload else {}
+        offload = {f"offload_{k}": v for k, v in host.items() if k.endswith("bytes")}
+        return {**self.core.stats(), **offload, **self._counters}
 
     # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
