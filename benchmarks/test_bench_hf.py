@@ -82,7 +82,7 @@ def test_demo_workload_prefill_time_saved(benchmark, model, capsys):
     from prefixlab.demo import _encoder
 
     encode, _, source = _encoder()
-    system, requests = build_workload(24, encode)
+    system, requests = build_workload(40, encode)  # the `make demo` default
 
     def run():
         store = PrefixStore(model, capacity="1GB", policy="dp")

@@ -11,13 +11,25 @@ import torch
 from hf_models import FAMILIES, build, cache_argument
 
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.hfspec import SUPPORTED_MODEL_TYPES
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 from prefixlab.errors import UnsupportedModelError
 from prefixlab.recurrent.families import SUPPORTED_CLASSES
 from prefixlab.recurrent.patch import patch
 
-SERVED = [f for f in FAMILIES if f not in STATE_DROPPING_MODEL_TYPES]
 TOLERANCE = 1e-5
+
+
+def family_param(family: str):
+    """The family, expected to fail with UnsupportedModelError while the cost model has no reader for it (strict:
+    the test fails once the reader lands, so this mark gets removed)."""
+    if FAMILIES[family][0].model_type in SUPPORTED_MODEL_TYPES:
+        return family
+    reason = "prefixlab.cache.hfspec has no cost-model reader for this model type yet"
+    return pytest.param(family, marks=pytest.mark.xfail(raises=UnsupportedModelError, strict=True, reason=reason))
+
+
+SERVED = [family_param(f) for f in FAMILIES if f not in STATE_DROPPING_MODEL_TYPES]
 
 
 def generate(model, input_ids, cache=None, max_new_tokens=6):
@@ -67,7 +79,7 @@ def has_patchable_layers(family: str) -> bool:
     return any(hasattr(module, name) for name in SUPPORTED_CLASSES)
 
 
-@pytest.mark.parametrize("family", [f for f in SERVED if has_patchable_layers(f)])
+@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES if has_patchable_layers(f)])
 def test_reuse_is_exact_with_patched_recurrent_layers(family):
     """Patched layers record the planned states inside one forward instead of the hook splitting the prefill."""
     model = patch(build(family))
@@ -78,6 +90,6 @@ def test_reuse_is_exact_with_patched_recurrent_layers(family):
 
 
 @pytest.mark.parametrize("family", sorted(STATE_DROPPING_MODEL_TYPES))
-def test_families_that_cannot_resume_are_refused(family):
-    with pytest.raises(UnsupportedModelError, match="cannot be reused"):
+def test_families_that_cannot_resume_unpatched_are_refused(family):
+    with pytest.raises(UnsupportedModelError, match="recurrent.patch"):
         PrefixStore(build(family))

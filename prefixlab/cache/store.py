@@ -39,6 +39,7 @@ from prefixlab.cache.tensors import (
     TensorState,
     kv_from_flat,
     kv_to_flat,
+    path_kv,
     state_from_flat,
     state_to_flat,
 )
@@ -95,7 +96,7 @@ class CacheLayout:
 
 
 # Model types whose transformers layers restart multi-token forwards from a zero recurrent state (ignoring the
-# cached one) and that prefixlab.recurrent.patch does not cover: reusing a prefix there would change outputs.
+# cached one): reuse is exact there only through prefixlab.recurrent.patch, whose layers resume from the cache.
 STATE_DROPPING_MODEL_TYPES = {
     "jamba": "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)",
 }
@@ -128,9 +129,10 @@ class PrefixStore:
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
         model_type = getattr(model.config, "model_type", "")
-        if model_type in STATE_DROPPING_MODEL_TYPES:
+        if model_type in STATE_DROPPING_MODEL_TYPES and not getattr(model, "prefixlab_patched", False):
             raise UnsupportedModelError(
-                f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly"
+                f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly "
+                "unless you call prefixlab.recurrent.patch(model) before building the store"
             )
         self.model = model
         self.identity = model_identity(model)
@@ -224,7 +226,7 @@ class PrefixStore:
             path.reverse()
             tokens = [t for n in path for t in n.tokens.tolist()]
             states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
-            kv_on_device = _path_kv([n.kv for n in path])
+            kv_on_device = path_kv([n.kv for n in path])
             self.offload.admit(tokens, kv=lambda a, b: kv_on_device(a, b).to("cpu", pin), states=states,
                                namespace=path[-1].namespace)
             return free_on_device(path[-1], want_bytes)
@@ -320,7 +322,7 @@ class PrefixStore:
                 tokens += node["tokens"]
                 pieces.append(kv_from_flat(tensors, name, len(node["tokens"])))
                 states.update({p: state_from_flat(tensors, f"{name}.s{p}") for p in node["checkpoints"]})
-            store.admit(tokens, _path_kv(pieces), states, path_nodes[0]["namespace"])
+            store.admit(tokens, path_kv(pieces), states, path_nodes[0]["namespace"])
         return store
 
     # -- forward hooks: how generate() drives HybridPrefixCache ------------------------------------------------------
@@ -378,18 +380,6 @@ class PrefixStore:
         else:
             cache.forward_done()
             self._open[id(cache)] = cache
-
-
-def _path_kv(pieces: list[TensorKV]) -> Callable[[int, int], TensorKV]:
-    """kv(a, b) over consecutive KV pieces of one path."""
-
-    def kv(start: int, stop: int) -> TensorKV:
-        whole = pieces[0]
-        for piece in pieces[1:]:
-            whole = whole.concat(piece)
-        return whole.split(stop)[0].split(start)[1]
-
-    return kv
 
 
 def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:

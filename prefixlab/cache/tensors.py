@@ -11,7 +11,7 @@ frees exactly the bytes it reported.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +114,18 @@ class TensorState:
     def device(self) -> torch.device | None:
         tensors = [*self.conv.values(), *self.recurrent.values()]
         return tensors[0].device if tensors else None
+
+
+def path_kv(pieces: list[TensorKV]) -> Callable[[int, int], TensorKV]:
+    """kv(a, b): tokens [a, b) of the run formed by consecutive KV `pieces` (a root-to-node path of the tree)."""
+
+    def kv(start: int, stop: int) -> TensorKV:
+        whole = pieces[0]
+        for piece in pieces[1:]:
+            whole = whole.concat(piece)
+        return whole.split(stop)[0].split(start)[1]
+
+    return kv
 
 
 # Flat names for safetensors files: one string key per tensor.
