@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Callable
 
@@ -24,7 +23,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of `fn` in milliseconds (after `warmup` untimed calls, which also absorb compiles)."""
+    """Best (minimum) wall time of `fn` in ms over `repeats` runs, after `warmup` untimed calls (which absorb
+    compiles). The minimum, because on a shared machine the other runs measure the neighbours' load."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for _ in range(warmup):
         fn()
@@ -35,7 +35,7 @@ def time_ms(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
         fn()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return min(times)
 
 
 def attention_case(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_heads: int = 1, head_dim: int = 128,
@@ -133,7 +133,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs; the median is reported")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs; the best is reported")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed path (its compile takes a while on CPU)")
     p.add_argument("--e2e", action="store_true", help="end-to-end decode throughput of a tiny model instead")
