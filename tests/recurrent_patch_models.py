@@ -134,6 +134,17 @@ CONFIGS: dict[str, dict] = {
     "mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "falcon_mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "lfm2": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),
+    "lfm2_moe": dict(
+        **_COMMON,
+        num_hidden_layers=2,
+        layer_types=["conv", "full_attention"],
+        conv_L_cache=3,
+        moe_intermediate_size=16,
+        num_dense_layers=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "lfm3": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, head_dim=8),
 }
 
 # Models whose forward takes the cache as `cache_params` (pure Mamba / Mamba2) and has no positions.

@@ -1,4 +1,4 @@
-"""LFM2 short convolution (LFM2, LFM2-MoE): y = C * conv(B * x), a gated depthwise conv with no recurrent state."""
+"""LFM short convolution (LFM2, LFM2-MoE, LFM3): y = C * conv(B * x), a gated depthwise conv, no recurrent state."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from prefixlab.recurrent.families.base import Mixed, Projected, ScanRequest
 
 
 class ShortConv:
-    classes: tuple[str, ...] = ("Lfm2ShortConv", "Lfm2MoeShortConv")
+    classes: tuple[str, ...] = ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv")
     has_recurrent_state = False
     conv_name = "conv"
     read_directly: tuple[str, ...] = ("conv",)
