@@ -23,26 +23,37 @@ from prefixlab.recurrent.patch import patch, patched, unpatch
 FAMILIES = sorted(CONFIGS)
 
 
+GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request):
-    """(name, model, reference logits of `tokens(2, 21)` computed before patching); the model is patched."""
+    """(name, patched model, token ids, logits and greedy generation of the ids computed before patching)."""
     model = build(request.param)
     ids = tokens(2, 21)
     reference = forward(model, ids)
+    with torch.no_grad():
+        generated = model.generate(ids[:, :10], **GREEDY)
     patch(model)
-    yield request.param, model, ids, reference
+    yield request.param, model, ids, (reference, generated)
     unpatch(model)
 
 
 def test_patched_forward_equals_unpatched(family_model):
-    _, model, ids, reference = family_model
+    _, model, ids, (reference, _) = family_model
     assert_close(forward(model, ids), reference)
     assert_close(forward(model, ids, cache=new_cache(model)), reference)
 
 
+def test_greedy_generation_is_unchanged(family_model):
+    _, model, ids, (_, generated) = family_model
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids[:, :10], **GREEDY), generated)
+
+
 def test_continuing_from_the_cache_equals_one_forward(family_model):
     """Prefill tokens[:9], then 4 tokens, 1 token and the rest, each from the cached state."""
-    _, model, ids, reference = family_model
+    _, model, ids, (reference, _) = family_model
     cache, pieces = new_cache(model), []
     for start, stop in [(0, 9), (9, 13), (13, 14), (14, 21)]:
         pieces.append(forward(model, ids[:, start:stop], cache, start=start))
