@@ -163,6 +163,17 @@ def test_prefix_fed_then_prompts_branch(pair):
         assert layer.seq_levels.tolist() == [1, 1, 1, 2, 2, 2]
 
 
+def test_beam_search(pair):
+    """Beam reordering moves per-sequence suffixes only; the shared levels stay where they are."""
+    standard, hydragen = pair
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(11))
+    cache = HydragenCache(hydragen.config)
+    out = _generate(hydragen, ids, 0, cache, do_sample=False, num_beams=3)
+    assert torch.equal(_generate(standard, ids, 0, do_sample=False, num_beams=3).sequences, out.sequences)
+    if _rows_bitwise_batch_invariant(hydragen):
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 10)  # each prompt once for its 3 beams
+
+
 def test_without_hydragen_cache_it_is_sdpa_bit_for_bit(pair):
     standard, hydragen = pair
     ids = torch.randint(1, VOCAB, (3, 10), generator=torch.Generator().manual_seed(7))
