@@ -53,6 +53,7 @@ class Match:
     namespace: str
     input_length: int
     node: Node = field(repr=False)
+    walk: Walk = field(repr=False)
 
 
 class PrefixCacheCore:
@@ -101,7 +102,7 @@ class PrefixCacheCore:
         self._live: dict[int, Match] = {}
         self.bootstrap_multiplier = bootstrap_multiplier
         self._tuning = alpha is None and tunes_alpha(policy)
-        self._history: list[tuple[np.ndarray, np.ndarray]] = []  # (input, output) until alpha is tuned
+        self._history: list[tuple[np.ndarray, int]] = []  # (input + output, input length) until alpha is tuned
         self._tune_at: int | None = None
         self._last_walk: tuple | None = None
 
@@ -118,7 +119,10 @@ class PrefixCacheCore:
     def match(self, tokens: object, namespace: str = "default") -> Match:
         """The deepest checkpoint at or before the prefix `tokens` share with the cache (every shared token for a
         KV-only model); its entries stay locked until `release`."""
-        tokens, namespace = as_tokens(tokens), _check_namespace(namespace)
+        return self._match(as_tokens(tokens), _check_namespace(namespace))
+
+    def _match(self, tokens: np.ndarray, namespace: str) -> Match:
+        """`match` of validated tokens (the replay path)."""
         self.clock += 1
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
@@ -130,7 +134,7 @@ class PrefixCacheCore:
         self.admission.observe(walk.shared_length, length)
         self.tree.lock(node, +1)
         kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in walk.path[1:] if n.start < length]
-        match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node)
+        match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node, walk)
         self._live[id(match)] = match
         return match
 
@@ -166,8 +170,12 @@ class PrefixCacheCore:
             self._check_match(match)
             if namespace not in ("default", match.namespace):
                 raise InvalidInputError(f"namespace={namespace!r} differs from the match's {match.namespace!r}")
-            namespace = match.namespace
         walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
+        return self._admit(tokens, walk, kv, states, match)
+
+    def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
+               states: dict[int, Payload], match: Match | None) -> bool:
+        """`admit` of validated arguments, `walk` being `tokens`' walk of the current tree (the replay path)."""
         shared = walk.shared_length
         keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
         new_kv = kv(shared, keep_end) if keep_end > shared else None
@@ -203,6 +211,9 @@ class PrefixCacheCore:
     def release(self, match: Match) -> None:
         """Unlock what `match` returned (once)."""
         self._check_match(match)
+        self._release(match)
+
+    def _release(self, match: Match) -> None:
         del self._live[id(match)]
         self.tree.lock(match.node, -1)
         self._compact(match.node)
@@ -292,8 +303,7 @@ class PrefixCacheCore:
 
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
-        split = match.input_length if match else len(tokens)
-        self._history.append((tokens[:split], tokens[split:]))
+        self._history.append((tokens, match.input_length if match else len(tokens)))
         if self._tune_at is not None and self.requests >= self._tune_at:
             self.eviction.alpha = self._tune_alpha()
             self._tuning, self._history = False, []
@@ -305,12 +315,12 @@ class PrefixCacheCore:
             self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
             checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
         )
-        warm_hits = [replay_request(base, inp, out) for inp, out in self._history[:warm]]
+        warm_hits = [_replay(base, tokens, n) for tokens, n in self._history[:warm]]
 
         def flops_saved(alpha: float) -> float:
             core = copy.deepcopy(base)
             core.eviction.alpha = alpha
-            hits = warm_hits + [replay_request(core, inp, out) for inp, out in self._history[warm:]]
+            hits = warm_hits + [_replay(core, tokens, n) for tokens, n in self._history[warm:]]
             return float(np.sum(self.spec.flops_saved(np.array(hits, dtype=np.int64))))
 
         return tune_alpha(flops_saved)
@@ -372,11 +382,19 @@ def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_token
                    namespace: str = "default") -> int:
     """One simulated request with size-only payloads: match the input, admit input + output with the states the
     policy plans (the simulator's and the alpha tuner's step, as in Marconi's replay). Returns the hit length."""
-    spec = core.spec
-    match = core.match(input_tokens, namespace)
+    input_tokens, output_tokens = as_tokens(input_tokens, "input_tokens"), as_tokens(output_tokens, "output_tokens")
     tokens = np.concatenate([input_tokens, output_tokens]) if len(output_tokens) else input_tokens
+    return _replay(core, tokens, len(input_tokens), _check_namespace(namespace))
+
+
+def _replay(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namespace: str = "default") -> int:
+    """replay_request of validated `tokens` (input followed by output), skipping the public entry checks."""
+    spec = core.spec
+    match = core._match(tokens[:input_length], namespace)
+    walk = core.tree.walk(tokens, namespace, resume=match.walk)
+    positions = core.admission.plan(walk, len(tokens), match.length) if core.hybrid else []
     state = SizedState(spec.state_bytes)
-    positions = core.plan(tokens, match)
-    core.admit(tokens, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state), match)
-    core.release(match)
+    core._admit(tokens, walk, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state),
+                match)
+    core._release(match)
     return match.length

@@ -67,11 +67,12 @@ class Node:
 
 @dataclass(slots=True)
 class Walk:
-    """Where `tokens` leave the tree: `path` from the root (the last node may be only partly shared) and the
-    number of tokens shared with the tree."""
+    """Where `tokens` leave the tree: `path` from the root (the last node may be only partly shared), the
+    number of tokens shared with the tree and the number of tokens walked."""
 
     path: list[Node]
     shared_length: int
+    walked: int
 
     @property
     def ends_inside_edge(self) -> bool:
@@ -101,12 +102,23 @@ class RadixTree:
             self.roots[namespace] = Node(next(self._ids), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
         return self.roots[namespace]
 
-    def walk(self, tokens: np.ndarray, namespace: str) -> Walk:
-        """Follow `tokens` down from the namespace root as far as they match (numpy compare per edge)."""
-        node = self.roots.get(namespace)
-        if node is None:
-            return Walk([self.root(namespace)], 0)
-        path, depth, total = [node], 0, len(tokens)
+    def walk(self, tokens: np.ndarray, namespace: str, resume: Walk | None = None) -> Walk:
+        """Follow `tokens` down from the namespace root as far as they match (numpy compare per edge). `resume`,
+        a walk of a prefix of `tokens` in the unchanged tree, is continued instead of starting from the root."""
+        total = len(tokens)
+        if resume is None:
+            node = self.roots.get(namespace)
+            if node is None:
+                return Walk([self.root(namespace)], 0, total)
+            path, depth = [node], 0
+        else:
+            path, depth = list(resume.path), resume.shared_length
+            if depth < resume.walked:  # the prefix already left the tree
+                return Walk(path, depth, total)
+            if depth < path[-1].end:  # it ended inside an edge: compare that edge again
+                path.pop()
+                depth = path[-1].end
+            node = path[-1]
         while depth < total:
             child = node.children.get(int(tokens[depth]))
             if child is None:
@@ -120,7 +132,7 @@ class RadixTree:
             if matched < len(edge):
                 break
             node = child
-        return Walk(path, depth)
+        return Walk(path, depth, total)
 
     @staticmethod
     def deepest_checkpoint(walk: Walk) -> tuple[Node, int, Payload | None]:
