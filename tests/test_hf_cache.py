@@ -252,3 +252,18 @@ def test_without_a_host_tier_evicted_entries_are_gone(model):
     cache = HybridPrefixCache(store)
     generate(model, first, cache)
     assert cache.reused_tokens == 0
+
+
+@pytest.mark.slow
+def test_compiled_forward_reuses_exactly():
+    """The store's hooks run around the module call, so a torch.compile'd forward (dynamo graph capture; the eager
+    backend keeps the test fast, inductor only changes the kernels) still reuses exactly."""
+    compiled = build("lfm2")
+    prompt = tokens(1, 20, seed=17)
+    reference = generate(compiled, prompt)
+    store = new_store(compiled)
+    compiled.forward = torch.compile(compiled.forward, dynamic=True, backend="eager")
+    generate(compiled, prompt, HybridPrefixCache(store))
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(compiled, prompt, cache), reference)
+    assert cache.reused_tokens == 19
