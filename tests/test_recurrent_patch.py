@@ -68,6 +68,8 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
     forward(model, ids[:, :prefix], cache)
     cache.prefixlab_capture_positions = offsets
     forward(model, ids[:, prefix:], cache, start=prefix)
+    cache.prefixlab_capture_positions = None
+    forward(model, ids[:, :3], cache, start=ids.shape[1])  # the cache moves on: records must not alias it
     layers = linear_layer_indices(cache)
     assert set(cache.records) == {(layer, offset, None) for layer in layers for offset in offsets}
     for offset in offsets:

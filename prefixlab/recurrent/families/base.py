@@ -112,18 +112,19 @@ class LayerCache:
         self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
 
     def record(self, conv_states: States, recurrent_states: States, recurrent_dtype: torch.dtype | None) -> None:
-        """Hand the cache a clone of the states at each requested offset (before any cache write: offset 0 may
-        be a view of the cached buffers)."""
-        if not self.rows:
-            return
+        """Hand the cache the states at each requested offset (before any cache write, which may overwrite
+        buffers the offset-0 state was read from)."""
         for row, offsets in self.rows.items():
-            rows = slice(None) if row is None else slice(row, row + 1)
+            extra = {} if row is None else {"row": row}
             for offset in offsets:
-                conv_state = conv_states[offset][rows].clone()  # a row slice of the kernel's clone: copy it alone
                 state = recurrent_states.get(offset)
-                state = None if state is None else state[rows].to(recurrent_dtype, copy=True)
-                extra = {} if row is None else {"row": row}
-                self.cache.prefixlab_record(self.layer_idx, offset, conv_state, state, **extra)
+                self.cache.prefixlab_record(
+                    self.layer_idx,
+                    offset,
+                    _owned(conv_states[offset], row),
+                    None if state is None else _owned(state, row).to(recurrent_dtype),
+                    **extra,
+                )
 
     def recurrent_dtype(self, final_state: torch.Tensor | None) -> torch.dtype | None:
         """The dtype the cache layer keeps recurrent states in (the first state written fixes it)."""
@@ -140,6 +141,12 @@ class LayerCache:
         self.cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=conv_kernel_size)
         if final_state is not None:
             self.cache.update_recurrent_state(final_state, self.layer_idx)
+
+
+def _owned(tensor: torch.Tensor, row: int | None) -> torch.Tensor:
+    """A tensor the caller owns: the kernel's fresh state itself, or a copy of one row of it (never a view that
+    would keep the whole batch alive)."""
+    return tensor if row is None else tensor[row : row + 1].clone()
 
 
 def _capture_rows(positions: Any, batch: int, length: int) -> dict[int | None, tuple[int, ...]]:
