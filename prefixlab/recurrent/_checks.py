@@ -8,8 +8,6 @@ import torch
 
 from prefixlab.errors import InvalidInputError
 
-BACKENDS = ("auto", "naive", "torch", "compiled", "fla", "mamba_ssm")
-
 
 def require(condition: bool, message: str) -> None:
     if not condition:
@@ -90,7 +88,3 @@ def check_chunk_size(chunk_size: int) -> int:
     )
     return chunk_size
 
-
-def check_backend(backend: str, allowed: Sequence[str]) -> str:
-    require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
-    return backend

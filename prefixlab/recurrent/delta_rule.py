@@ -84,7 +84,7 @@ def _check_delta_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]
     )
     _checks.check_same_dtype({"q": q, "k": k, "v": v})
     require(
-        g.dim() in (3, 4) if isinstance(g, torch.Tensor) else False,
+        isinstance(g, torch.Tensor) and g.dim() in (3, 4),
         f"g must be a tensor [B, T, Hv] or [B, T, Hv, K], got {getattr(g, 'shape', type(g).__name__)}",
     )
     _checks.check_tensor("g", g, (batch, length, heads_v) + ((dim_k,) if g.dim() == 4 else ()))

@@ -37,16 +37,15 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int, use_qk_l2norm: bool, scale: f
     q, k = prepare_qk(q, k, use_qk_l2norm, scale)
     q, k, v, beta, g = (chunked(x, chunk_size) for x in (q, k, v, beta, g))
     log_decay_cum = (g[..., None] if g.dim() == 4 else g).cumsum(dim=-2)
-    beta_cols = beta[..., None, :]
+    beta_cols = beta[..., None, :]  # scales the columns of T
 
-    # (I + strictly_lower(diag(beta) K K^T * decay))^-1 by one solve against I, then u = T diag(beta) V and
-    # w = T diag(beta) (K * exp(G)): two matmuls instead of a solve with V + K right-hand sides.
+    # T = (I + strictly_lower(diag(beta) K K^T * decay))^-1 by one solve against I (C right-hand sides, not
+    # V + K), then [u | w] = T diag(beta) [V | K * exp(G)] in one matmul.
     ut_system = decayed_scores(k, k, log_decay_cum) * beta[..., None]
     eye = torch.eye(chunk_size, dtype=k.dtype, device=k.device)
     inverse = torch.linalg.solve_triangular(ut_system, eye.expand_as(ut_system), upper=False, unitriangular=True)
-    inverse = inverse * beta_cols
-    u = inverse @ v
-    w = inverse @ (k * log_decay_cum.exp())
+    uw = (inverse * beta_cols) @ torch.cat([v, k * log_decay_cum.exp()], dim=-1)
+    u, w = uw.split([v.shape[-1], k.shape[-1]], dim=-1)
     attn = decayed_scores(q, k, log_decay_cum)
     q_decayed = q * log_decay_cum.exp()
     k_to_end = k * (log_decay_cum[..., -1:, :] - log_decay_cum).exp()

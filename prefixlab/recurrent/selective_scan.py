@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
+from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
 
 
 def selective_scan(
@@ -34,7 +35,8 @@ def selective_scan(
 
     u, delta, z [B, D, L]; A [D, N]; B, C [B, N, L]; D, delta_bias [D]; initial_state [B, D, N] (zeros if None).
     Returns (y [B, D, L] in u's dtype, final state [B, D, N] float32, {p: state float32}).
-    Every backend ("auto", "naive", "torch") runs the same token loop: there is no chunked Mamba1 kernel yet.
+    Every backend name ("auto", "naive", "torch", "compiled") runs the same token loop: there is no chunked Mamba1
+    kernel yet (the names are accepted so that callers can pass one backend to every kernel).
     """
     _checks.check_tensor("u", u, (None, None, None))
     batch, channels, length = u.shape
@@ -51,7 +53,8 @@ def selective_scan(
     _checks.check_same_device({"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z,
                                "delta_bias": delta_bias, "initial_state": initial_state})  # fmt: skip
     positions = _checks.check_capture(capture, length)
-    require(backend in ("auto", "naive", "torch"), f"backend must be 'auto', 'naive' or 'torch', got {backend!r}")
+    allowed = ("auto", *PORTABLE_BACKENDS)
+    require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
 
     delta = delta.float()
     if delta_bias is not None:
