@@ -163,3 +163,22 @@ def test_marconi_7b_sizes_flow_through():
     assert core.used_bytes == 100 * spec.kv_bytes_per_token + spec.state_bytes
     assert core.match(tokens).length == 100
 
+
+
+@pytest.mark.parametrize("policy", ["vllm+", "sglang+", "marconi", "dp"])
+def test_fork_is_an_independent_copy_that_replays_like_a_deep_copy(policy):
+    import copy
+
+    from prefixlab.cache.core import replay_request
+
+    rng = np.random.default_rng(3)
+    streams = [(rng.integers(0, 4, rng.integers(3, 25)), rng.integers(0, 4, 3)) for _ in range(60)]
+    core = _core(3_000, policy, alpha=0.5)
+    for inp, out in streams[:20]:
+        replay_request(core, inp, out)
+    fork, reference = core.fork(), copy.deepcopy(core)
+    before = snapshot(core)
+    hits = [[replay_request(c, inp, out) for inp, out in streams[20:]] for c in (fork, reference)]
+    assert hits[0] == hits[1] and snapshot(fork) == snapshot(reference) and fork.evictions > core.evictions
+    assert snapshot(core) == before  # the original is untouched
+    fork.check_invariants()

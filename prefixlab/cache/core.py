@@ -318,12 +318,23 @@ class PrefixCacheCore:
         warm_hits = [_replay(base, tokens, n) for tokens, n in self._history[:warm]]
 
         def flops_saved(alpha: float) -> float:
-            core = copy.deepcopy(base)
+            core = base.fork()
             core.eviction.alpha = alpha
             hits = warm_hits + [_replay(core, tokens, n) for tokens, n in self._history[warm:]]
             return float(np.sum(self.spec.flops_saved(np.array(hits, dtype=np.int64))))
 
         return tune_alpha(flops_saved)
+
+    def fork(self) -> PrefixCacheCore:
+        """An independent copy between requests (no live matches), sharing the immutable payloads (the tuner's)."""
+        assert not self._live, "fork only between requests"
+        twin = copy.copy(self)
+        twin.tree, nodes = self.tree.copy()
+        twin.eviction = self.eviction.copy_for(twin.tree, nodes)
+        twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
+        twin.admission = copy.deepcopy(self.admission)
+        twin._live, twin._history, twin._last_walk = {}, list(self._history), None
+        return twin
 
     # inspection --------------------------------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ victim never scans the tree:
 from __future__ import annotations
 
 import bisect
+import copy
 from collections.abc import Callable, Iterator, Sequence
 
 from prefixlab.cache.costmodel import ModelSpec
@@ -47,6 +48,11 @@ class SortedIndex:
     def __iter__(self) -> Iterator[tuple]:
         return iter(self._entries)
 
+    def copy(self) -> SortedIndex:
+        twin = SortedIndex()
+        twin._entries, twin._key_of = list(self._entries), dict(self._key_of)
+        return twin
+
     def first(self) -> tuple:
         return self._entries[0]
 
@@ -62,6 +68,12 @@ class EvictionPolicy:
         self.hybrid = spec.state_bytes > 0
         self.nodes: dict[int, Node] = {}
         self.by_recency = SortedIndex()
+
+    def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> EvictionPolicy:
+        """This policy's state over `tree`, a copy of its tree whose nodes by id are `nodes` (RadixTree.copy)."""
+        twin = copy.copy(self)
+        twin.tree, twin.nodes, twin.by_recency = tree, {i: nodes[i] for i in self.nodes}, self.by_recency.copy()
+        return twin
 
     def eligible(self, node: Node) -> bool:
         """Whether the node's shape makes it a candidate (locked candidates stay indexed and are skipped)."""
@@ -133,6 +145,12 @@ class FlopAware(EvictionPolicy):
         self.by_efficiency = SortedIndex()
         self.efficiency: dict[int, float] = {}
         self._shapes: dict[int, tuple] = {}
+
+    def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> FlopAware:
+        twin = super().copy_for(tree, nodes)
+        twin.by_efficiency, twin.efficiency, twin._shapes = self.by_efficiency.copy(), dict(self.efficiency), dict(
+            self._shapes)
+        return twin
 
     def eligible(self, node: Node) -> bool:
         max_children = 1 if self.hybrid else 0  # KV-only trees merge single-child nodes eagerly

@@ -12,7 +12,6 @@ reported: they are short-lived, so policies skip locked nodes when they pick.
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -84,7 +83,7 @@ class RadixTree:
     """The tree: one root per namespace, exact byte accounting, structural edits used by the policies."""
 
     def __init__(self) -> None:
-        self._ids = itertools.count()
+        self._next_id = 0
         self.roots: dict[str, Node] = {}
         self.kv_bytes = 0
         self.state_bytes = 0
@@ -97,9 +96,38 @@ class RadixTree:
     def used_bytes(self) -> int:
         return self.kv_bytes + self.state_bytes
 
+    def _new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def copy(self) -> tuple[RadixTree, dict[int, Node]]:
+        """An independent copy with the same node ids, and its nodes by id. Token arrays and payloads are shared:
+        the tree never writes into them (edits slice or concatenate), and payloads are immutable."""
+        twin = RadixTree()
+        twin._next_id, twin.version = self._next_id, self.version
+        twin.kv_bytes, twin.state_bytes, twin.num_checkpoints = self.kv_bytes, self.state_bytes, self.num_checkpoints
+        nodes: dict[int, Node] = {}
+
+        def clone(node: Node, parent: Node | None) -> Node:
+            new = Node(node.id, parent, node.tokens, node.start, node.kv, node.last_access, node.namespace)
+            new.ckpt_pos, new.ckpt_state, new.lock_count = list(node.ckpt_pos), list(node.ckpt_state), node.lock_count
+            nodes[node.id] = new
+            return new
+
+        stack = []
+        for namespace, root in self.roots.items():
+            twin.roots[namespace] = clone(root, None)
+            stack.append((root, twin.roots[namespace]))
+        while stack:
+            node, new = stack.pop()
+            for key, child in node.children.items():  # in order: children dicts keep their insertion order
+                new.children[key] = clone(child, new)
+                stack.append((child, new.children[key]))
+        return twin, nodes
+
     def root(self, namespace: str) -> Node:
         if namespace not in self.roots:
-            self.roots[namespace] = Node(next(self._ids), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
+            self.roots[namespace] = Node(self._new_id(), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
         return self.roots[namespace]
 
     def walk(self, tokens: np.ndarray, namespace: str, resume: Walk | None = None) -> Walk:
@@ -153,7 +181,7 @@ class RadixTree:
         self.version += 1
         at = position - node.start
         upper_kv, lower_kv = node.kv.split(at) if node.kv is not None else (None, None)
-        upper = Node(next(self._ids), node.parent, node.tokens[:at], node.start, upper_kv, now, node.namespace)
+        upper = Node(self._new_id(), node.parent, node.tokens[:at], node.start, upper_kv, now, node.namespace)
         upper.lock_count = node.lock_count
         cut = bisect.bisect_right(node.ckpt_pos, position)
         upper.ckpt_pos, node.ckpt_pos = node.ckpt_pos[:cut], node.ckpt_pos[cut:]
@@ -168,7 +196,7 @@ class RadixTree:
     def add_leaf(self, parent: Node, tokens: np.ndarray, kv: KVPayload | None, now: int) -> Node:
         """A new child of `parent` holding `tokens` (which start at parent.end) and their KV."""
         self.version += 1
-        leaf = Node(next(self._ids), parent, tokens, parent.end, kv, now, parent.namespace)
+        leaf = Node(self._new_id(), parent, tokens, parent.end, kv, now, parent.namespace)
         parent.children[int(tokens[0])] = leaf
         self.kv_bytes += leaf.kv_bytes
         self.on_change(leaf)
