@@ -6,6 +6,7 @@ from torch import nn
 
 from prefixlab.recurrent.families.base import Family
 from prefixlab.recurrent.families.gated_delta import (
+    BailingHybridDeltaAttention,
     GatedDeltaNet,
     KimiDeltaAttention,
     OlmoHybridGatedDeltaNet,
@@ -20,6 +21,7 @@ FAMILIES: tuple[Family, ...] = (
     Qwen3NextGatedDeltaNet(),
     OlmoHybridGatedDeltaNet(),
     KimiDeltaAttention(),
+    BailingHybridDeltaAttention(),
     Mamba2Mixer(),
     FalconH1Mixer(),
     MambaMixer(),

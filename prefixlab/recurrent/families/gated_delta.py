@@ -119,9 +119,12 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
     def project(self, layer: nn.Module, hidden_states: torch.Tensor) -> Projected:
         batch, length = hidden_states.shape[:2]
         qkv = torch.cat([layer.q_proj(hidden_states), layer.k_proj(hidden_states), layer.v_proj(hidden_states)], -1)
-        gate = layer.g_b_proj(layer.g_a_proj(hidden_states)).view(batch, length, -1, layer.head_dim)
+        gate = self.output_gate(layer, hidden_states).view(batch, length, -1, layer.head_dim)
         beta = layer.b_proj(hidden_states).sigmoid()
         return Projected(qkv.transpose(1, 2), {"gate": gate, "beta": beta, "g": layer.forget_gate(hidden_states)})
+
+    def output_gate(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return layer.g_b_proj(layer.g_a_proj(hidden_states))  # low rank
 
     def dims(self, layer: nn.Module) -> tuple[int, int, int, int]:
         return layer.qkv_dim, layer.qkv_dim, layer.head_dim, layer.head_dim
@@ -134,6 +137,15 @@ class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
     def finish(self, layer: nn.Module, mixed: torch.Tensor, projected: Projected) -> torch.Tensor:
         batch, length = mixed.shape[:2]
         return layer.o_proj(layer.o_norm(mixed, projected.extras["gate"]).reshape(batch, length, -1))
+
+
+class BailingHybridDeltaAttention(KimiDeltaAttention):
+    """Bailing-hybrid (Ling): Kimi's KDA with a full-rank g_proj output gate."""
+
+    classes = ("BailingHybridDeltaAttention",)
+
+    def output_gate(self, layer: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return layer.g_proj(hidden_states)
 
 
 def _kimi_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
