@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixlab.attention import SharedLevel, choose_method, hydragen_attention
-from prefixlab.attention.packed import packed_tree_attention
+from prefixlab.attention.packed import packed_tree_attention, varlen_prefill_attention
 from prefixlab.attention.reference import reference_attention
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import plan_tree
@@ -78,6 +78,27 @@ def test_public_api_methods_agree(queries, slots):
     for method in ("split", "auto") + (("packed",) if queries == 1 else ()):
         out = hydragen_attention(q, levels, sk, sv, seq_levels=seq_levels, method=method)
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+
+
+def test_varlen_prefill_without_padding():
+    """Prompts of 3, 5 and 2 tokens packed back to back, two of them after a shared level: causal per prompt."""
+    g = torch.Generator().manual_seed(7)
+    lengths, kv_heads, q_heads, dim = [3, 5, 2], 2, 4, 8
+    level = SharedLevel(_rand(g, kv_heads, 6, dim), _rand(g, kv_heads, 6, dim))
+    q, k, v = _rand(g, 10, q_heads, dim), _rand(g, 10, kv_heads, dim), _rand(g, 10, kv_heads, dim)
+    out = varlen_prefill_attention(q, k, v, lengths, [level], seq_levels=[0, -1, 0], compiled=False)
+    start = 0
+    for n, shared in zip(lengths, [True, False, True], strict=True):
+        keys, values = k[start : start + n].transpose(0, 1), v[start : start + n].transpose(0, 1)
+        if shared:
+            keys, values = torch.cat([level.keys, keys], 1), torch.cat([level.values, values], 1)
+        mask = torch.ones(n, keys.shape[1], dtype=torch.bool).tril(keys.shape[1] - n)
+        ref = F.scaled_dot_product_attention(q[start : start + n].transpose(0, 1)[None], keys[None], values[None],
+                                             attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+        torch.testing.assert_close(out[start : start + n], ref, atol=ATOL, rtol=0)
+        start += n
+    with pytest.raises(InvalidInputError, match="sum to the packed token count"):
+        varlen_prefill_attention(q, k, v, [3, 5, 3])
 
 
 def test_empty_prefix_is_plain_attention_bit_for_bit():

@@ -10,12 +10,14 @@ it, and prompts of different lengths are served packed, without padding (`packed
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from prefixlab.attention.reference import suffix_visibility
-from prefixlab.attention.tree import TreePlan
+from prefixlab.attention.tree import SharedLevel, TreePlan, check_levels, level_visibility
+from prefixlab.errors import InvalidInputError
 
 
 @dataclass(frozen=True)
@@ -47,32 +49,41 @@ class PackedLayout:
         return mask_mod
 
 
+def tree_layout(
+    visible: torch.Tensor, level_lengths: list[int], suffix_lengths: list[int], query_counts: list[int],
+    suffix_visible: torch.Tensor | None = None,
+) -> PackedLayout:
+    """Layout of [levels | suffix of sequence 0 | suffix of 1 | ...] keys and each sequence's queries, which are
+    the last `query_counts[b]` of its `suffix_lengths[b]` suffix tokens. `visible` (B, n_levels): levels on paths."""
+    device = visible.device
+    batch, n_levels = visible.shape
+    seqs = torch.arange(batch, device=device)
+    suffix_lengths_t = torch.tensor(suffix_lengths, device=device)
+    query_counts_t = torch.tensor(query_counts, device=device)
+    slots = [torch.arange(n, device=device) for n in suffix_lengths]
+    return PackedLayout(
+        query_seq=seqs.repeat_interleave(query_counts_t),
+        query_slot=torch.cat([s[n - m :] for s, n, m in zip(slots, suffix_lengths, query_counts, strict=True)]),
+        key_owner=torch.cat([torch.arange(n_levels, device=device).repeat_interleave(
+            torch.tensor(level_lengths, dtype=torch.int64, device=device)), (n_levels + seqs).repeat_interleave(
+            suffix_lengths_t)]),
+        key_slot=torch.cat([torch.full((sum(level_lengths),), -1, device=device), *slots]),
+        owner_visible=torch.cat([visible, torch.eye(batch, dtype=torch.bool, device=device)], dim=1),
+        suffix_visible=suffix_visible,
+    )
+
+
 def pack_batch(q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffix_values: torch.Tensor):
     """(q (1, Hq, B*Tq, D), k, v (1, Hkv, sum L + B*S, D), layout) for a padded Hydragen batch."""
     batch, q_heads, queries, dim = q.shape
     kv_heads, slots = suffix_keys.shape[1], suffix_keys.shape[2]
-    device = q.device
-    n_levels = len(plan.levels)
+    explicit = None if plan.suffix_mask is None else suffix_visibility(plan, queries, slots, q.device)
+    layout = tree_layout(plan.visible, [level.length for level in plan.levels], [slots] * batch, [queries] * batch,
+                         explicit)
     keys = [level.keys for level in plan.levels] + [suffix_keys.transpose(0, 1).reshape(kv_heads, batch * slots, dim)]
     values = [level.values for level in plan.levels] + [
         suffix_values.transpose(0, 1).reshape(kv_heads, batch * slots, dim)
     ]
-    level_lengths = torch.tensor([level.length for level in plan.levels], dtype=torch.int64, device=device)
-    key_owner = torch.cat([
-        torch.repeat_interleave(torch.arange(n_levels, device=device), level_lengths),
-        torch.repeat_interleave(n_levels + torch.arange(batch, device=device), slots),
-    ])
-    key_slot = torch.cat([torch.full((int(level_lengths.sum()),), -1, device=device),
-                          torch.arange(slots, device=device).repeat(batch)])
-    owner_visible = torch.cat([plan.visible, torch.eye(batch, dtype=torch.bool, device=device)], dim=1)
-    layout = PackedLayout(
-        query_seq=torch.arange(batch, device=device).repeat_interleave(queries),
-        query_slot=(slots - queries + torch.arange(queries, device=device)).repeat(batch),
-        key_owner=key_owner,
-        key_slot=key_slot,
-        owner_visible=owner_visible,
-        suffix_visible=None if plan.suffix_mask is None else suffix_visibility(plan, queries, slots, device),
-    )
     q_packed = q.transpose(0, 1).reshape(1, q_heads, batch * queries, dim)
     return q_packed, torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None], layout
 
@@ -105,3 +116,25 @@ def packed_tree_attention(
     q_packed, k_packed, v_packed, layout = pack_batch(q, plan, suffix_keys, suffix_values)
     out = packed_attention(q_packed, k_packed, v_packed, layout, scale, compiled)
     return out.reshape(q_heads, batch, queries, dim).transpose(0, 1)
+
+
+def varlen_prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], levels: Sequence[SharedLevel] = (),
+    seq_levels: Sequence[int] | None = None, scale: float | None = None, compiled: bool = True,
+) -> torch.Tensor:
+    """Causal prefill of prompts of different lengths packed WITHOUT padding (flash-attn varlen style), each after
+    its shared levels: q (N, Hq, D), k/v (N, Hkv, D) with N = sum(lengths) tokens, sequence after sequence."""
+    if sum(lengths) != q.shape[0] or k.shape[0] != q.shape[0] or v.shape != k.shape or min(lengths, default=1) < 1:
+        raise InvalidInputError(
+            f"lengths={list(lengths)} must be positive and sum to the packed token count of q/k/v ({q.shape[0]})"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise InvalidInputError(f"q has {q.shape[1]} heads, k {k.shape[1]}: a multiple is needed (GQA)")
+    check_levels(levels, k.shape[1], k.shape[2], q)
+    _, visible = level_visibility(levels, seq_levels, len(lengths))
+    layout = tree_layout(visible.to(q.device), [level.length for level in levels], list(lengths), list(lengths))
+    keys = torch.cat([level.keys for level in levels] + [k.transpose(0, 1)], dim=1)[None]
+    values = torch.cat([level.values for level in levels] + [v.transpose(0, 1)], dim=1)[None]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = packed_attention(q.transpose(0, 1)[None], keys, values, layout, scale, compiled)
+    return out[0].transpose(0, 1)

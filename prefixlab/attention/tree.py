@@ -41,7 +41,6 @@ class TreePlan:
     seq_levels: tuple[int, ...]  # deepest level of each sequence, -1: none
     visible: torch.Tensor  # (batch, n_levels) bool: level n is on sequence b's shared prefix
     members: tuple[torch.Tensor, ...]  # per level: sorted int64 indices of the sequences that see it
-    prefix_lengths: torch.Tensor  # (batch,) int64: tokens of each sequence's shared prefix
     suffix_mask: torch.Tensor | None  # (batch, Tq, S) bool, or None for plain causal
 
     @property
@@ -102,6 +101,41 @@ def suffix_mask_from_lengths(lengths: Sequence[int] | torch.Tensor, queries: int
     return causal[None] & valid[:, None, :]
 
 
+def check_levels(levels: Sequence[SharedLevel], kv_heads: int, head_dim: int, like: torch.Tensor) -> None:
+    """Every level is a SharedLevel of (kv_heads, length, head_dim) keys/values in `like`'s dtype and device."""
+    for i, level in enumerate(levels):
+        if not isinstance(level, SharedLevel):
+            raise InvalidInputError(f"levels[{i}] must be a SharedLevel, got {type(level).__name__}")
+        _check_tensor(f"levels[{i}].keys", level.keys, 3, like)
+        _check_tensor(f"levels[{i}].values", level.values, 3, like)
+        if level.keys.shape != level.values.shape or level.keys.shape[0] != kv_heads or level.keys.shape[2] != head_dim:
+            raise InvalidInputError(
+                f"levels[{i}] keys {tuple(level.keys.shape)} / values {tuple(level.values.shape)} must both be "
+                f"(kv_heads={kv_heads}, length, head_dim={head_dim})"
+            )
+
+
+def level_visibility(
+    levels: Sequence[SharedLevel], seq_levels: Sequence[int] | torch.Tensor | None, batch: int
+) -> tuple[list[int], torch.Tensor]:
+    """(seq_levels as ints, visible (batch, n_levels) bool): the levels on each sequence's path."""
+    paths = ancestors_of([level.parent for level in levels])
+    if seq_levels is None:
+        seq_levels = [len(levels) - 1] * batch
+    seq_levels = [int(x) for x in torch.as_tensor(seq_levels).reshape(-1).tolist()]
+    if len(seq_levels) != batch:
+        raise InvalidInputError(
+            f"seq_levels has {len(seq_levels)} entries for a batch of {batch}: give one per sequence"
+        )
+    if any(not -1 <= leaf < len(levels) for leaf in seq_levels):
+        raise InvalidInputError(f"seq_levels={seq_levels} must hold level indices in [0, {len(levels)}) or -1 (none)")
+    visible = torch.zeros(batch, len(levels), dtype=torch.bool)
+    for b, leaf in enumerate(seq_levels):
+        if leaf >= 0:
+            visible[b, paths[leaf]] = True
+    return seq_levels, visible
+
+
 def plan_tree(
     q: torch.Tensor,
     levels: Sequence[SharedLevel],
@@ -135,34 +169,8 @@ def plan_tree(
             f"q has {queries} queries but the suffix only {slots} slots: the queries are the last suffix tokens, "
             "so append the new tokens' keys/values to the suffix first"
         )
-    for i, level in enumerate(levels):
-        if not isinstance(level, SharedLevel):
-            raise InvalidInputError(f"levels[{i}] must be a SharedLevel, got {type(level).__name__}")
-        _check_tensor(f"levels[{i}].keys", level.keys, 3, q)
-        _check_tensor(f"levels[{i}].values", level.values, 3, q)
-        if level.keys.shape != level.values.shape or level.keys.shape[0] != kv_heads or level.keys.shape[2] != head_dim:
-            raise InvalidInputError(
-                f"levels[{i}] keys {tuple(level.keys.shape)} / values {tuple(level.values.shape)} must both be "
-                f"(kv_heads={kv_heads}, length, head_dim={head_dim})"
-            )
-    paths = ancestors_of([level.parent for level in levels])
-
-    if seq_levels is None:
-        seq_levels = [len(levels) - 1] * batch
-    seq_levels = [int(x) for x in torch.as_tensor(seq_levels).reshape(-1).tolist()]
-    if len(seq_levels) != batch:
-        raise InvalidInputError(
-            f"seq_levels has {len(seq_levels)} entries for a batch of {batch}: give one per sequence"
-        )
-    if any(not -1 <= leaf < len(levels) for leaf in seq_levels):
-        raise InvalidInputError(f"seq_levels={seq_levels} must hold level indices in [0, {len(levels)}) or -1 (none)")
-
-    visible = torch.zeros(batch, len(levels), dtype=torch.bool)
-    for b, leaf in enumerate(seq_levels):
-        if leaf >= 0:
-            visible[b, paths[leaf]] = True
-    lengths = torch.tensor([level.length for level in levels], dtype=torch.int64)
-    prefix_lengths = (visible.to(torch.int64) * lengths).sum(1) if levels else torch.zeros(batch, dtype=torch.int64)
+    check_levels(levels, kv_heads, head_dim, q)
+    seq_levels, visible = level_visibility(levels, seq_levels, batch)
     members = tuple(visible[:, n].nonzero().flatten() for n in range(len(levels)))
 
     if suffix_lengths is not None:
@@ -187,4 +195,4 @@ def plan_tree(
         if suffix_mask.device != q.device:
             raise InvalidInputError(f"suffix_mask is on {suffix_mask.device} but q on {q.device}")
     return TreePlan(tuple(levels), tuple(seq_levels), visible.to(q.device), tuple(m.to(q.device) for m in members),
-                    prefix_lengths.to(q.device), suffix_mask)
+                    suffix_mask)
