@@ -27,7 +27,8 @@ def test_demo_serves_identically_and_reports(data, short_prompts, monkeypatch, t
 
 def test_summary_flags_differing_tokens():
     request = demo.Request("chat", 0, [5, 6])
-    served = [demo.Served(request, 10, 0, 0.2, 0.1, True), demo.Served(request, 12, 9, 0.2, 0.05, False)]
+    served = [demo.Served(request, 10, 0, 0.2, 0.1, True, 0.2, 0.1),
+              demo.Served(request, 12, 9, 0.2, 0.05, False, 0.2, 0.04)]
     text, identical = demo.summarize(served)
     assert not identical and "NO" in text and "speedup" in text
 
