@@ -199,3 +199,5 @@ def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
         cache.load_shared_prefix(**tensors, batch_size=2)
     with pytest.raises(InvalidInputError, match="batch_size=2"):
         _generate(hydragen, prompt, 0, cache, do_sample=True, num_return_sequences=3)
+    with pytest.raises(InvalidInputError, match="set_attn_implementation"):
+        HydragenCache(standard.config)

@@ -4,6 +4,7 @@ from prefixlab.attention import hf as _hf  # noqa: F401  (registers attn_impleme
 from prefixlab.attention.api import choose_method, hydragen_attention
 from prefixlab.attention.hf_cache import HydragenCache, SharedBatchKV
 from prefixlab.attention.kernels import attention_with_lse, attention_with_lse_reference, combine_partials
+from prefixlab.attention.packed import varlen_prefill_attention
 from prefixlab.attention.tree import SharedLevel
 
 __all__ = [
@@ -15,4 +16,5 @@ __all__ = [
     "choose_method",
     "combine_partials",
     "hydragen_attention",
+    "varlen_prefill_attention",
 ]

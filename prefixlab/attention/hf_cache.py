@@ -31,6 +31,9 @@ from prefixlab.attention.reference import materialize_rows
 from prefixlab.attention.tree import SharedLevel
 from prefixlab.errors import InvalidInputError
 
+# transformers' own implementations expect (B, H, T, D) tensors, not a SharedBatchKV
+BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+
 
 @dataclass(frozen=True)
 class SharedBatchKV:
@@ -193,6 +196,12 @@ class HydragenCache(Cache):
     """
 
     def __init__(self, config, share_new_tokens: bool = True):
+        implementation = getattr(config, "_attn_implementation", None)
+        if implementation in BUILTIN_ATTENTION:
+            raise InvalidInputError(
+                f"the model uses attn_implementation={implementation!r}, which cannot read shared KV: call "
+                "model.set_attn_implementation('hydragen') (import prefixlab.attention) before building HydragenCache"
+            )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = [
             SharedPrefixLayer(share_new_tokens) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
