@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 from prefix_helpers import STATE_BYTES, naive_match, request, tiny_spec
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.eviction import ALPHA_GRID
 from prefixlab.cache.policies import POLICY_NAMES, check_policy_name
 from prefixlab.errors import InvalidInputError
@@ -128,6 +129,17 @@ def test_flop_aware_pick_is_the_brute_force_argmin(alpha, stream):
         victim = core.eviction.pick(core.clock + 1)
         if victim is not None:
             assert victim.lock_count == 0 and victim.id in _reference_victim(core.eviction, core.clock + 1)
+
+
+def test_flop_efficiency_prices_with_the_cost_model_exactly():
+    core = PrefixCacheCore(10**12, "marconi", ModelSpec.from_name("marconi-7b"), alpha=1.0)
+    for tokens in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7], [1, 2, 9], list(range(3000))):
+        request(core, tokens)
+    for node in core.eviction.nodes.values():
+        end = node.ckpt_pos[-1] if node.ckpt_pos else node.end
+        freed = node.state_bytes + (0 if node.children else node.kv_bytes)
+        expected = core.spec.prefill_flops(end - node.start, node.start) / freed
+        assert core.eviction.flop_efficiency(node) == expected  # bit for bit: the inlined formula is the model's
 
 
 def test_large_alpha_evicts_the_least_flop_efficient_entry():

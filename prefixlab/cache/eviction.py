@@ -77,7 +77,7 @@ class EvictionPolicy:
 
     def eligible(self, node: Node) -> bool:
         """Whether the node's shape makes it a candidate (locked candidates stay indexed and are skipped)."""
-        return not node.is_root and not node.children
+        return node.parent is not None and not node.children
 
     def update(self, node: Node) -> None:
         if self.eligible(node):
@@ -142,6 +142,8 @@ class FlopAware(EvictionPolicy):
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size)
         self.alpha = alpha
+        self._max_children = 1 if self.hybrid else 0  # KV-only trees merge single-child nodes eagerly
+        self._linear_flops, self._pair_flops = spec.linear_flops_per_token, spec.pair_flops
         self.by_efficiency = SortedIndex()
         self.efficiency: dict[int, float] = {}
         self._shapes: dict[int, tuple] = {}
@@ -153,13 +155,13 @@ class FlopAware(EvictionPolicy):
         return twin
 
     def eligible(self, node: Node) -> bool:
-        max_children = 1 if self.hybrid else 0  # KV-only trees merge single-child nodes eagerly
-        return not node.is_root and len(node.children) <= max_children
+        return node.parent is not None and len(node.children) <= self._max_children
 
     def flop_efficiency(self, node: Node) -> float:
         freed = node.state_bytes + (0 if node.children else node.kv_bytes)
-        reusable_end = node.ckpt_pos[-1] if node.ckpt_pos else node.end
-        saved = self.spec.prefill_flops(reusable_end - node.start, node.start)
+        new = float((node.ckpt_pos[-1] if node.ckpt_pos else node.end) - node.start)
+        # spec.prefill_flops(new, node.start), the same float expression without its argument checks (hot path)
+        saved = self._linear_flops * new + self._pair_flops * new * (2.0 * node.start + new)
         return saved / max(freed, 1)
 
     def update(self, node: Node) -> None:
