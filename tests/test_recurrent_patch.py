@@ -23,7 +23,7 @@ from prefixlab.recurrent.patch import patch, patched, unpatch
 FAMILIES = sorted(CONFIGS)
 
 
-GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+GREEDY = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -61,32 +61,27 @@ def test_continuing_from_the_cache_equals_one_forward(family_model):
 
 
 def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model):
-    """Offsets over a forward that continues a 5-token prefix: 0 is the cached state it starts from, 16 its end."""
+    """Offsets in a 5-token prefill (0: the zero state) and in the forward continuing it (0: the cached state after
+    the prefill, 16: its end)."""
     _, model, ids, _ = family_model
-    prefix, offsets = 5, [0, 6, 16]
-    cache = RecordingCache(model, None)
+    prefix, prefill_offsets, offsets = 5, [0, 3], [0, 6, 16]
+    cache = RecordingCache(model, prefill_offsets)
     forward(model, ids[:, :prefix], cache)
+    prefill_records, cache.records = cache.records, {}
     cache.prefixlab_capture_positions = offsets
     forward(model, ids[:, prefix:], cache, start=prefix)
     cache.prefixlab_capture_positions = None
     forward(model, ids[:, :3], cache, start=ids.shape[1])  # the cache moves on: records must not alias it
     layers = linear_layer_indices(cache)
+    assert set(prefill_records) == {(layer, offset, None) for layer in layers for offset in prefill_offsets}
     assert set(cache.records) == {(layer, offset, None) for layer in layers for offset in offsets}
-    for offset in offsets:
-        expected = reference_states(model, ids[:, : prefix + offset])
-        for layer in layers:
-            assert_same_states(cache.records[(layer, offset, None)], states(expected, layer))
-
-
-def test_capture_during_prefill_starts_from_zero_states(family_model):
-    _, model, ids, _ = family_model
-    cache = RecordingCache(model, [0, 3])
-    forward(model, ids[:, :8], cache)
-    expected = reference_states(model, ids[:, :3])
-    for layer in linear_layer_indices(cache):
-        conv, recurrent = cache.records[(layer, 0, None)]
+    for layer in layers:
+        conv, recurrent = prefill_records[(layer, 0, None)]
         assert not conv.any() and (recurrent is None or not recurrent.any())
-        assert_same_states(cache.records[(layer, 3, None)], states(expected, layer))
+    for records, start, offset in [(prefill_records, 0, 3)] + [(cache.records, prefix, o) for o in offsets]:
+        expected = reference_states(model, ids[:, : start + offset])
+        for layer in layers:
+            assert_same_states(records[(layer, offset, None)], states(expected, layer))
 
 
 @pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
