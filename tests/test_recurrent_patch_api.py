@@ -10,6 +10,7 @@ from recurrent_patch_models import (
     build,
     forward,
     linear_layer_indices,
+    new_cache,
     states,
     tokens,
 )
@@ -150,3 +151,16 @@ def test_the_naive_backend_agrees(qwen):
     reference = forward(qwen, ids)
     with patched(qwen, backend="naive"):
         assert_close(forward(qwen, ids), reference)
+
+
+def test_a_cache_recording_its_past_keeps_the_whole_conv_history(qwen):
+    """While transformers records the past (assisted generation), conv states grow instead of keeping the last K;
+    the patched layers still read the last K and write as transformers does."""
+    ids = tokens(2, 15)
+    reference = forward(qwen, ids)
+    with patched(qwen):
+        cache = new_cache(qwen)
+        cache.activate_past_recording()
+        pieces = [forward(qwen, ids[:, a:b], cache, start=a) for a, b in [(0, 6), (6, 7), (7, 15)]]
+    assert_close(torch.cat(pieces, dim=1), reference)
+    assert [cache.layers[i].conv_states[0].shape[-1] for i in linear_layer_indices(cache)] == [15]
