@@ -45,7 +45,7 @@ def batches(draw):
     return q, levels, sk, sv, seq_levels, suffix_lengths
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(batches())
 def test_split_and_packed_equal_reference(case):
     q, levels, sk, sv, seq_levels, suffix_lengths = case

@@ -4,7 +4,7 @@ KV axis: [level 0 | level 1 | ... | suffix of sequence 0 | suffix of sequence 1 
 sequence 0, then 1, ... Every token gets an owner (its node: a level, or a sequence's suffix) and a position inside
 its sequence; a query sees a key iff the key's owner is on the query's path and the key does not come after it.
 Blocks of keys no query of a block can see are skipped, so a shared level is read once per query block that needs
-it, and prompts of different lengths are served packed, without padding (`packed_attention` with your own layout).
+it, and prompts of different lengths are prefilled packed, without padding (`varlen_prefill_attention`).
 """
 
 from __future__ import annotations
