@@ -1,9 +1,10 @@
 """`patch(model)`: route a Hugging Face hybrid model's linear-attention layers through prefixlab kernels.
 
-Each supported layer (see families/) gets a forward that, unlike transformers' own, always continues from the
-conv + recurrent state the Cache holds (for any number of new tokens), records states at the offsets the cache asks
-for (`prefixlab_capture_positions` / `prefixlab_record`, defined in families/base.py) and writes its final states
-to the Cache exactly as transformers does. Outputs equal the unpatched model's (fp32 within 1e-5).
+Each supported layer (see families/) gets a forward that continues from the conv + recurrent state the Cache holds
+for any number of new tokens (transformers 5.23 does so too, except its Mamba1 layers, which restart multi-token
+scans from zeros), records states at the offsets the cache asks for (`prefixlab_capture_positions` /
+`prefixlab_record`, defined in families/base.py) and writes its final states to the Cache exactly as transformers
+does. Outputs equal the unpatched model's (fp32 within 1e-5).
 
 `patch` is idempotent (patching again only changes the backend) and reversible: `unpatch(model)` restores every
 layer's own forward, and `patched(model)` does both around a `with` block. Patching swaps the forward of each layer
@@ -33,9 +34,10 @@ _ORIGINAL = "_prefixlab_original_forward"  # (attribute swapped, its instance va
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Patch every linear-attention layer of `model` in place and return the model.
 
-    backend: kernel backend for the scans ("auto": fla / mamba_ssm for CUDA tensors when installed, else chunked
-    torch; or "naive", "torch", "compiled"). Raises
-    UnsupportedModelError naming the class of any linear-attention layer prefixlab has no family for (nothing is
+    backend: kernel backend for the scans: "auto" (fla / mamba_ssm for CUDA tensors when installed, else chunked
+    torch), "naive", "torch" or "compiled". One-token forwards always take the token loop (see families/base.py).
+
+    Raises UnsupportedModelError naming the class of any linear-attention layer no family serves (nothing is
     patched then). A model without linear-attention layers is returned unchanged."""
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
@@ -115,7 +117,7 @@ def _looks_linear_attention(layer: nn.Module) -> bool:
 
 
 def _patched_forward(family: Family, layer: nn.Module, backend: str):
-    run = force_accelerate_hooks(list(family.read_directly))(_run)
+    run = force_accelerate_hooks(list(family.read_directly))(run_layer)
 
     def forward(
         hidden_states: torch.Tensor,
@@ -133,7 +135,3 @@ def _patched_forward(family: Family, layer: nn.Module, backend: str):
         return run(layer, family, hidden_states, cache, attention_mask, backend)
 
     return forward
-
-
-def _run(layer: nn.Module, family: Family, hidden_states, cache, attention_mask, backend: str) -> torch.Tensor:
-    return run_layer(family, layer, hidden_states, cache, attention_mask, backend)

@@ -185,14 +185,15 @@ def _offsets(values: Sequence[Any], length: int, name: str) -> tuple[int, ...]:
 
 
 def run_layer(
-    family: Family,
     layer: nn.Module,
+    family: Family,
     hidden_states: torch.Tensor,
     cache: Any,
     attention_mask: Any,
     backend: str,
 ) -> torch.Tensor:
-    """The patched forward of one linear-attention layer (see the module docstring)."""
+    """The patched forward of one linear-attention layer (see the module docstring). The layer comes first, as
+    transformers' force_accelerate_hooks expects of a forward."""
     mask = padding_mask(attention_mask, hidden_states)
     batch, length = hidden_states.shape[:2]
     view = LayerCache(cache, layer.layer_idx, batch, length, family.has_recurrent_state)
