@@ -31,6 +31,18 @@ def test_walk_reports_the_first_mismatch_inside_an_edge():
     assert tree.walk(np.array([1, 2]), "other").shared_length == 0  # namespaces have separate roots
 
 
+def test_walk_compares_ids_not_bytes_and_resumes_a_prefix_walk():
+    tree = _tree_with([1, 2, 3, 4, 5], [1, 2, 3, 7, 8, 9], [1, 2, 3, 7, 8, 9, 10, 11])
+    assert tree.walk(np.array([1, 2, 3, 4, 5, 6], dtype=np.int32), "ns").shared_length == 5
+    for tokens in ([1, 2, 3, 7, 8, 9, 10, 11, 12], [1, 2, 3, 7, 8, 9, 10, 99], [1, 2, 3, 4, 0], [1, 2, 9, 9], [5]):
+        tokens = np.array(tokens)
+        fresh = tree.walk(tokens, "ns")
+        for cut in range(len(tokens) + 1):
+            resumed = tree.walk(tokens, "ns", resume=tree.walk(tokens[:cut], "ns"))
+            assert (resumed.path, resumed.shared_length) == (fresh.path, fresh.shared_length)
+            assert resumed.walked == fresh.walked == len(tokens)
+
+
 def test_split_and_merge_keep_kv_tokens_and_bytes():
     tree = _tree_with([1, 2, 3, 4, 5], [1, 2, 3, 7])
     (top,) = tree.roots["ns"].children.values()

@@ -148,13 +148,17 @@ class RadixTree:
                 depth = path[-1].end
             node = path[-1]
         while depth < total:
-            child = node.children.get(int(tokens[depth]))
+            child = node.children.get(tokens.item(depth))
             if child is None:
                 break
             edge = child.tokens
             n = min(len(edge), total - depth)
-            mismatch = np.flatnonzero(edge[:n] != tokens[depth:depth + n])
-            matched = int(mismatch[0]) if len(mismatch) else n
+            ours, theirs = edge[:n], tokens[depth:depth + n]
+            if ours.tobytes() == theirs.tobytes():  # edges mostly match whole: a byte compare settles it fastest
+                matched = n
+            else:
+                differs = ours != theirs
+                matched = int(differs.argmax()) if differs.any() else n  # any(): equal ids of another int dtype
             path.append(child)
             depth += matched
             if matched < len(edge):
