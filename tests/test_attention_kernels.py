@@ -68,3 +68,22 @@ def test_combine_gives_zero_where_no_part_sees_anything():
     combined = combine_partials(outs, lses)
     torch.testing.assert_close(combined[0], outs[1, 0])
     assert (combined[1:] == 0).all() and torch.isfinite(combined).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_flex_kernel_and_hydragen_paths_match_reference():
+    from prefixlab.attention import SharedLevel, hydragen_attention
+
+    q, k, v = (t.cuda() for t in _qkv(0, m=8, length=40, dim=64))
+    mask = (torch.rand(2, 1, 8, 40, generator=torch.Generator().manual_seed(1)) > 0.3).cuda()
+    out, lse = attention_with_lse(q, k, v, mask, scale=0.2)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, v, mask, scale=0.2)
+    torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+    level = SharedLevel(k[0], v[0])
+    suffix_k, suffix_v = k[:, :, :16], v[:, :, :16]
+    ref = hydragen_attention(q[:, :, :1], [level], suffix_k, suffix_v, method="sdpa")
+    for method in ("split", "packed"):
+        torch.testing.assert_close(hydragen_attention(q[:, :, :1], [level], suffix_k, suffix_v, method=method), ref,
+                                   atol=ATOL, rtol=0)
