@@ -30,11 +30,12 @@ class SortedIndex:
         self._key_of: dict[int, tuple] = {}
 
     def put(self, node_id: int, key: tuple) -> None:
-        if self._key_of.get(node_id) == key:
+        old = self._key_of.get(node_id)
+        if old == key:
             return
-        self.discard(node_id)
-        entry = (*key, node_id)
-        bisect.insort(self._entries, entry)
+        if old is not None:
+            del self._entries[bisect.bisect_left(self._entries, (*old, node_id))]
+        bisect.insort(self._entries, (*key, node_id))
         self._key_of[node_id] = key
 
     def discard(self, node_id: int) -> None:
@@ -164,17 +165,21 @@ class FlopAware(EvictionPolicy):
         saved = self._linear_flops * new + self._pair_flops * new * (2.0 * node.start + new)
         return saved / max(freed, 1)
 
-    def update(self, node: Node) -> None:
-        super().update(node)
-        if node.id in self.nodes:
-            # Locks and timestamps change far more often than what the efficiency depends on.
-            # (stored states never change size, so their count and the deepest position pin the freed bytes)
-            shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1:], not node.children)
-            cached = self._shapes.get(node.id)
-            if cached is None or cached[0] != shape:
-                cached = self._shapes[node.id] = (shape, self.flop_efficiency(node))
-            self.efficiency[node.id] = cached[1]
-            self.by_efficiency.put(node.id, (cached[1],))
+    def update(self, node: Node) -> None:  # EvictionPolicy.update and the efficiency index, in one (hot path)
+        if node.parent is None or len(node.children) > self._max_children:
+            self.remove(node)
+            return
+        node_id = node.id
+        self.nodes[node_id] = node
+        self.by_recency.put(node_id, (node.last_access, -node.end))
+        # Locks and timestamps change far more often than what the efficiency depends on.
+        # (stored states never change size, so their count and the deepest position pin the freed bytes)
+        shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1:], not node.children)
+        cached = self._shapes.get(node_id)
+        if cached is None or cached[0] != shape:
+            cached = self._shapes[node_id] = (shape, self.flop_efficiency(node))
+        self.efficiency[node_id] = cached[1]
+        self.by_efficiency.put(node_id, (cached[1],))
 
     def remove(self, node: Node) -> None:
         super().remove(node)
@@ -194,13 +199,14 @@ class FlopAware(EvictionPolicy):
         eff_low, eff_high = self.by_efficiency.first()[0], self.by_efficiency.last()[0]
         recency_scale = 1.0 / (recency_high - recency_low) if recency_high > recency_low else 0.0
         eff_scale = self.alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
+        nodes, efficiency = self.nodes, self.efficiency
         best_score, best_id, seen = float("inf"), None, set()
         for by_time, by_eff in zip(self.by_recency, self.by_efficiency, strict=True):
             for node_id in (by_time[-1], by_eff[-1]):
-                if node_id not in seen and self.nodes[node_id].lock_count == 0:
+                if node_id not in seen and nodes[node_id].lock_count == 0:
                     seen.add(node_id)
-                    recency = 1.0 / (now - self.nodes[node_id].last_access)
-                    score = recency * recency_scale + self.efficiency[node_id] * eff_scale
+                    recency = 1.0 / (now - nodes[node_id].last_access)
+                    score = recency * recency_scale + efficiency[node_id] * eff_scale
                     if score < best_score:
                         best_score, best_id = score, node_id
             # Every unseen candidate is at least as old and as inefficient as the current rows of both indexes.
