@@ -195,14 +195,18 @@ class PrefixCacheCore:
         deepest = walk.path[-1]
         if new_kv is not None:
             parent = self.tree.split(deepest, shared, self.clock) if walk.ends_inside_edge else deepest
-            deepest = self.tree.add_leaf(parent, tokens[shared:keep_end].copy(), new_kv, self.clock)
+            on_leaf = [(p, s) for p, s in new_states if p > shared]
+            new_states = new_states[: len(new_states) - len(on_leaf)]
+            deepest = self.tree.add_leaf(parent, tokens[shared:keep_end].copy(), new_kv, self.clock, on_leaf)
         node, on_node = deepest, []
         for position, state in reversed(new_states):
             while position <= node.start:
-                self.tree.add_checkpoints(node, on_node)
+                if on_node:
+                    self.tree.add_checkpoints(node, on_node)
                 node, on_node = node.parent, []
             on_node.append((position, state))
-        self.tree.add_checkpoints(node, on_node)
+        if on_node:
+            self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
             self._refresh(_ancestors(deepest))
         self.admission.after_admit(self.tree, deepest, len(tokens))

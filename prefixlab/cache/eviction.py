@@ -215,11 +215,7 @@ class FlopAware(EvictionPolicy):
         return self.nodes[best_id] if best_id is not None else None
 
     def free(self, node: Node, want_bytes: int) -> int:
-        if not node.children:
-            return self.tree.remove_leaf(node)
-        freed = self.tree.drop_checkpoints(node)
-        self.tree.merge_into_child(node)
-        return freed
+        return self.tree.remove_leaf(node) if not node.children else self.tree.dissolve(node)
 
 
 def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID) -> float:

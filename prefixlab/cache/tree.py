@@ -197,12 +197,17 @@ class RadixTree:
         self.on_change(node)
         return upper
 
-    def add_leaf(self, parent: Node, tokens: np.ndarray, kv: KVPayload | None, now: int) -> Node:
-        """A new child of `parent` holding `tokens` (which start at parent.end) and their KV."""
+    def add_leaf(
+        self, parent: Node, tokens: np.ndarray, kv: KVPayload | None, now: int,
+        checkpoints: list[tuple[int, Payload]] = (),
+    ) -> Node:
+        """A new child of `parent` holding `tokens` (which start at parent.end), their KV and `checkpoints`
+        ((position, state) pairs on its edge)."""
         self.version += 1
         leaf = Node(self._new_id(), parent, tokens, parent.end, kv, now, parent.namespace)
         parent.children[int(tokens[0])] = leaf
         self.kv_bytes += leaf.kv_bytes
+        self._store(leaf, checkpoints)
         self.on_change(leaf)
         self.on_change(parent)
         return leaf
@@ -211,33 +216,20 @@ class RadixTree:
         """Store (position, state) pairs on `node`'s edge, skipping positions that already hold one; returns how
         many were stored."""
         self.version += 1
-        stored = 0
-        for position, state in items:
-            i = bisect.bisect_left(node.ckpt_pos, position)
-            if i < len(node.ckpt_pos) and node.ckpt_pos[i] == position:
-                continue
-            node.ckpt_pos.insert(i, position)
-            node.ckpt_state.insert(i, state)
-            self.state_bytes += state.nbytes
-            stored += 1
-        self.num_checkpoints += stored
+        stored = self._store(node, items)
         self.on_change(node)
         return stored
 
     def drop_checkpoints(self, node: Node, first: int = 0, last: int | None = None) -> int:
         """Remove checkpoints ckpt_pos[first:last] of `node`; returns the bytes freed."""
-        last = len(node.ckpt_pos) if last is None else last
-        freed = sum(s.nbytes for s in node.ckpt_state[first:last])
-        self.num_checkpoints -= len(node.ckpt_pos[first:last])
-        del node.ckpt_pos[first:last], node.ckpt_state[first:last]
-        self.state_bytes -= freed
+        freed = self._drop(node, first, last)
         self.on_change(node)
         return freed
 
     def remove_leaf(self, node: Node) -> int:
         """Delete a childless node with its KV and checkpoints; returns the bytes freed."""
         self.version += 1
-        freed = self.drop_checkpoints(node) + node.kv_bytes
+        freed = self._drop(node, 0, None) + node.kv_bytes
         self.kv_bytes -= node.kv_bytes
         parent = node.parent
         del parent.children[int(node.tokens[0])]
@@ -245,11 +237,18 @@ class RadixTree:
         self.on_change(parent)
         return freed
 
+    def dissolve(self, node: Node) -> int:
+        """Evict a single-child node: drop its checkpoints and merge its edge (KV kept) into the child; returns the
+        bytes freed."""
+        freed = self._drop(node, 0, None)
+        self.merge_into_child(node)
+        return freed
+
     def trim_tail(self, node: Node, position: int) -> int:
         """Cut a leaf's edge back to end at `position` (start < position < end); returns the bytes freed."""
         self.version += 1
         cut = bisect.bisect_right(node.ckpt_pos, position)
-        freed = self.drop_checkpoints(node, cut)
+        freed = self._drop(node, cut, None)
         kept_kv, dropped_kv = node.kv.split(position - node.start) if node.kv is not None else (None, None)
         freed += dropped_kv.nbytes if dropped_kv is not None else 0
         self.kv_bytes -= dropped_kv.nbytes if dropped_kv is not None else 0
@@ -270,6 +269,29 @@ class RadixTree:
         self.on_remove(node)
         self.on_change(child)
         return child
+
+    # Edits report each changed node once, after the whole edit (policies index nodes by their final shape).
+
+    def _store(self, node: Node, items: list[tuple[int, Payload]]) -> int:
+        stored = 0
+        for position, state in items:
+            i = bisect.bisect_left(node.ckpt_pos, position)
+            if i < len(node.ckpt_pos) and node.ckpt_pos[i] == position:
+                continue
+            node.ckpt_pos.insert(i, position)
+            node.ckpt_state.insert(i, state)
+            self.state_bytes += state.nbytes
+            stored += 1
+        self.num_checkpoints += stored
+        return stored
+
+    def _drop(self, node: Node, first: int, last: int | None) -> int:
+        last = len(node.ckpt_pos) if last is None else last
+        freed = sum(s.nbytes for s in node.ckpt_state[first:last])
+        self.num_checkpoints -= len(node.ckpt_pos[first:last])
+        del node.ckpt_pos[first:last], node.ckpt_state[first:last]
+        self.state_bytes -= freed
+        return freed
 
     # locks -------------------------------------------------------------------------------------------------------
 
