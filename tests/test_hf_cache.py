@@ -267,3 +267,22 @@ def test_compiled_forward_reuses_exactly():
     cache = HybridPrefixCache(store)
     assert torch.equal(generate(compiled, prompt, cache), reference)
     assert cache.reused_tokens == 19
+
+
+def test_beam_search_is_exact_and_admits_the_reordered_beams(model):
+    store, prompt = new_store(model), tokens(1, 18, seed=18)
+    warm(model, store, prompt)
+    cache = HybridPrefixCache(store)
+    out = generate(model, prompt, cache, num_beams=3, num_return_sequences=2, max_new_tokens=5)
+    assert torch.equal(out, generate(model, prompt, num_beams=3, num_return_sequences=2, max_new_tokens=5))
+    assert cache.reused_tokens == 17
+    # every row was admitted with the tokens its tensors hold after the beams were reordered: a follow-up on a
+    # row's tokens resumes from that row's state and stays exact
+    held = cache.held_tokens()
+    assert held.shape == (3, 22)
+    for seed, row in enumerate(held, start=19):
+        follow_up = torch.cat([row[None], tokens(1, 3, seed=seed)], dim=1)
+        cache = HybridPrefixCache(store)
+        assert torch.equal(generate(model, follow_up, cache), generate(model, follow_up))
+        assert cache.reused_tokens == 22
+    store.core.check_invariants()

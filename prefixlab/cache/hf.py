@@ -82,6 +82,11 @@ class HybridPrefixCache(DynamicCache):
     def started(self) -> bool:
         return self._started
 
+    def held_tokens(self) -> torch.Tensor:
+        """[batch, n] token ids whose KV and states the cache holds now (after generate: prompt + output[:-1] per
+        row, in the cache's current row order); what `commit` admits."""
+        return torch.cat(self._fed, dim=1) if self._fed else torch.zeros(0, 0, dtype=torch.long)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
         return self._seen
@@ -232,7 +237,7 @@ class HybridPrefixCache(DynamicCache):
         Idempotent; returns the number of tokens newly offered to the store."""
         if not self._started or self._pending or self._seen <= self._committed or not self._admit_rows:
             return 0
-        tokens = torch.cat(self._fed, dim=1)
+        tokens = self.held_tokens()
         if tokens.shape[1] != self._seen:  # tokens fed outside the hooks: we cannot say what the tensors hold
             return 0
         snapshots = {**self._captured, self._seen: self._snapshot_states()}
