@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 from hf_models import build
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import PrefixStore
@@ -286,3 +288,28 @@ def test_beam_search_is_exact_and_admits_the_reordered_beams(model):
         assert torch.equal(generate(model, follow_up, cache), generate(model, follow_up))
         assert cache.reused_tokens == 22
     store.core.check_invariants()
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    cuts=st.lists(st.integers(1, 30), min_size=3, max_size=3),
+    tails=st.lists(st.integers(0, 5), min_size=3, max_size=3),
+    capacity_kib=st.sampled_from([64, 256, 16384]),
+    policy=st.sampled_from(["dp", "marconi", "vllm+"]),
+)
+def test_any_request_sequence_is_exact_under_any_budget(model, cuts, tails, capacity_kib, policy):
+    """Requests sharing prefixes of one base sequence, under budgets from tight (evicting) to roomy: outputs always
+    equal the reference and the store stays consistent."""
+    base = tokens(1, 30, seed=20)
+    store = new_store(model, capacity=capacity_kib * 1024, policy=policy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # tight budgets may refuse an entry: it runs uncached
+        for i, (cut, tail) in enumerate(zip(cuts, tails, strict=True)):
+            prompt = torch.cat([base[:, :cut], tokens(1, tail, seed=21 + i)], dim=1)
+            cache = HybridPrefixCache(store)
+            reference = generate(model, prompt, max_new_tokens=3)
+            assert torch.equal(generate(model, prompt, cache, max_new_tokens=3), reference)
+            assert cache.reused_tokens < prompt.shape[1]
+            store.flush()
+            store.core.check_invariants()
+    store.close()
