@@ -122,15 +122,14 @@ class BlockLRU(EvictionPolicy):
             cuts = [p for p in node.ckpt_pos if p < node.end]
         else:
             cuts = list(range((node.start // self.block_size + 1) * self.block_size, node.end, self.block_size))
-        states_after, j = 0, len(node.ckpt_pos)
-        for cut in reversed(cuts):
-            while j > 0 and node.ckpt_pos[j - 1] > cut:
-                j -= 1
-                states_after += node.ckpt_state[j].nbytes
-            kv_after = node.kv.split(cut - node.start)[1].nbytes if node.kv is not None else 0
-            if states_after + kv_after >= want_bytes:
-                return self.tree.trim_tail(node, cut)
-        return self.tree.remove_leaf(node)
+
+        def too_little(i: int) -> bool:  # cutting at cuts[i] frees less than wanted (true for a suffix of cuts)
+            states_after = sum(s.nbytes for s in node.ckpt_state[bisect.bisect_right(node.ckpt_pos, cuts[i]):])
+            kv_after = node.kv.split(cuts[i] - node.start)[1].nbytes if node.kv is not None else 0
+            return states_after + kv_after < want_bytes
+
+        enough = bisect.bisect_left(range(len(cuts)), True, key=too_little)  # cuts[:enough] free enough
+        return self.tree.trim_tail(node, cuts[enough - 1]) if enough else self.tree.remove_leaf(node)
 
 
 class FlopAware(EvictionPolicy):
