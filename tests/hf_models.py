@@ -52,11 +52,16 @@ FAMILIES = {
 }
 
 
+def config(family: str):
+    """The tiny config of `family`."""
+    config_class, _, overrides = FAMILIES[family]
+    return config_class(**(_COMMON | overrides))
+
+
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny fp32 random-init model of `family`, in eval mode."""
-    config_class, model_class, overrides = FAMILIES[family]
     torch.manual_seed(seed)
-    return model_class(config_class(**(_COMMON | overrides))).eval()
+    return FAMILIES[family][1](config(family)).eval()
 
 
 def cache_argument(model: torch.nn.Module) -> str:

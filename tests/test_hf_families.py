@@ -8,10 +8,10 @@ import sys
 
 import pytest
 import torch
-from hf_models import FAMILIES, build, cache_argument
+from hf_models import FAMILIES, build, cache_argument, config
 
+from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
-from prefixlab.cache.hfspec import SUPPORTED_MODEL_TYPES
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 from prefixlab.errors import UnsupportedModelError
 from prefixlab.recurrent.families import SUPPORTED_CLASSES
@@ -23,8 +23,11 @@ TOLERANCE = 1e-5
 def family_param(family: str):
     """The family, expected to fail with UnsupportedModelError while the cost model has no reader for it (strict:
     the test fails once the reader lands, so this mark gets removed)."""
-    if FAMILIES[family][0].model_type in SUPPORTED_MODEL_TYPES:
+    try:
+        ModelSpec.from_config(config(family))
         return family
+    except UnsupportedModelError:
+        pass
     reason = "prefixlab.cache.hfspec has no cost-model reader for this model type yet"
     return pytest.param(family, marks=pytest.mark.xfail(raises=UnsupportedModelError, strict=True, reason=reason))
 
