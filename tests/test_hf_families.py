@@ -96,3 +96,24 @@ def test_reuse_is_exact_with_patched_recurrent_layers(family):
 def test_families_that_cannot_resume_unpatched_are_refused(family):
     with pytest.raises(UnsupportedModelError, match="recurrent.patch"):
         PrefixStore(build(family))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_kv_only_models_reuse_every_shared_token(family, monkeypatch):
+    """Attention-only models need no checkpoints: any shared prefix is reusable. Until the cost model reads these
+    configs, the store gets an equivalent hand-built spec (attention + MLP layers of the tiny config)."""
+    from prefixlab.cache import costmodel as cm
+
+    c = config(family)
+    spec = cm.ModelSpec(family, c.hidden_size, 4, (
+        cm.attention_layers(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads,
+                            c.head_dim, 4),
+        cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size),
+    ))
+    monkeypatch.setattr(cm.ModelSpec, "from_config", classmethod(lambda cls, config, dtype=None: spec))
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    reused, previous_length = serve_workload(model, store)
+    assert reused[1] >= 24  # the second question already reuses the whole system prompt
+    assert reused[3] == previous_length - 1
+    store.core.check_invariants()
