@@ -17,7 +17,12 @@ first forward:
 
 Batches: every row is matched against the store through the prefix all rows share (one copy per row of the same
 cached prefix); rows with padding (attention_mask zeros) get no reuse and are not admitted, which keeps every reuse
-exact without per-row KV layouts.
+exact without per-row KV layouts. Beam search and num_return_sequences reorder / repeat the token record with the
+tensors.
+
+Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
+outputs then cover only the tokens the forward ran (those after the reused prefix). Mamba2 takes its cache as
+`cache_params=`. Assisted / speculative decoding is refused (`crop`): recurrent states cannot roll back.
 """
 
 from __future__ import annotations
