@@ -200,16 +200,20 @@ class FlopAware(EvictionPolicy):
         eff_scale = self.alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
         nodes, efficiency = self.nodes, self.efficiency
         best_score, best_id, seen = float("inf"), None, set()
-        for by_time, by_eff in zip(self.by_recency, self.by_efficiency, strict=True):
-            for node_id in (by_time[-1], by_eff[-1]):
-                if node_id not in seen and nodes[node_id].lock_count == 0:
-                    seen.add(node_id)
-                    recency = 1.0 / (now - nodes[node_id].last_access)
-                    score = recency * recency_scale + efficiency[node_id] * eff_scale
-                    if score < best_score:
-                        best_score, best_id = score, node_id
+        # Row by row: the next oldest candidate (keyed by its timestamp), then the next least efficient one.
+        for (last_access, _, old_id), (eff, inefficient_id) in zip(self.by_recency, self.by_efficiency, strict=True):
+            if old_id not in seen and nodes[old_id].lock_count == 0:
+                seen.add(old_id)
+                score = 1.0 / (now - last_access) * recency_scale + efficiency[old_id] * eff_scale
+                if score < best_score:
+                    best_score, best_id = score, old_id
+            if inefficient_id not in seen and nodes[inefficient_id].lock_count == 0:
+                seen.add(inefficient_id)
+                score = 1.0 / (now - nodes[inefficient_id].last_access) * recency_scale + eff * eff_scale
+                if score < best_score:
+                    best_score, best_id = score, inefficient_id
             # Every unseen candidate is at least as old and as inefficient as the current rows of both indexes.
-            if best_score <= recency_scale / (now - by_time[0]) + eff_scale * by_eff[0]:
+            if best_score <= recency_scale / (now - last_access) + eff_scale * eff:
                 break
         return self.nodes[best_id] if best_id is not None else None
 
