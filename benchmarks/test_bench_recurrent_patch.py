@@ -32,14 +32,12 @@ def bench_model(name: str, hidden: int = 256) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _timed_ms(run, cache: DynamicCache | None = None) -> float:
+    """One call of run(cache copy), the copy made before the clock starts (a forward mutates its cache)."""
+    fresh = None if cache is None else copy.deepcopy(cache)
+    start = time.perf_counter()
+    run(fresh)
+    return (time.perf_counter() - start) * 1e3
 
 
 def _run(model, ids, cache=None, start=0):
@@ -58,37 +56,38 @@ class _Capturing(DynamicCache):
         self.recorded += 1
 
 
-def bench_patch(name: str, length: int, resume_from: int, captures: int = 8, repeats: int = 3) -> dict:
-    """Milliseconds for: prefill of `length` tokens (unpatched / patched / patched + `captures` recorded states),
-    one decode step after it (unpatched / patched) and, patched, the forward over tokens[resume_from:] that a
-    prefix-cache hit at `resume_from` leaves to compute."""
+def bench_patch(name: str, length: int, resume_from: int, captures: int = 8, rounds: int = 5) -> dict:
+    """Median milliseconds of: prefill of `length` tokens (unpatched / patched / patched recording `captures`
+    states), one decode step after it (unpatched / patched), and, patched, the forward over tokens[resume_from:]
+    that a prefix-cache hit at `resume_from` leaves. Variants are interleaved round by round, so load from other
+    processes shifts them alike; the first round warms up and is dropped."""
     model = bench_model(name)
     ids = torch.randint(0, 1024, (1, length), generator=torch.Generator().manual_seed(0))
     offsets = [round(length * (i + 1) / captures) for i in range(captures)]
-
-    def decode_ms():
-        cache = DynamicCache(config=model.config)
-        _run(model, ids, cache)
-        return _median_ms(lambda: _run(model, ids[:, -1:], copy.deepcopy(cache), start=length), repeats)
-
-    result = {"unpatched_prefill_ms": _median_ms(lambda: _run(model, ids), repeats), "unpatched_decode_ms": decode_ms()}
-    patch(model)
+    full, prefix = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    _run(model, ids, full)
+    _run(model, ids[:, :resume_from], prefix)
+    variants = {  # name: (patched, run, cache it continues)
+        "unpatched_prefill": (False, lambda _: _run(model, ids), None),
+        "patched_prefill": (True, lambda _: _run(model, ids), None),
+        "capture_prefill": (True, lambda _: _run(model, ids, _Capturing(model.config, offsets)), None),
+        "unpatched_decode": (False, lambda c: _run(model, ids[:, -1:], c, start=length), full),
+        "patched_decode": (True, lambda c: _run(model, ids[:, -1:], c, start=length), full),
+        "resume": (True, lambda c: _run(model, ids[:, resume_from:], c, start=resume_from), prefix),
+    }
+    times: dict[str, list[float]] = {key: [] for key in variants}
     try:
-        result["patched_prefill_ms"] = _median_ms(lambda: _run(model, ids), repeats)
-        result["capture_prefill_ms"] = _median_ms(lambda: _run(model, ids, _Capturing(model.config, offsets)), repeats)
-        result["patched_decode_ms"] = decode_ms()
-        prefix = DynamicCache(config=model.config)
-        _run(model, ids[:, :resume_from], prefix)
-        result["resume_ms"] = _median_ms(
-            lambda: _run(model, ids[:, resume_from:], copy.deepcopy(prefix), start=resume_from), repeats
-        )
+        for _ in range(rounds + 1):
+            for key, (patched, run, cache) in variants.items():
+                (patch if patched else unpatch)(model)
+                times[key].append(_timed_ms(run, cache))
     finally:
         unpatch(model)
-    return result
+    return {f"{key}_ms": statistics.median(samples[1:]) for key, samples in times.items()}
 
 
 def test_bench_smoke_reports_all_fields():
-    result = bench_patch("qwen3_5_text", length=32, resume_from=24, captures=2, repeats=1)
+    result = bench_patch("qwen3_5_text", length=32, resume_from=24, captures=2, rounds=1)
     assert set(result) == {"unpatched_prefill_ms", "unpatched_decode_ms", "patched_prefill_ms",
                            "capture_prefill_ms", "patched_decode_ms", "resume_ms"}  # fmt: skip
     assert all(ms > 0 for ms in result.values())
@@ -98,7 +97,7 @@ def test_bench_smoke_reports_all_fields():
 def test_bench_patch_overhead_and_resume(benchmark, name):
     if benchmark.disabled:
         pytest.skip("benchmark: run with --benchmark-enable (make bench)")
-    length, resume_from = 2048, 1792
+    length, resume_from = 1024, 896
     result = bench_patch(name, length, resume_from)
     speedup = result["patched_prefill_ms"] / result["resume_ms"]
     timings = ", ".join(f"{key} {ms:.1f}" for key, ms in result.items())
