@@ -121,8 +121,8 @@ class PrefixCacheCore:
         KV-only model); its entries stay locked until `release`."""
         return self._match(as_tokens(tokens), _check_namespace(namespace))
 
-    def _match(self, tokens: np.ndarray, namespace: str) -> Match:
-        """`match` of validated tokens (the replay path)."""
+    def _match(self, tokens: np.ndarray, namespace: str, with_kv: bool = True) -> Match:
+        """`match` of validated tokens; the replay path leaves `kv` empty (size-only payloads go unused)."""
         self.clock += 1
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
@@ -133,7 +133,10 @@ class PrefixCacheCore:
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk.shared_length, length)
         self.tree.lock(node, +1)
-        kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in walk.path[1:] if n.start < length]
+        kv = []
+        for n in walk.path[1:] if with_kv else ():
+            if n.start < length:
+                kv.append(n.kv if n.end <= length else n.kv.split(length - n.start)[0])
         match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node, walk)
         self._live[id(match)] = match
         return match
@@ -405,7 +408,7 @@ def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_token
 def _replay(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namespace: str = "default") -> int:
     """replay_request of validated `tokens` (input followed by output), skipping the public entry checks."""
     spec = core.spec
-    match = core._match(tokens[:input_length], namespace)
+    match = core._match(tokens[:input_length], namespace, with_kv=False)
     walk = core.tree.walk(tokens, namespace, resume=match.walk)
     positions = core.admission.plan(walk, len(tokens), match.length) if core.hybrid else []
     state = SizedState(spec.state_bytes)
