@@ -99,6 +99,20 @@ def test_batch_rows_share_the_common_prefix(model):
         assert cache.reused_tokens == batch.shape[1] - 1
 
 
+def test_batch_rows_resume_from_their_own_prefixes(model):
+    """Rows under different system prompts (each cached) resume together from the common checkpoint position."""
+    store = new_store(model)
+    systems = [tokens(1, 20, seed=s) for s in (22, 23)]
+    for system in systems:
+        for seed in (24, 25):  # the second question captures the branch point at 20
+            generate(model, torch.cat([system, tokens(1, 4, seed=seed)], dim=1), HybridPrefixCache(store))
+    batch = torch.cat([torch.cat([system, tokens(1, 4, seed=26 + i)], dim=1) for i, system in enumerate(systems)])
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(model, batch, cache), generate(model, batch))
+    assert cache.reused_tokens == 20
+    store.core.check_invariants()
+
+
 def test_left_padded_batch_runs_uncached_and_exact(model):
     store = new_store(model)
     prompt = tokens(2, 12, seed=7)

@@ -15,9 +15,10 @@ first forward:
   cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
   its final state is the one a following chat turn resumes from.
 
-Batches: every row is matched against the store through the prefix all rows share (one copy per row of the same
-cached prefix); rows with padding (attention_mask zeros) get no reuse and are not admitted, which keeps every reuse
-exact without per-row KV layouts. Beam search and num_return_sequences reorder / repeat the token record with the
+Batches: every row is matched on its own, then all rows resume from one common position (the longest at which every
+row has its own cached KV and state; generate feeds a rectangular batch), each from its own tensors. Batches with
+padding (attention_mask zeros) get no reuse and their padded rows are not admitted, which keeps every reuse exact
+without per-row KV layouts. Beam search and num_return_sequences reorder / repeat the token record with the
 tensors.
 
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from prefixlab.cache.tensors import TensorKV, TensorState
+from prefixlab.cache.tensors import TOKEN_AXIS, TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
 if TYPE_CHECKING:
@@ -118,8 +119,9 @@ class HybridPrefixCache(DynamicCache):
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-        """Start a request for `input_ids` [batch, length]: load the longest reusable prefix, plan the captures.
-        Returns the number of leading tokens already in the cache (the forward must run only the rest)."""
+        """Start a request for `input_ids` [batch, length]: load the longest prefix every row can resume from (each
+        row's own cached tokens and state at one common position), plan the captures. Returns the number of leading
+        tokens already in the cache (the forward must run only the rest)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()
@@ -129,28 +131,42 @@ class HybridPrefixCache(DynamicCache):
         self._admit_rows = [] if padded else list(range(batch))
         if padded:
             return 0
-        shared = _common_prefix_length(ids)
-        probe = ids[0, : min(shared, length - 1)].tolist()  # keep >= 1 token to run, so the model yields logits
-        match = self.store.match(probe, self.namespace)
-        offloaded = self.store.match_offloaded(probe, self.namespace, longer_than=match.length)
+        probes = [ids[row, : length - 1].tolist() for row in range(batch)]  # >= 1 token left to yield logits
+        found: list[tuple | None] = []  # per row: (device match, the match to load from), all locked
         try:
-            source = offloaded or match
-            reused = source.length
-            self._plan = [p for p in self.store.plan(ids[0].tolist(), match) if p > reused]
-            if length - 1 > reused and length - 1 not in self._plan:
-                # an identical prompt later reuses all but its last token
-                self._plan = sorted([*self._plan, length - 1])
+            found = [self._lookup(probe) for probe in probes]
+            reused = min(source.length for _, source in found)
+            # rows resume from one position: re-match longer rows there (a checkpoint there or earlier)
+            while any(source.length != reused for _, source in found):
+                for row, (match, source) in enumerate(found):
+                    if source.length != reused:
+                        found[row] = None
+                        self._unlock(match, source)
+                        found[row] = self._lookup(probes[row][:reused])
+                reused = min(source.length for _, source in found)
+            planned = {p for row, (match, _) in enumerate(found) for p in self.store.plan(ids[row].tolist(), match)}
+            # length - 1: an identical prompt later reuses all but its last token
+            self._plan = sorted(p for p in planned | {length - 1} if p > reused)
             if reused:
-                self._load(source, batch)
+                self._load([source for _, source in found])
         finally:
-            self.store.release(match)
-            if offloaded is not None:
-                self.store.release(offloaded)
+            for pair in filter(None, found):
+                self._unlock(*pair)
         self.reused_tokens = reused
         self._fed.append(ids[:, :reused])
         self._seen = reused
         self.store.record_reuse(reused, batch)
         return reused
+
+    def _lookup(self, probe: list[int]) -> tuple:
+        """(device match, match to load from: the host tier's when it reuses more, else the device one)."""
+        match = self.store.match(probe, self.namespace)
+        return match, self.store.match_offloaded(probe, self.namespace, longer_than=match.length) or match
+
+    def _unlock(self, match, source) -> None:
+        self.store.release(match)
+        if source is not match:
+            self.store.release(source)
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
         """Positions strictly inside (start, stop) where a forward over tokens [start, stop) must pause, so the
@@ -198,24 +214,24 @@ class HybridPrefixCache(DynamicCache):
             self._plan.remove(self._seen + offset)
 
     # -- moving tensors in and out ----------------------------------------------------------------------------------
-    def _load(self, match, batch: int) -> None:
-        """Fill the layers with copies of the matched KV (concatenated once) and states, repeated over the batch."""
+    def _load(self, sources: list) -> None:
+        """Fill the layers with copies of each row's matched KV (its pieces concatenated) and states."""
+        device = self.store.device
         for layer_idx in self.store.layout.kv_layers:
             layer = self.layers[layer_idx]
-            keys = _cat_rows([kv.keys[layer_idx] for kv in match.kv], batch, self.store.device)
-            values = _cat_rows([kv.values[layer_idx] for kv in match.kv], batch, self.store.device)
+            keys = _stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], device)
+            values = _stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], device)
             if not layer.is_initialized:
                 DynamicLayer.lazy_initialization(layer, keys, values)
             layer.keys, layer.values = keys, values
-        state: TensorState | None = match.state
-        for (layer_idx, state_idx), conv in (state.conv.items() if state else ()):
-            layer = self.layers[layer_idx]
-            layer.update_conv_state(_rows(conv, batch, self.store.device), state_idx,
-                                    conv_kernel_size=conv.shape[-1])
-        for (layer_idx, state_idx), recurrent in (state.recurrent.items() if state else ()):
-            layer = self.layers[layer_idx]
-            layer.update_recurrent_state(_rows(recurrent, batch, self.store.device), state_idx)
-            layer.has_previous_state[state_idx] = True
+        states: list[TensorState] = [source.state for source in sources]
+        for layer_idx, state_idx in states[0].conv if states[0] else ():
+            conv = _stack_rows([[state.conv[(layer_idx, state_idx)]] for state in states], device)
+            self.layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
+        for layer_idx, state_idx in states[0].recurrent if states[0] else ():
+            recurrent = _stack_rows([[state.recurrent[(layer_idx, state_idx)]] for state in states], device)
+            self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
+            self.layers[layer_idx].has_previous_state[state_idx] = True
 
     def _snapshot_states(self) -> dict[str, dict[tuple[int, int], torch.Tensor]]:
         """Clones of every recurrent layer's states now (all rows)."""
@@ -279,19 +295,8 @@ class HybridPrefixCache(DynamicCache):
         )
 
 
-def _common_prefix_length(ids: torch.Tensor) -> int:
-    """Length of the prefix shared by every row of `ids` [batch, length]."""
-    same = (ids == ids[:1]).all(dim=0)
-    differs = (~same).nonzero()
-    return int(differs[0]) if len(differs) else ids.shape[1]
-
-
-def _rows(tensor: torch.Tensor, batch: int, device: torch.device) -> torch.Tensor:
-    """`batch` copies of one sequence's tensor, on `device`, in fresh storage (never aliasing the store)."""
-    return tensor.to(device).unsqueeze(0).expand(batch, *tensor.shape).clone()
-
-
-def _cat_rows(pieces: list[torch.Tensor], batch: int, device: torch.device) -> torch.Tensor:
-    """Concatenate per-sequence KV pieces [heads, t, dim] along tokens into one fresh [batch, heads, T, dim]."""
-    return torch.cat([p.to(device).unsqueeze(0).expand(batch, *p.shape) for p in pieces], dim=-2)
-
+def _stack_rows(rows: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """One fresh [batch, ...] tensor on `device` from each row's pieces, joined along the token axis (never aliasing
+    the store: requests resume from copies)."""
+    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] for pieces in rows]
+    return torch.stack(joined).to(device)
