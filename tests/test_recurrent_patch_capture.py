@@ -79,3 +79,22 @@ def test_any_split_and_any_offsets_are_exact(patched_model, data):
         expected = reference_states(model, ids[:, : p + offset])
         for layer in linear_layer_indices(cache):
             assert_same_states(cache.records[(layer, offset, None)], states(expected, layer))
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "bamba", "jamba"])
+def test_bfloat16_models_record_states_in_the_dtypes_their_cache_keeps(name):
+    """bf16 weights: conv states stay bf16 and recurrent states float32, as in transformers' cache; outputs agree
+    with the unpatched model to bf16 rounding."""
+    model, ids = build(name, dtype=torch.bfloat16), tokens(2, 12)
+    reference = forward(model, ids).float()
+    with patched(model):
+        assert (forward(model, ids).float() - reference).abs().max() < 5e-2
+        cache = RecordingCache(model, [4, 12])
+        forward(model, ids, cache)
+    for layer in linear_layer_indices(cache):
+        for offset in (4, 12):
+            conv, recurrent = cache.records[(layer, offset, None)]
+            stored_conv, stored_recurrent = states(cache, layer)
+            assert conv.dtype == stored_conv.dtype == torch.bfloat16
+            assert recurrent.dtype == stored_recurrent.dtype == torch.float32
+        assert torch.equal(cache.records[(layer, 12, None)][1], states(cache, layer)[1])
