@@ -1,4 +1,4 @@
-"""Gated delta rule layers: GatedDeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) and Kimi's KDA.
+"""Gated delta rule layers: GatedDeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) and KDA (Kimi, Bailing).
 
 All of them project q, k, v through one depthwise conv, run the gated delta rule with q/k l2-normalised, and gate
 the outputs with an RMS norm; they differ only in how the projections are laid out (one method each below).
