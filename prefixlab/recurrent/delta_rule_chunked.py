@@ -55,8 +55,8 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int, use_qk_l2norm: bool, scale: f
 
 def scan_chunks(u, w, k_to_end, chunk_decay, state):
     """The sequential part: chunk-start states [N, B, H, K, V], corrected values v_new [N, B, H, C, V] and the
-    final state. Writes into preallocated chunk-major buffers: each step is two fused matmul-adds on contiguous
-    [B*H, ...] blocks, and nothing is stacked or copied afterwards."""
+    final state. Writes into preallocated chunk-major buffers: each step is two fused matmul-adds on one chunk's
+    [B*H, ...] block, and nothing is stacked or copied afterwards."""
     num_chunks, batch, heads = u.shape[:3]
     u, w, k_to_end_t = (x.flatten(1, 2) for x in (u, w, k_to_end.transpose(-1, -2)))
     decay = chunk_decay.flatten(1, 2)[..., None]
