@@ -131,7 +131,7 @@ class HybridPrefixCache(DynamicCache):
         self._admit_rows = [] if padded else list(range(batch))
         if padded:
             return 0
-        probes = [ids[row, : length - 1].tolist() for row in range(batch)]  # >= 1 token left to yield logits
+        probes = [ids[row, : length - 1].numpy() for row in range(batch)]  # >= 1 token left to yield logits
         found: list[tuple | None] = []  # per row: (device match, the match to load from), all locked
         try:
             found = [self._lookup(probe) for probe in probes]
@@ -144,7 +144,7 @@ class HybridPrefixCache(DynamicCache):
                         self._unlock(match, source)
                         found[row] = self._lookup(probes[row][:reused])
                 reused = min(source.length for _, source in found)
-            planned = {p for row, (match, _) in enumerate(found) for p in self.store.plan(ids[row].tolist(), match)}
+            planned = {p for row, (match, _) in enumerate(found) for p in self.store.plan(ids[row].numpy(), match)}
             # length - 1: an identical prompt later reuses all but its last token
             self._plan = sorted(p for p in planned | {length - 1} if p > reused)
             if reused:
@@ -158,7 +158,7 @@ class HybridPrefixCache(DynamicCache):
         self.store.record_reuse(reused, batch)
         return reused
 
-    def _lookup(self, probe: list[int]) -> tuple:
+    def _lookup(self, probe) -> tuple:
         """(device match, match to load from: the host tier's when it reuses more, else the device one)."""
         match = self.store.match(probe, self.namespace)
         return match, self.store.match_offloaded(probe, self.namespace, longer_than=match.length) or match
@@ -268,7 +268,7 @@ class HybridPrefixCache(DynamicCache):
                                  {k: t[row].clone() for k, t in snap["recurrent"].items()})
                 for pos, snap in snapshots.items()
             }
-            self.store.admit(tokens[row].tolist(), self._row_kv(row), states, self.namespace)
+            self.store.admit(tokens[row].numpy(), self._row_kv(row), states, self.namespace)
         offered = self._seen - self._committed
         self._committed = self._seen
         return offered
