@@ -133,10 +133,8 @@ class PrefixCacheCore:
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk.shared_length, length)
         self.tree.lock(node, +1)
-        kv = []
-        for n in walk.path[1:] if with_kv else ():
-            if n.start < length:
-                kv.append(n.kv if n.end <= length else n.kv.split(length - n.start)[0])
+        on_path = walk.path[1:] if with_kv else []
+        kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in on_path if n.start < length]
         match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node, walk)
         self._live[id(match)] = match
         return match

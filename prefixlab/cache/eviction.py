@@ -173,7 +173,8 @@ class FlopAware(EvictionPolicy):
         self.by_recency.put(node_id, (node.last_access, -node.end))
         # Locks and timestamps change far more often than what the efficiency depends on.
         # (stored states never change size, so their count and the deepest position pin the freed bytes)
-        shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1:], not node.children)
+        shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1] if node.ckpt_pos else 0,
+                 not node.children)
         cached = self._shapes.get(node_id)
         if cached is None or cached[0] != shape:
             cached = self._shapes[node_id] = (shape, self.flop_efficiency(node))
