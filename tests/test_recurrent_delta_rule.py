@@ -149,3 +149,14 @@ def test_compiled_backend_matches_torch_backend():
     (o, final, states), (o_c, final_c, states_c) = runs
     assert max_diff(o, o_c) <= ATOL and max_diff(final, final_c) <= ATOL
     assert all(max_diff(states[p], states_c[p]) <= ATOL for p in states)
+
+
+@pytest.mark.parametrize("backend", ["torch", "compiled"])
+def test_gradients_flow_through_the_chunked_path(backend):
+    inputs = delta_rule_inputs(1, 20, 1, 2, 4, 4, seed=6)
+    leaves = {name: t.clone().requires_grad_(True) for name, t in inputs.items()}
+    o, final, captured = gated_delta_rule(**leaves, capture=(9,), chunk_size=8, use_qk_l2norm=True, backend=backend)
+    o_ref, final_ref, captured_ref = gated_delta_rule(**leaves, capture=(9,), use_qk_l2norm=True, backend="naive")
+    grads = torch.autograd.grad((o.sum() + final.sum() + captured[9].sum()), list(leaves.values()))
+    grads_ref = torch.autograd.grad((o_ref.sum() + final_ref.sum() + captured_ref[9].sum()), list(leaves.values()))
+    assert all(max_diff(a, b) <= 1e-4 for a, b in zip(grads, grads_ref, strict=True))

@@ -35,6 +35,10 @@ def unchunked(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :length]
 
 
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def causal_mask(chunk_size: int, device: torch.device) -> torch.Tensor:
     """[C, C] bool, True where position i may read position j (j <= i)."""
     return torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=device).tril()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions, unchunked
+from prefixlab.recurrent._chunks import chunked, decayed_scores, needs_grad, states_at_positions, unchunked
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
@@ -55,18 +55,27 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int, use_qk_l2norm: bool, scale: f
 
 def scan_chunks(u, w, k_to_end, chunk_decay, state):
     """The sequential part: chunk-start states [N, B, H, K, V], corrected values v_new [N, B, H, C, V] and the
-    final state. Writes into preallocated chunk-major buffers: each step is two fused matmul-adds on one chunk's
-    [B*H, ...] block, and nothing is stacked or copied afterwards."""
+    final state. Without autograd it writes into preallocated chunk-major buffers (each step two fused matmul-adds
+    on one chunk's [B*H, ...] block, nothing stacked afterwards); autograd cannot follow out= writes into a shared
+    buffer, so with gradients the same recurrence collects fresh tensors and stacks them."""
     num_chunks, batch, heads = u.shape[:3]
     u, w, k_to_end_t = (x.flatten(1, 2) for x in (u, w, k_to_end.transpose(-1, -2)))
     decay = chunk_decay.flatten(1, 2)[..., None]
-    starts = state.new_empty(num_chunks + 1, batch * heads, *state.shape[2:])
-    starts[0] = state.flatten(0, 1)
-    v_new = torch.empty_like(u)
-    for c in range(num_chunks):
-        torch.baddbmm(u[c], w[c], starts[c], alpha=-1, out=v_new[c])
-        torch.mul(starts[c], decay[c], out=starts[c + 1])
-        starts[c + 1].baddbmm_(k_to_end_t[c], v_new[c])
+    state = state.flatten(0, 1)
+    if needs_grad(u, w, k_to_end_t, decay, state):
+        starts, v_new = [state], []
+        for c in range(num_chunks):
+            v_new.append(torch.baddbmm(u[c], w[c], starts[c], alpha=-1))
+            starts.append(torch.baddbmm(starts[c] * decay[c], k_to_end_t[c], v_new[c]))
+        starts, v_new = torch.stack(starts), torch.stack(v_new)
+    else:
+        starts = state.new_empty(num_chunks + 1, *state.shape)
+        starts[0] = state
+        v_new = torch.empty_like(u)
+        for c in range(num_chunks):
+            torch.baddbmm(u[c], w[c], starts[c], alpha=-1, out=v_new[c])
+            torch.mul(starts[c], decay[c], out=starts[c + 1])
+            starts[c + 1].baddbmm_(k_to_end_t[c], v_new[c])
     by_head = (batch, heads)
     # The final state is cloned so that it does not keep the whole buffer alive.
     return starts[:-1].unflatten(1, by_head), v_new.unflatten(1, by_head), starts[-1].unflatten(0, by_head).clone()

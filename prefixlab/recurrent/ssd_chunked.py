@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, states_at_positions, unchunked
+from prefixlab.recurrent._chunks import chunked, decayed_scores, needs_grad, states_at_positions, unchunked
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
@@ -30,13 +30,21 @@ def ssd_intra_chunk(x, dt, A, B, C, chunk_size: int):
 
 
 def scan_chunk_states(chunk_writes, chunk_decay, state):
-    """Chunk-start states [N, B, H, P, S] (one preallocated buffer) and the final state."""
+    """Chunk-start states [N, B, H, P, S] and the final state: in one preallocated buffer without autograd, as
+    stacked fresh tensors with it (autograd cannot follow out= writes into a shared buffer)."""
     num_chunks = chunk_writes.shape[0]
-    starts = state.new_empty(num_chunks + 1, *state.shape)
-    starts[0] = state
-    for c in range(num_chunks):
-        torch.mul(starts[c], chunk_decay[c, ..., None], out=starts[c + 1])
-        starts[c + 1] += chunk_writes[c]
+    decay = chunk_decay[..., None]
+    if needs_grad(chunk_writes, decay, state):
+        starts = [state]
+        for c in range(num_chunks):
+            starts.append(starts[c] * decay[c] + chunk_writes[c])
+        starts = torch.stack(starts)
+    else:
+        starts = state.new_empty(num_chunks + 1, *state.shape)
+        starts[0] = state
+        for c in range(num_chunks):
+            torch.mul(starts[c], decay[c], out=starts[c + 1])
+            starts[c + 1] += chunk_writes[c]
     return starts[:-1], starts[-1].clone()
 
 
