@@ -9,21 +9,28 @@ from transformers import (
     AutoModelForCausalLM,
     BambaConfig,
     FalconH1Config,
+    GemmaConfig,
+    GPT2Config,
     GraniteMoeHybridConfig,
     JambaConfig,
+    KimiLinearConfig,
     Lfm2Config,
     LlamaConfig,
     Mamba2Config,
+    MistralConfig,
     NemotronHConfig,
+    OlmoHybridConfig,
+    Qwen2Config,
     Qwen3_5Config,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
+    Qwen3Config,
     Qwen3NextConfig,
     Zamba2Config,
 )
 
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.hfspec import SUPPORTED_MODEL_TYPES
+from prefixlab.cache.hfspec import DENSE_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 transformers.logging.set_verbosity_error()
@@ -33,6 +40,12 @@ GDN = dict(head_dim=8, linear_key_head_dim=8, linear_value_head_dim=4, linear_nu
            linear_num_value_heads=4, linear_conv_kernel_dim=3, num_hidden_layers=4)
 QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
 MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3)
+# MLA expands its latent to all heads before repeat_kv, so Kimi Linear runs only with kv heads == heads
+KIMI = dict(**{**DIMS, "num_key_value_heads": 4}, pad_token_id=0, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "dense"], linear_num_heads=2, linear_head_dim=8,
+            linear_conv_kernel_dim=3, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=10,
+            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2)
 
 TINY = {
     "qwen3_5": lambda: Qwen3_5TextConfig(**DIMS, **GDN),
@@ -58,6 +71,16 @@ TINY = {
                                conv_L_cache=3),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                    state_size=8, n_groups=2, conv_kernel=3),
+    "olmo_hybrid": lambda: OlmoHybridConfig(
+        **DIMS, num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_conv_kernel_dim=3, pad_token_id=0),
+    "kimi_linear": lambda: KimiLinearConfig(**KIMI),
+    # KV-only decoders; head_dim=16 differs from hidden / heads where the config has a head_dim
+    "llama": lambda: LlamaConfig(**DIMS, num_hidden_layers=2, head_dim=16),
+    "mistral": lambda: MistralConfig(**DIMS, num_hidden_layers=2, head_dim=16, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**DIMS, num_hidden_layers=2),
+    "qwen3": lambda: Qwen3Config(**DIMS, num_hidden_layers=2, head_dim=16),
+    "gemma": lambda: GemmaConfig(**DIMS, num_hidden_layers=2, head_dim=16, pad_token_id=0),
 }
 N_TOKENS = 9
 
@@ -94,7 +117,8 @@ def test_bytes_equal_the_cache_tensors(model_type, dtype):
     kv, recurrent, conv = cache_tensors(cache)
     assert spec.dtype_bytes == dtype.itemsize
     assert spec.kv_bytes_per_token * N_TOKENS == sum(t.nbytes for t in kv)
-    assert spec.state_bytes == sum(t.nbytes for t in recurrent + conv) > 0
+    assert spec.state_bytes == sum(t.nbytes for t in recurrent + conv)
+    assert (spec.state_bytes > 0) == (model_type not in DENSE_MODEL_TYPES)
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
@@ -111,6 +135,9 @@ VARIANTS = {  # config branches the TINY models do not take
         **DIMS, num_hidden_layers=2, layer_types=["mamba", "attention"], num_local_experts=0,
         shared_intermediate_size=24, **MAMBA2),
     "qwen3_next sparse step 2": lambda: Qwen3NextConfig(**DIMS, **GDN, **QWEN_MOE, decoder_sparse_step=2),
+    "kimi_linear low-rank Q": lambda: KimiLinearConfig(**KIMI, q_lora_rank=8),
+    "qwen3 sliding window off": lambda: Qwen3Config(**DIMS, num_hidden_layers=2, sliding_window=4,
+                                                    use_sliding_window=False),
 }
 
 
@@ -154,23 +181,29 @@ def flops_from_weights(model, cache) -> float:
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
-def test_attention_pair_flops_count_query_width(model_type):
+def test_attention_pair_flops_count_query_and_value_widths(model_type):
+    """Per (query, key) pair: 2 FLOPs per query channel (scores) and 2 per value channel (o_proj's input)."""
     model, _ = run_tiny(model_type, torch.float32)
-    q_widths = [m.q_proj.out_features for _, m in model.named_modules() if hasattr(m, "q_proj")]
     gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+    attention = [m for _, m in model.named_modules()  # GatedDeltaNet / KDA layers have a q_proj too
+                 if hasattr(m, "q_proj") and not hasattr(m, "conv1d")]
+    widths = [((m.q_proj or m.q_b_proj).out_features // (2 if gated else 1),
+               (getattr(m, "o_proj", None) or m.out_proj).in_features) for m in attention]
     spec = ModelSpec.from_config(model.config)
     attention_layers = spec.layer_count("attention")
     if model_type == "zamba2":  # one shared block serves every hybrid layer
-        q_widths = q_widths * attention_layers
-    assert len(q_widths) == attention_layers
-    assert spec.pair_flops == 4 * sum(w // 2 if gated else w for w in q_widths)
+        widths = widths * attention_layers
+    assert len(widths) == attention_layers
+    assert spec.pair_flops == 2 * sum(q + v for q, v in widths)
 
 
 def test_default_configs_build():
     for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
-                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config()):
+                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
+                   OlmoHybridConfig(), KimiLinearConfig(), LlamaConfig(), Qwen2Config(), Qwen3Config(), GemmaConfig(),
+                   MistralConfig(sliding_window=None)):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)
-        recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "short_conv"))
+        recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "kda", "short_conv"))
         assert (spec.state_bytes > 0) == (recurrent > 0), type(config).__name__  # default Lfm2Config: attention only
         assert spec.state_bytes + spec.kv_bytes_per_token > 0
         assert spec.prefill_flops(4096) > spec.prefill_flops(2048) > 0
@@ -190,6 +223,16 @@ def test_dtype_resolution():
 
 
 def test_unsupported_model_lists_supported_types():
-    with pytest.raises(UnsupportedModelError, match="llama") as raised:
-        ModelSpec.from_config(LlamaConfig())
+    with pytest.raises(UnsupportedModelError, match="gpt2") as raised:
+        ModelSpec.from_config(GPT2Config())
     assert all(name in str(raised.value) for name in SUPPORTED_MODEL_TYPES)
+
+
+@pytest.mark.parametrize("config", [
+    MistralConfig(),  # sliding_window=4096 on every layer
+    Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=2),
+    Qwen3Config(layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2, sliding_window=8),
+], ids=["mistral", "qwen2", "qwen3"])
+def test_windowed_kv_only_models_are_refused(config):
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        ModelSpec.from_config(config)

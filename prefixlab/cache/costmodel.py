@@ -4,7 +4,7 @@ A model is a tuple of `LayerGroup`s (`count` identical layers of one kind). Each
 - `linear_flops_per_token`: FLOPs per prefilled token that do not depend on context (projections, MLP, SSM scan);
 - `pair_flops`: attention FLOPs per (query, key) pair, so L tokens cost `pair_flops * L**2` (the quadratic term);
 - `kv_bytes_per_token`: attention K and V bytes per cached token;
-- `state_bytes`: bytes of one recurrent checkpoint (SSM / GatedDeltaNet recurrent state + conv state).
+- `state_bytes`: bytes of one recurrent checkpoint (SSM / GatedDeltaNet / KDA recurrent state + conv state).
 
 Prefilling `n_new` tokens after `n_past` cached ones costs
 `linear * n_new + pair * ((n_past + n_new)**2 - n_past**2)`, so costs add up along a prefix:
@@ -37,7 +37,7 @@ FP32_BYTES = 4
 
 Tokens = int | np.ndarray  # a token count, or an integer array of them (vectorised pricing)
 
-LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "short_conv", "mlp", "moe")
+LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +71,26 @@ def attention_layers(
     projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * (output_size or hidden)
     dims = _dims(hidden=hidden, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim, output_gate=gated)
     return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes, dims=dims)
+
+
+def mla_attention_layers(
+    count: int, hidden: int, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int,
+    kv_lora_rank: int, q_lora_rank: int | None, dtype_bytes: int,
+) -> LayerGroup:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi Linear). The cache holds the latents, not per-head K/V:
+    `kv_lora_rank` compressed values plus the shared `qk_rope_head_dim` RoPE key per token. Projections: Q
+    (`2 h H dqk`, or through a rank-`q_lora_rank` bottleneck), kv_a `2 h (r + rope)`, kv_b expanding the latent to
+    K-nope and V (`2 r H (nope + dv)`, once per token), output `2 H dv h`; scores `2 H dqk` and values `2 H dv`
+    per pair, with `dqk = nope + rope`."""
+    qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+    q_dim, v_dim = num_heads * qk_head_dim, num_heads * v_head_dim
+    q_flops = 2 * q_lora_rank * (hidden + q_dim) if q_lora_rank else 2 * hidden * q_dim
+    latent = kv_lora_rank + qk_rope_head_dim
+    projections = (q_flops + 2 * hidden * latent + 2 * kv_lora_rank * num_heads * (qk_nope_head_dim + v_head_dim)
+                   + 2 * v_dim * hidden)
+    dims = _dims(hidden=hidden, heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+                 v_head_dim=v_head_dim, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank or 0)
+    return LayerGroup("attention", count, projections, 2 * (q_dim + v_dim), latent * dtype_bytes, dims=dims)
 
 
 def _dims(**dims: int) -> tuple[tuple[str, int], ...]:
@@ -151,22 +171,50 @@ def mamba_layers(
     return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + selective)
 
 
-def gated_deltanet_layers(
-    count: int, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
-    dtype_bytes: int, state_dtype_bytes: int = FP32_BYTES,
+def _delta_rule_layers(
+    kind: str, count: int, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+    gate_width: int, conv_kernel: int, dtype_bytes: int, state_dtype_bytes: int, dims: tuple,
 ) -> LayerGroup:
-    """GatedDeltaNet (Qwen3-Next / Qwen3.5): in_proj emits q, k, v, z and the gates b, a (one per value head);
-    conv runs over q, k, v; the delta-rule state is `Hv * dk * dv`, costing `8` FLOPs per element per token
-    (decay, S^T k, rank-1 update, q^T S)."""
+    """Shared shape of the delta-rule mixers: q, k (`Hk dk` each) and v (`Hv dv`) go through the short conv; the
+    in_proj emits `gate_width` more outputs (gates, beta); the state is `Hv * dk * dv`, costing `8` FLOPs per
+    element per token (decay, S^T k, rank-1 update, q^T S)."""
     key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
     conv_dim = 2 * key_dim + value_dim
     state_elems = num_v_heads * head_k_dim * head_v_dim
     return _ssm_layers(
-        "gated_deltanet", count, hidden, value_dim, conv_dim + value_dim + 2 * num_v_heads, conv_dim, conv_kernel,
-        state_elems, 8 * state_elems, dtype_bytes, state_dtype_bytes,
+        kind, count, hidden, value_dim, conv_dim + gate_width, conv_dim, conv_kernel, state_elems, 8 * state_elems,
+        dtype_bytes, state_dtype_bytes, dims,
+    )
+
+
+def gated_deltanet_layers(
+    count: int, hidden: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int,
+    dtype_bytes: int, state_dtype_bytes: int = FP32_BYTES,
+) -> LayerGroup:
+    """GatedDeltaNet (Qwen3-Next / Qwen3.5, OLMo Hybrid): besides q, k, v the in_proj emits the output gate z
+    (`Hv dv`) and the gates b, a (one per value head)."""
+    return _delta_rule_layers(
+        "gated_deltanet", count, hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
+        num_v_heads * head_v_dim + 2 * num_v_heads, conv_kernel, dtype_bytes, state_dtype_bytes,
         _dims(hidden=hidden, k_heads=num_k_heads, v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
               conv_kernel=conv_kernel),
     )
+
+
+def kda_layers(
+    count: int, hidden: int, num_heads: int, head_dim: int, conv_kernel: int, dtype_bytes: int,
+    state_dtype_bytes: int = FP32_BYTES,
+) -> LayerGroup:
+    """Kimi Delta Attention (Kimi Linear): a delta rule with per-channel decay, `H` heads of width `d` for q, k and
+    v alike. Besides q, k, v the in_proj emits beta (one per head); the forget gate and the output gate are
+    low-rank, `h -> d -> H d` each (`2 h d + 2 d H d`)."""
+    layers = _delta_rule_layers(
+        "kda", count, hidden, num_heads, num_heads, head_dim, head_dim, num_heads + 2 * head_dim, conv_kernel,
+        dtype_bytes, state_dtype_bytes,
+        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel),
+    )
+    gate_up_projections = 2 * 2 * head_dim * num_heads * head_dim
+    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + gate_up_projections)
 
 
 def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:

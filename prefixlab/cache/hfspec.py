@@ -1,7 +1,8 @@
 """`ModelSpec` from a transformers (5.x) config: which layers a hybrid model has and their dims.
 
 Each reader mirrors the model's modeling file in transformers/models/<name>/: the layer pattern
-(`layer_types`, `layers_block_type`, periods/offsets), head and state dims, conv kernels, MoE expert counts.
+(`layer_types`, `layers_block_type`, `mlp_layer_types`, periods/offsets), head and state dims, conv kernels, MoE
+expert counts. KV-only decoders (DENSE_MODEL_TYPES) share one generic reader.
 Byte counts are exact (tests compare them with a tiny model's cache tensors); FLOPs use `costmodel`'s formulas.
 """
 
@@ -44,14 +45,19 @@ def _count_attention(layer_types) -> int:
     return sum(t in ATTENTION_TYPES for t in layer_types)
 
 
-def _qwen_gdn(c, dtype_bytes: int) -> tuple[cm.LayerGroup, ...]:
-    """Qwen3-Next / Qwen3.5: GatedDeltaNet ("linear_attention") + gated full attention layers."""
+def _gdn_and_attention(c, dtype_bytes: int, gated: bool) -> tuple[cm.LayerGroup, ...]:
+    """GatedDeltaNet ("linear_attention") + full attention layers, from the `linear_*` config names."""
     n_attention = _count_attention(c.layer_types)
     gdn = cm.gated_deltanet_layers(
         len(c.layer_types) - n_attention, c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads,
         c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim, dtype_bytes,
     )
-    return gdn, _attention(c, n_attention, dtype_bytes, gated=True)
+    return gdn, _attention(c, n_attention, dtype_bytes, gated)
+
+
+def _qwen_gdn(c, dtype_bytes: int) -> tuple[cm.LayerGroup, ...]:
+    """Qwen3-Next / Qwen3.5: GatedDeltaNet + full attention with a sigmoid output gate."""
+    return _gdn_and_attention(c, dtype_bytes, gated=True)
 
 
 def _qwen_moe(c, count: int) -> cm.LayerGroup:
@@ -181,10 +187,60 @@ def _lfm2(c, dtype_bytes):
     )
 
 
+def _olmo_hybrid(c, dtype_bytes):
+    """OLMo Hybrid: GatedDeltaNet (separate q, k, v, a, b, g projections: the widths of Qwen's fused ones) or
+    Olmo3 attention (QK-norm, no output gate), each followed by a SwiGLU MLP."""
+    return (*_gdn_and_attention(c, dtype_bytes, gated=False),
+            cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
+
+
+def _kimi_linear(c, dtype_bytes):
+    """Kimi Linear: KDA ("linear_attention") or MLA ("full_attention", caching the latents); the MLP of each layer
+    is dense or ("sparse" in `mlp_layer_types`) a DeepSeek-V3 MoE with `n_shared_experts` always-on experts."""
+    n = c.num_hidden_layers
+    n_attention, n_sparse = _count_attention(c.layer_types[:n]), c.mlp_layer_types[:n].count("sparse")
+    return (
+        cm.kda_layers(n - n_attention, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
+                      dtype_bytes),
+        cm.mla_attention_layers(n_attention, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
+                                c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank, dtype_bytes),
+        cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                      c.moe_intermediate_size * c.n_shared_experts),
+        cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size),
+    )
+
+
+# KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
+DENSE_MODEL_TYPES = ("gemma", "llama", "mistral", "qwen2", "qwen3")
+
+
+def _dense(c, dtype_bytes):
+    """Llama-style decoder (DENSE_MODEL_TYPES): attention + SwiGLU / GeGLU MLP per layer, `state_bytes` 0. Sliding-
+    window or chunked layers (read as transformers' DynamicCache does) keep a bounded KV window, which the
+    per-token byte count cannot express, so such configs are refused."""
+    n = c.num_hidden_layers
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types is None:
+        if getattr(c, "sliding_window", None) is not None:
+            layer_types = ["sliding_attention"] * n
+        elif getattr(c, "attention_chunk_size", None) is not None:
+            layer_types = ["chunked_attention"] * n
+        else:
+            layer_types = ["full_attention"] * n
+    windowed = sorted({t for t in layer_types[:n] if t != "full_attention"})
+    if windowed:
+        raise UnsupportedModelError(
+            f"{c.model_type}: layer types {windowed} keep a bounded KV window, which the cost model does not price; "
+            "only full attention is supported (e.g. sliding_window=None, use_sliding_window=False)"
+        )
+    return _attention(c, n, dtype_bytes), cm.mlp_layers(n, c.hidden_size, c.intermediate_size)
+
+
 READERS: dict[str, Callable] = {
     "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
     "bamba": _bamba, "falcon_h1": _falcon_h1, "granitemoehybrid": _granitemoehybrid, "jamba": _jamba,
-    "zamba2": _zamba2, "lfm2": _lfm2, "mamba2": _mamba2_model,
+    "zamba2": _zamba2, "lfm2": _lfm2, "mamba2": _mamba2_model, "olmo_hybrid": _olmo_hybrid,
+    "kimi_linear": _kimi_linear, **dict.fromkeys(DENSE_MODEL_TYPES, _dense),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
