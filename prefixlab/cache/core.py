@@ -182,7 +182,7 @@ class PrefixCacheCore:
         new_kv = kv(shared, keep_end) if keep_end > shared else None
         if new_kv is not None and getattr(new_kv, "ntokens", None) != keep_end - shared:
             raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
-        new_states = sorted((p, s) for p, s in states.items() if p > shared or not _checkpoint_on(walk.path, p))
+        new_states = sorted((p, s) for p, s in states.items() if p > shared or not walk.has_checkpoint(p))
 
         if self._tuning:
             self._record(tokens, match)
@@ -209,7 +209,7 @@ class PrefixCacheCore:
         if on_node:
             self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
-            self._refresh(_ancestors(deepest))
+            self._refresh(deepest.ancestors())
         self.admission.after_admit(self.tree, deepest, len(tokens))
         return True
 
@@ -360,7 +360,7 @@ class PrefixCacheCore:
         assert not over or self.overflow, f"used {self.used_bytes} > capacity {self.capacity_bytes}"
         locks: dict[int, int] = {}
         for match in self._live.values():
-            for node in _ancestors(match.node):
+            for node in match.node.ancestors():
                 locks[node.id] = locks.get(node.id, 0) + 1
         for node in self.tree.nodes():
             assert node.lock_count == locks.get(node.id, 0), f"{node} lock count {node.lock_count} != live matches"
@@ -369,23 +369,6 @@ class PrefixCacheCore:
 
 def _entry_bytes(kv: KVPayload | None, states: list[tuple[int, Payload]]) -> int:
     return (kv.nbytes if kv is not None else 0) + sum(s.nbytes for _, s in states)
-
-
-def _checkpoint_on(path: list[Node], position: int) -> bool:
-    for node in path[1:]:
-        if node.start < position <= node.end:
-            i = node.checkpoint_at_or_before(position)
-            return i >= 0 and node.ckpt_pos[i] == position
-    return False
-
-
-def _ancestors(node: Node) -> list[Node]:
-    """`node` and its ancestors up to the root (included)."""
-    out = []
-    while node is not None:
-        out.append(node)
-        node = node.parent
-    return out
 
 
 def _check_namespace(namespace: object) -> str:

@@ -60,6 +60,14 @@ class Node:
         """Index of the deepest checkpoint at or before `position`, or -1."""
         return bisect.bisect_right(self.ckpt_pos, position) - 1
 
+    def ancestors(self) -> list[Node]:
+        """This node and its ancestors up to the root (included)."""
+        out, node = [], self
+        while node is not None:
+            out.append(node)
+            node = node.parent
+        return out
+
     def __repr__(self) -> str:
         return f"Node(id={self.id}, [{self.start}, {self.end}), ckpts={self.ckpt_pos}, children={len(self.children)})"
 
@@ -72,6 +80,14 @@ class Walk:
     path: list[Node]
     shared_length: int
     walked: int
+
+    def has_checkpoint(self, position: int) -> bool:
+        """Whether a node on the path holds a checkpoint exactly at `position`."""
+        for node in self.path[1:]:
+            if node.start < position <= node.end:
+                i = node.checkpoint_at_or_before(position)
+                return i >= 0 and node.ckpt_pos[i] == position
+        return False
 
     @property
     def ends_inside_edge(self) -> bool:
