@@ -8,12 +8,14 @@ import sys
 
 from prefixlab.errors import PrefixlabError
 
-# module path -> it defines `register(subparsers)` adding its subcommand(s) with `set_defaults(func=...)`.
-SUBCOMMAND_MODULES = (
-    "prefixlab.sim.cli",  # simulate, trace build
-    "prefixlab.demo",  # demo
-    "prefixlab.bench",  # bench hydragen | recurrent
-)
+# subcommand -> module defining `register(subparsers)`, which adds it with `set_defaults(func=...)`. Only the module
+# of the subcommand being run is imported: `bench` pulls in torch and transformers, `simulate` needs neither.
+SUBCOMMAND_MODULES = {
+    "simulate": "prefixlab.sim.cli",
+    "trace": "prefixlab.sim.cli",
+    "demo": "prefixlab.demo",
+    "bench": "prefixlab.bench",
+}
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -24,16 +26,21 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with `command`'s subcommands, or with all of them when `command` is None or unknown."""
     parser = ArgumentParser(prog="prefixlab", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    for name in SUBCOMMAND_MODULES:
+    modules = SUBCOMMAND_MODULES.values()
+    if command in SUBCOMMAND_MODULES:
+        modules = [SUBCOMMAND_MODULES[command]]
+    for name in dict.fromkeys(modules):
         importlib.import_module(name).register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    args = build_parser(argv[0] if argv else None).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except PrefixlabError as err:

@@ -21,7 +21,8 @@ FAST_POLICIES = "vllm+,sglang+,marconi"
 @pytest.fixture(autouse=True)
 def only_sim_subcommands(monkeypatch):
     """Register only this module's subcommands: the test must not depend on other modules' CLIs."""
-    monkeypatch.setattr(prefixlab.cli, "SUBCOMMAND_MODULES", ("prefixlab.sim.cli",))
+    sim_only = {"simulate": "prefixlab.sim.cli", "trace": "prefixlab.sim.cli"}
+    monkeypatch.setattr(prefixlab.cli, "SUBCOMMAND_MODULES", sim_only)
 
 
 def run(capsys, *argv):
@@ -338,3 +339,13 @@ def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
     assert_one_line_error(
         capsys, "trace", "build", "builtin", "-o", tmp_path / "no" / "t.jsonl", match="does not exist"
     )
+
+
+def test_simulate_does_not_import_torch():
+    """`prefixlab simulate` stays light: only the subcommand being run is imported (bench pulls in torch)."""
+    import subprocess
+    import sys
+
+    code = "import sys; from prefixlab.cli import build_parser; build_parser('simulate'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
