@@ -22,10 +22,17 @@ __all__ = [
 ]
 
 
+_SUBPACKAGES = ("attention", "cache", "recurrent", "sim")
+
+
 def __getattr__(name: str):
-    # PrefixStore / HybridPrefixCache pull in torch and transformers: import them only when asked for.
+    # PrefixStore / HybridPrefixCache and the subpackages pull in torch and transformers: import them when asked for.
     if name in ("PrefixStore", "HybridPrefixCache"):
         from prefixlab import cache
 
         return getattr(cache, name)
+    if name in _SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"prefixlab.{name}")
     raise AttributeError(f"module 'prefixlab' has no attribute {name!r}")
