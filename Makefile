@@ -29,7 +29,7 @@ bench: install
 	$(BIN)/python -m pytest benchmarks --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: install
-	$(BIN)/ruff check prefixlab tests benchmarks
+	$(BIN)/ruff check prefixlab tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .benchmarks *.egg-info
