@@ -2,6 +2,7 @@
 
 from prefixlab.attention import hf as _hf  # noqa: F401  (registers attn_implementation="hydragen")
 from prefixlab.attention.api import choose_method, hydragen_attention
+from prefixlab.attention.compose import hydragen_cache_from_store
 from prefixlab.attention.hf_cache import HydragenCache, SharedBatchKV
 from prefixlab.attention.kernels import attention_with_lse, attention_with_lse_reference, combine_partials
 from prefixlab.attention.packed import varlen_prefill_attention
@@ -16,5 +17,6 @@ __all__ = [
     "choose_method",
     "combine_partials",
     "hydragen_attention",
+    "hydragen_cache_from_store",
     "varlen_prefill_attention",
 ]

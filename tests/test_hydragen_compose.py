@@ -1,0 +1,205 @@
+"""hydragen_cache_from_store: a prefix served by a PrefixStore becomes Hydragen's shared level (stored once), the
+completions equal plain generation, the store is left as it was, a miss is plain Hydragen prefill, bad input."""
+
+import pytest
+import torch
+from hf_models import VOCAB, build
+from transformers import DynamicCache
+
+from prefixlab.attention import hydragen_cache_from_store
+from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.store import PrefixStore
+from prefixlab.errors import InvalidInputError, ModelMismatchError
+
+N, PREFIX, SUFFIX = 4, 20, 6
+GEN = dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def pair(request):
+    """(standard sdpa model, the same weights with attn_implementation="hydragen"), fp32, eval."""
+    standard, hydragen = build(request.param), build(request.param)
+    hydragen.set_attn_implementation("hydragen")
+    return standard, hydragen
+
+
+@pytest.fixture
+def store(pair):
+    store = PrefixStore(pair[1], capacity="64MB", block_size=8)
+    yield store
+    store.close()
+
+
+def _tokens(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, seed, cache=None, **kwargs):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model.generate(ids, past_key_values=cache, **GEN, **kwargs)
+
+
+def _assert_same(ref, out):
+    assert torch.equal(ref.sequences, out.sequences)
+    for a, b in zip(ref.scores, out.scores, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def _kv_bytes(model, tokens: int) -> int:
+    """fp32 K + V bytes of `tokens` tokens over every attention layer, for ONE sequence."""
+    config = model.config
+    layers = sum(kind == "full_attention" for kind in getattr(config, "layer_types", None)
+                 or ["full_attention"] * config.num_hidden_layers)
+    return layers * 2 * config.num_key_value_heads * config.head_dim * 4 * tokens
+
+
+def _fill(store, prefix) -> None:
+    """A first request through HybridPrefixCache: the store admits the prefix (a system prompt, say)."""
+    _generate(store.model, prefix, 0, HybridPrefixCache(store), do_sample=False)
+    store.flush()
+
+
+def _snapshot(store) -> tuple:
+    nodes = sorted((n.namespace, tuple(n.tokens.tolist()), tuple(n.ckpt_pos)) for n in store.core.tree.nodes()
+                   if not n.is_root)
+    stats = store.stats()
+    return nodes, store.core.used_bytes, stats["sequences"], stats["reused_tokens"]
+
+
+def _assert_untouched(store, before) -> None:
+    store.core.check_invariants()
+    assert store.stats()["locked_matches"] == 0
+    assert _snapshot(store) == before
+
+
+def _forward_widths(model):
+    """Token counts of every forward `model` runs (hook removed by the caller)."""
+    widths = []
+    handle = model.register_forward_pre_hook(lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
+                                             with_kwargs=True)
+    return widths, handle
+
+
+def test_greedy_completions_from_a_store_hit(pair, store):
+    standard, hydragen = pair
+    prefix = _tokens(1, PREFIX)
+    _fill(store, prefix)
+    before = _snapshot(store)
+    prompt = torch.cat([prefix, _tokens(2, SUFFIX)], dim=1)
+    cache = hydragen_cache_from_store(store, prompt, batch_size=N)
+    reused = cache.get_seq_length()
+    assert 0 < reused <= PREFIX
+    assert cache.shared_bytes() == _kv_bytes(hydragen, reused) and cache.per_sequence_bytes() == 0  # once, not N
+    widths, handle = _forward_widths(hydragen)
+    try:
+        out = _generate(hydragen, prompt.repeat(N, 1), 0, cache, do_sample=False)
+    finally:
+        handle.remove()
+    _assert_same(_generate(standard, prompt.repeat(N, 1), 0, do_sample=False), out)
+    assert widths == [prompt.shape[1] - reused] + [1] * (GEN["max_new_tokens"] - 1)  # only the uncached suffix
+    _assert_untouched(store, before)
+
+
+def test_sampled_completions_store_the_served_prefix_once(pair, store):
+    standard, hydragen = pair
+    prefix = _tokens(3, PREFIX)
+    _fill(store, prefix)
+    before = _snapshot(store)
+    prompt = torch.cat([prefix, _tokens(4, SUFFIX)], dim=1)
+    cache = hydragen_cache_from_store(store, prompt, batch_size=N)
+    reused = cache.get_seq_length()
+    assert reused > 0
+    out = _generate(hydragen, prompt, 5, cache, do_sample=True, num_return_sequences=N)
+    _assert_same(_generate(standard, prompt, 5, do_sample=True, num_return_sequences=N), out)
+    # the served prefix and the prompt's identical N rows after it are one level; sampled tokens per sequence
+    layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
+    assert [level.length for level in layer.levels] == [prompt.shape[1]]
+    assert cache.shared_bytes() == _kv_bytes(hydragen, prompt.shape[1])
+    assert cache.per_sequence_bytes() == N * _kv_bytes(hydragen, GEN["max_new_tokens"] - 1)
+    standard_cache = DynamicCache(config=standard.config)
+    _generate(standard, prompt, 5, standard_cache, do_sample=True, num_return_sequences=N)
+    standard_bytes = sum(t.numel() * 4 for layer in standard_cache.layers if getattr(layer, "keys", None) is not None
+                         for t in (layer.keys, layer.values))
+    assert standard_bytes == N * _kv_bytes(hydragen, prompt.shape[1] + GEN["max_new_tokens"] - 1)
+    _assert_untouched(store, before)
+
+
+def test_miss_is_plain_hydragen_prefill(pair, store):
+    standard, hydragen = pair
+    prompt = _tokens(6, PREFIX)
+    _fill(store, prompt)
+    before = _snapshot(store)
+    cache = hydragen_cache_from_store(store, prompt, batch_size=N, namespace="another tenant")
+    assert cache.get_seq_length() == 0 and cache.shared_bytes() == 0
+    out = _generate(hydragen, prompt, 7, cache, do_sample=True, num_return_sequences=N)
+    _assert_same(_generate(standard, prompt, 7, do_sample=True, num_return_sequences=N), out)
+    assert cache.shared_bytes() == _kv_bytes(hydragen, PREFIX)  # Hydragen still shares the prompt it ran
+    _assert_untouched(store, before)
+    empty = PrefixStore(hydragen, capacity="1MB")
+    try:
+        assert hydragen_cache_from_store(empty, prompt, batch_size=2).get_seq_length() == 0
+        assert empty.core.used_bytes == 0
+    finally:
+        empty.close()
+
+
+def test_batch_size_is_checked_by_generate(pair, store):
+    _, hydragen = pair
+    prefix = _tokens(8, PREFIX)
+    _fill(store, prefix)
+    cache = hydragen_cache_from_store(store, torch.cat([prefix, _tokens(9, 3)], dim=1), batch_size=N)
+    with pytest.raises(InvalidInputError, match=f"batch_size={N}"):
+        _generate(hydragen, torch.cat([prefix, _tokens(9, 3)], dim=1), 0, cache, do_sample=True,
+                  num_return_sequences=N - 1)
+
+
+def test_bad_input_raises_and_leaves_the_store_alone(pair, store):
+    standard, hydragen = pair
+    prompt = _tokens(10, PREFIX)
+    _fill(store, prompt)
+    before = _snapshot(store)
+    for bad in (prompt.repeat(2, 1), prompt[0], prompt[:, :0], prompt.float(), prompt.tolist()):
+        with pytest.raises(InvalidInputError, match="prompt_ids"):
+            hydragen_cache_from_store(store, bad, batch_size=N)
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(InvalidInputError, match="batch_size"):
+            hydragen_cache_from_store(store, prompt, batch_size=bad)
+    with pytest.raises(InvalidInputError, match="namespace"):
+        hydragen_cache_from_store(store, prompt, batch_size=N, namespace="")
+    with pytest.raises(InvalidInputError, match="PrefixStore"):
+        hydragen_cache_from_store(hydragen, prompt, batch_size=N)
+    other = build("qwen3" if hydragen.config.model_type == "llama" else "llama")
+    other.set_attn_implementation("hydragen")
+    with pytest.raises(ModelMismatchError, match="another model"):
+        hydragen_cache_from_store(store, prompt, batch_size=N, model=other)
+    with pytest.raises(InvalidInputError, match="set_attn_implementation"):
+        hydragen_cache_from_store(store, prompt, batch_size=N, model=standard)  # same config, attention is sdpa
+    _assert_untouched(store, before)
+
+
+def test_prefix_served_from_the_host_tier(pair):
+    standard, hydragen = pair
+    first, second = _tokens(11, PREFIX), _tokens(12, PREFIX)
+    sizing = PrefixStore(hydragen, capacity="64MB", block_size=8)
+    try:
+        _fill(sizing, first)
+        entry_bytes = sizing.core.used_bytes
+    finally:
+        sizing.close()
+    store = PrefixStore(hydragen, capacity=entry_bytes * 3 // 2, offload_capacity="64MB", block_size=8)
+    try:
+        _fill(store, first)
+        _fill(store, second)  # evicts the first prefix to the host tier
+        before = _snapshot(store), store.offload.used_bytes
+        prompt = torch.cat([first, _tokens(13, SUFFIX)], dim=1)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=N)
+        assert cache.get_seq_length() > 0 and store.stats()["offload_hits"] == 1
+        out = _generate(hydragen, prompt, 14, cache, do_sample=True, num_return_sequences=N)
+        _assert_same(_generate(standard, prompt, 14, do_sample=True, num_return_sequences=N), out)
+        store.offload.check_invariants()
+        assert store.offload.stats()["locked_matches"] == 0
+        _assert_untouched(store, before[0])
+        assert store.offload.used_bytes == before[1]
+    finally:
+        store.close()
