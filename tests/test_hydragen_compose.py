@@ -10,6 +10,7 @@ from prefixlab.attention import hydragen_cache_from_store
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import PrefixStore
 from prefixlab.errors import InvalidInputError, ModelMismatchError
+from prefixlab.recurrent import patch
 
 N, PREFIX, SUFFIX = 4, 20, 6
 GEN = dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
@@ -201,5 +202,22 @@ def test_prefix_served_from_the_host_tier(pair):
         assert store.offload.stats()["locked_matches"] == 0
         _assert_untouched(store, before[0])
         assert store.offload.used_bytes == before[1]
+    finally:
+        store.close()
+
+
+def test_patched_recurrent_layers_record_the_store_states():
+    """With prefixlab.recurrent.patch the store records states inside the forward; they resume Hydragen exactly."""
+    standard, hydragen = build("qwen3_5"), patch(build("qwen3_5"))
+    hydragen.set_attn_implementation("hydragen")
+    store = PrefixStore(hydragen, capacity="64MB", block_size=8)
+    try:
+        prefix = _tokens(15, PREFIX)
+        _fill(store, prefix)
+        prompt = torch.cat([prefix, _tokens(16, SUFFIX)], dim=1)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=N)
+        assert cache.get_seq_length() > 0
+        out = _generate(hydragen, prompt, 17, cache, do_sample=True, num_return_sequences=N)
+        _assert_same(_generate(standard, prompt, 17, do_sample=True, num_return_sequences=N), out)
     finally:
         store.close()
