@@ -15,11 +15,18 @@ first forward:
   cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
   its final state is the one a following chat turn resumes from.
 
-Batches: every row is matched on its own, then all rows resume from one common position (the longest at which every
-row has its own cached KV and state; generate feeds a rectangular batch), each from its own tensors. Batches with
-padding (attention_mask zeros) get no reuse and their padded rows are not admitted, which keeps every reuse exact
-without per-row KV layouts. Beam search and num_return_sequences reorder / repeat the token record with the
-tensors.
+Batches: every row is matched on its own (on its real tokens, without its pads), then all rows resume at one common
+column c of the (left-padded) batch, generate feeding a rectangular batch. Row b with p_b leading pads resumes at
+real position c - p_b, from its own cached KV (placed at columns [p_b, c); pad columns hold zeros, masked out by the
+attention mask) and its own recurrent + conv states there; a row with nothing cached at c - p_b resumes nowhere, so c
+must be <= p_b for it (it starts fresh: zero states, only pads before c; the pads it still has are masked by the
+model as in an uncached run). c is the largest such column (the rows are re-matched at shorter probes until they all
+agree), 0 when no row can reuse anything. Rotary positions stay right: generate derives position_ids from the mask
+(cumsum), i.e. real positions, which the store's hook cuts like input_ids. Captures are planned per row in real
+positions and taken at padded columns (shared by all rows); after generate each row is admitted as its real tokens
+(prompt without pads + output[:-1]) with its states at column - p_b. Masks that are not plain left padding (zeros
+after ones) get no reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the
+token record and pad counts with the tensors.
 
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
 outputs then cover only the tokens the forward ran (those after the reused prefix). Mamba2 takes its cache as
@@ -62,7 +69,8 @@ class HybridPrefixCache(DynamicCache):
         super().__init__(config=store.model.config)
         self.store = store
         self.namespace = namespace
-        self.reused_tokens = 0  # tokens of the prompt that came from the store
+        self.reused_tokens = 0  # tokens of the prompt that came from the store (the most of any row)
+        self.rows_reused: list[int] = []  # per row: its real tokens that came from the store
         self.prefixlab_capture_positions: list[int] | None = None
         self._clear_request()
 
@@ -79,7 +87,8 @@ class HybridPrefixCache(DynamicCache):
         self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
         self._seen = 0  # tokens the cache tensors describe
         self._pending = 0  # tokens of the forward in flight
-        self._admit_rows: list[int] = []  # rows without padding: the ones we may admit
+        self._admit_rows: list[int] = []  # rows we may admit (all, unless the mask is not plain left padding)
+        self._pads: list[int] = []  # per row: leading pad columns (left padding)
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._committed = 0
@@ -119,44 +128,56 @@ class HybridPrefixCache(DynamicCache):
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
-        """Start a request for `input_ids` [batch, length]: load the longest prefix every row can resume from (each
-        row's own cached tokens and state at one common position), plan the captures. Returns the number of leading
-        tokens already in the cache (the forward must run only the rest)."""
+        """Start a request for `input_ids` [batch, length] (left padding allowed): load the longest prefix every row
+        can resume from (each row's own cached tokens and state, one common padded position), plan the captures.
+        Returns the number of leading (padded) columns already in the cache (the forward must run only the rest)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()
         batch, length = ids.shape
-        padded = attention_mask is not None and not bool((attention_mask == 1).all())
+        pads = _left_pads(attention_mask, batch, length)
         self._started = True
-        self._admit_rows = [] if padded else list(range(batch))
-        if padded:
+        if pads is None:  # not plain left padding: run uncached, admit nothing
+            self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
+            self._fed.append(ids[:, :0])
+            self.store.record_reuse(0, batch)
             return 0
-        probes = [ids[row, : length - 1].numpy() for row in range(batch)]  # >= 1 token left to yield logits
-        found: list[tuple | None] = []  # per row: (device match, the match to load from), all locked
+        self._admit_rows, self._pads = list(range(batch)), pads
+        # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
+        # c <= length - 1 leaves every row >= 1 token to yield logits
+        probes = [ids[row, pads[row]: length - 1].numpy() for row in range(batch)]
+        found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
             found = [self._lookup(probe) for probe in probes]
-            reused = min(source.length for _, source in found)
-            # rows resume from one position: re-match longer rows there (a checkpoint there or earlier)
-            while any(source.length != reused for _, source in found):
-                for row, (match, source) in enumerate(found):
-                    if source.length != reused:
-                        found[row] = None
-                        self._unlock(match, source)
-                        found[row] = self._lookup(probes[row][:reused])
-                reused = min(source.length for _, source in found)
-            planned = {p for row, (match, _) in enumerate(found) for p in self.store.plan(ids[row].numpy(), match)}
+            common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
+            # rows resume from one column: a row whose checkpoint sits elsewhere is re-matched there (a checkpoint at
+            # or before it); a row without one (length 0) starts fresh: zero state, its KV up to there only pads
+            while stale := [row for row, (_, source) in enumerate(found)
+                            if source.length and pads[row] + source.length != common]:
+                for row in stale:
+                    pair, found[row] = found[row], None
+                    self._unlock(*pair)
+                    found[row] = self._lookup(probes[row][: max(0, common - pads[row])])
+                common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
+            rows_reused = [source.length for _, source in found]
+            if not any(rows_reused):
+                common = 0
+            planned = {pads[row] + p for row, (match, _) in enumerate(found)
+                       for p in self.store.plan(ids[row, pads[row]:].numpy(), match)}
             # length - 1: an identical prompt later reuses all but its last token
-            self._plan = sorted(p for p in planned | {length - 1} if p > reused)
-            if reused:
-                self._load([source for _, source in found])
+            self._plan = sorted(p for p in planned | {length - 1} if p > common)
+            if common:
+                self._load(common, [source for _, source in found])
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
-        self.reused_tokens = reused
-        self._fed.append(ids[:, :reused])
-        self._seen = reused
-        self.store.record_reuse(reused, batch)
-        return reused
+        self.reused_tokens = max(rows_reused)
+        self.rows_reused = rows_reused
+        self._fed.append(ids[:, :common])
+        self._seen = common
+        for reused in rows_reused:
+            self.store.record_reuse(reused, 1)
+        return common
 
     def _lookup(self, probe) -> tuple:
         """(device match, match to load from: the host tier's when it reuses more, else the device one)."""
@@ -214,22 +235,24 @@ class HybridPrefixCache(DynamicCache):
             self._plan.remove(self._seen + offset)
 
     # -- moving tensors in and out ----------------------------------------------------------------------------------
-    def _load(self, sources: list) -> None:
-        """Fill the layers with copies of each row's matched KV (its pieces concatenated) and states."""
+    def _load(self, common: int, sources: list) -> None:
+        """Fill the layers with copies of each row's matched KV (its pieces concatenated) placed at the last columns
+        before `common` (pad columns before it: zeros, masked out) and each row's states (zeros for fresh rows)."""
         device = self.store.device
         for layer_idx in self.store.layout.kv_layers:
             layer = self.layers[layer_idx]
-            keys = _stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], device)
-            values = _stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], device)
+            keys = _stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
+            values = _stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
             if not layer.is_initialized:
                 DynamicLayer.lazy_initialization(layer, keys, values)
             layer.keys, layer.values = keys, values
-        states: list[TensorState] = [source.state for source in sources]
-        for layer_idx, state_idx in states[0].conv if states[0] else ():
-            conv = _stack_rows([[state.conv[(layer_idx, state_idx)]] for state in states], device)
+        states: list[TensorState | None] = [source.state if source.length else None for source in sources]
+        model = next(state for state in states if state is not None) if any(states) else None
+        for layer_idx, state_idx in model.conv if model else ():
+            conv = _stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
-        for layer_idx, state_idx in states[0].recurrent if states[0] else ():
-            recurrent = _stack_rows([[state.recurrent[(layer_idx, state_idx)]] for state in states], device)
+        for layer_idx, state_idx in model.recurrent if model else ():
+            recurrent = _stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
             self.layers[layer_idx].has_previous_state[state_idx] = True
 
@@ -246,7 +269,11 @@ class HybridPrefixCache(DynamicCache):
         return {"conv": conv, "recurrent": recurrent}
 
     def _row_kv(self, row: int) -> Callable[[int, int], TensorKV]:
+        """kv(a, b): row's KV for its real tokens [a, b) (after its pad columns)."""
+        pad = self._pads[row]
+
         def kv(start: int, stop: int) -> TensorKV:
+            start, stop = start + pad, stop + pad
             keys = {i: self.layers[i].keys[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
             values = {i: self.layers[i].values[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
             return TensorKV(stop - start, keys, values)
@@ -263,12 +290,14 @@ class HybridPrefixCache(DynamicCache):
             return 0
         snapshots = {**self._captured, self._seen: self._snapshot_states()}
         for row in self._admit_rows:
+            pad = self._pads[row]  # real position = column - pad; states at or before the first real token unused
             states = {
-                pos: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
-                                 {k: t[row].clone() for k, t in snap["recurrent"].items()})
-                for pos, snap in snapshots.items()
+                pos - pad: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
+                                       {k: t[row].clone() for k, t in snap["recurrent"].items()})
+                for pos, snap in snapshots.items() if pos > pad
             }
-            self.store.admit(tokens[row].numpy(), self._row_kv(row), states, self.namespace)
+            if self._seen > pad:
+                self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace)
         offered = self._seen - self._committed
         self._committed = self._seen
         return offered
@@ -277,15 +306,18 @@ class HybridPrefixCache(DynamicCache):
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
         self._fed = [torch.cat(self._fed, dim=1).index_select(0, beam_idx.cpu())] if self._fed else []
+        self._pads = [self._pads[i] for i in beam_idx.tolist()] if self._pads else []
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         self._fed = [torch.cat(self._fed, dim=1).repeat_interleave(repeats, dim=0)] if self._fed else []
         self._admit_rows = [r * repeats + k for r in self._admit_rows for k in range(repeats)]
+        self._pads = [pad for pad in self._pads for _ in range(repeats)]
 
     def batch_select_indices(self, indices: torch.Tensor):
         super().batch_select_indices(indices)
         self._fed = [torch.cat(self._fed, dim=1)[indices.cpu()]] if self._fed else []
+        self._pads = [self._pads[i] for i in torch.as_tensor(indices).reshape(-1).tolist()] if self._pads else []
         self._admit_rows = list(range(len(self._fed[0]))) if self._admit_rows and self._fed else []
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -295,8 +327,38 @@ class HybridPrefixCache(DynamicCache):
         )
 
 
-def _stack_rows(rows: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
-    """One fresh [batch, ...] tensor on `device` from each row's pieces, joined along the token axis (never aliasing
-    the store: requests resume from copies)."""
-    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] for pieces in rows]
-    return torch.stack(joined).to(device)
+def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+    """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
+    anything else (zeros after ones, non-binary, another shape)."""
+    if attention_mask is None:
+        return [0] * batch
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        return None
+    mask = attention_mask.detach().cpu()
+    pads = (mask == 0).long().cumprod(dim=1).sum(dim=1)
+    expected = torch.arange(length)[None, :] >= pads[:, None]
+    if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
+        return None
+    return pads.tolist()
+
+
+def _stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:
+    """One fresh [batch, heads, common, dim] tensor on `device`: each row's pieces joined along the token axis and
+    right-aligned at column `common` (zeros before: pad columns). Never aliases the store: requests resume from
+    copies."""
+    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] if pieces else None
+              for pieces in rows]
+    like = next(t for t in joined if t is not None)
+    shape = list(like.shape)
+    shape[TOKEN_AXIS] = common
+    out = torch.zeros([len(rows), *shape], dtype=like.dtype, device=device)
+    for row, tensor in enumerate(joined):
+        if tensor is not None and tensor.shape[TOKEN_AXIS]:
+            out[row, ..., common - tensor.shape[TOKEN_AXIS]:, :] = tensor.to(device)
+    return out
+
+
+def _stack_states(states: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """[batch, ...] copies of each row's state on `device`; zeros (the fresh state) for rows without one."""
+    like = next(t for t in states if t is not None)
+    return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])
