@@ -391,3 +391,36 @@ def test_left_padded_batch_whose_longest_row_is_new_runs_exactly(family):
     single = HybridPrefixCache(store)
     generate(model, batch[:1], single)
     assert single.reused_tokens == 15
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_random_left_padded_batches_stay_exact_with_beams_and_return_sequences(family):
+    """Batches of 1-4 rows cut from three shared prompts plus fresh tails, left-padded; greedy, beam search, sampled
+    num_return_sequences: every batch matches the uncached batched generate (tokens, fp32 logits), and what it admits
+    keeps later batches exact."""
+    import random
+
+    model, rng = padded_model(family), random.Random(0)
+    store = new_store(model)
+    bases = [tokens(rng.randint(4, 20), seed=100 + i) for i in range(3)]
+    reused = 0
+    for step in range(12):
+        rows = []
+        for _ in range(rng.randint(1, 4)):
+            base = bases[rng.randrange(3)]
+            tail = tokens(rng.randint(0, 6), seed=1000 + 10 * step + len(rows))
+            rows.append(torch.cat([base[: rng.randint(1, len(base))], tail]))
+        batch, mask = left_pad(rows)
+        options = [{}, dict(num_beams=2), dict(num_return_sequences=2, do_sample=True)][step % 3]
+        options |= dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+        cache = HybridPrefixCache(store)
+        torch.manual_seed(step)
+        got = generate(model, batch, cache, **options)
+        torch.manual_seed(step)
+        expected = generate(model, batch, **options)
+        assert torch.equal(got.sequences, expected.sequences)
+        for mine, theirs in zip(got.logits, expected.logits, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+        reused += sum(cache.rows_reused)
+        store.core.check_invariants()
+    assert reused > 0
