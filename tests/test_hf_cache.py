@@ -424,3 +424,26 @@ def test_random_left_padded_batches_stay_exact_with_beams_and_return_sequences(f
         reused += sum(cache.rows_reused)
         store.core.check_invariants()
     assert reused > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_left_padded_direct_forward_reuses_only_with_real_position_ids(family):
+    """Cached KV holds real positions 0, 1, ...: a padded forward without position_ids (the model then counts
+    columns, pads included) runs uncached and admits nothing; with the real positions (as generate passes) it reuses,
+    and its logits match the uncached forward."""
+    model = padded_model(family)
+    store = new_store(model)
+    first = tokens(12, seed=60)
+    generate(model, first[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([first, tokens(3, seed=61)]), tokens(4, seed=62)])
+    with torch.no_grad():
+        cache = HybridPrefixCache(store)
+        logits = model(input_ids=batch, attention_mask=mask, past_key_values=cache).logits
+        assert cache.reused_tokens == 0 and cache.commit() == 0
+        torch.testing.assert_close(logits, model(input_ids=batch, attention_mask=mask).logits, atol=1e-5, rtol=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = HybridPrefixCache(store)
+        logits = model(input_ids=batch, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        assert cache.rows_reused[0] >= 11
+        expected = model(input_ids=batch, attention_mask=mask, position_ids=positions).logits[:, -logits.shape[1]:]
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

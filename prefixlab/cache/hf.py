@@ -22,7 +22,9 @@ attention mask) and its own recurrent + conv states there; a row with nothing ca
 must be <= p_b for it (it starts fresh: zero states, only pads before c; the pads it still has are masked by the
 model as in an uncached run). c is the largest such column (the rows are re-matched at shorter probes until they all
 agree), 0 when no row can reuse anything. Rotary positions stay right: generate derives position_ids from the mask
-(cumsum), i.e. real positions, which the store's hook cuts like input_ids. Captures are planned per row in real
+(cumsum), i.e. real positions, which the store's hook cuts like input_ids; a first forward whose position_ids say
+otherwise (or a padded one without position_ids on a model with attention layers, where the model would count
+columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real
 positions and taken at padded columns (shared by all rows); after generate each row is admitted as its real tokens
 (prompt without pads + output[:-1]) with its states at column - p_b. Masks that are not plain left padding (zeros
 after ones) get no reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the
@@ -127,7 +129,8 @@ class HybridPrefixCache(DynamicCache):
         return super().get_conv_state(layer_idx, state_idx)
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None = None) -> int:
         """Start a request for `input_ids` [batch, length] (left padding allowed): load the longest prefix every row
         can resume from (each row's own cached tokens and state, one common padded position), plan the captures.
         Returns the number of leading (padded) columns already in the cache (the forward must run only the rest)."""
@@ -136,8 +139,10 @@ class HybridPrefixCache(DynamicCache):
         ids = input_ids.detach().cpu()
         batch, length = ids.shape
         pads = _left_pads(attention_mask, batch, length)
+        if pads is not None and not _real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
+            pads = None
         self._started = True
-        if pads is None:  # not plain left padding: run uncached, admit nothing
+        if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
             self._fed.append(ids[:, :0])
             self.store.record_reuse(0, batch)
@@ -340,6 +345,20 @@ def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> 
     if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
         return None
     return pads.tolist()
+
+
+def _real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool) -> bool:
+    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at): position_ids
+    [batch, length] or [k, batch, length] must say so on real columns; without them the model counts columns, which
+    is right only without pads (or without attention layers, where positions do not matter)."""
+    if position_ids is None:
+        return not has_attention or not any(pads)
+    ids = position_ids.detach().cpu().long()
+    ids = ids[None] if ids.dim() == 2 else ids
+    if ids.dim() != 3 or tuple(ids.shape[1:]) != (len(pads), length):
+        return False
+    return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
+               for row, pad in enumerate(pads))
 
 
 def _stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:

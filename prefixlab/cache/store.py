@@ -361,7 +361,7 @@ class PrefixStore:
     def _start(self, module, cache: HybridPrefixCache, kwargs: dict) -> dict:
         """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
         length = kwargs["input_ids"].shape[1]
-        start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"))
+        start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
         for stop in cache.capture_splits(start, length):
             segment = _slice_inputs(kwargs, start, stop, length)
             if "logits_to_keep" in _forward_parameters(module):
