@@ -68,14 +68,11 @@ def hydragen_cache_from_store(
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
     probe = prompt_ids[0, :-1].detach().cpu().numpy()  # >= 1 token left for generate to run
-    match = store.match(probe, namespace)
-    source = store.match_offloaded(probe, namespace, longer_than=match.length) or match
+    match, source = store.lookup(probe, namespace)
     try:
         shared = _prefix_tensors(source, attention, model.device)
     finally:
-        store.release(match)
-        if source is not match:
-            store.release(source)
+        store.release_lookup(match, source)
     cache.load_shared_prefix(**shared, batch_size=batch_size)
     return cache
 

@@ -185,14 +185,10 @@ class HybridPrefixCache(DynamicCache):
         return common
 
     def _lookup(self, probe) -> tuple:
-        """(device match, match to load from: the host tier's when it reuses more, else the device one)."""
-        match = self.store.match(probe, self.namespace)
-        return match, self.store.match_offloaded(probe, self.namespace, longer_than=match.length) or match
+        return self.store.lookup(probe, self.namespace)
 
     def _unlock(self, match, source) -> None:
-        self.store.release(match)
-        if source is not match:
-            self.store.release(source)
+        self.store.release_lookup(match, source)
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
         """Positions strictly inside (start, stop) where a forward over tokens [start, stop) must pause, so the

@@ -201,6 +201,18 @@ class PrefixStore:
         self.offload.release(match)
         return None
 
+    def lookup(self, tokens: Sequence[int], namespace: str = "default") -> tuple:
+        """(device match, match to load from: the host tier's when it reuses more, else the device one); both stay
+        locked until `release_lookup`."""
+        match = self.match(tokens, namespace)
+        return match, self.match_offloaded(tokens, namespace, longer_than=match.length) or match
+
+    def release_lookup(self, match, source) -> None:
+        """Unlock what `lookup` returned."""
+        self.release(match)
+        if source is not match:
+            self.release(source)
+
     def plan(self, tokens: Sequence[int], match) -> list[int]:
         return self.core.plan(tokens, match)
 
