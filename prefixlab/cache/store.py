@@ -11,29 +11,25 @@ Policy lives in the core only; this file moves tensors and counts bytes.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers.cache_utils import (
-    DummyLayer,
-    DynamicCache,
-    DynamicLayer,
-    DynamicSlidingWindowLayer,
-    LinearAttentionCacheLayerMixin,
-)
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
+    STATE_DROPPING_MODEL_TYPES,
+    CacheLayout,
+    model_identity,
+    parse_capacity,
+)
 from prefixlab.cache.tensors import (
     TensorKV,
     TensorState,
@@ -44,71 +40,6 @@ from prefixlab.cache.tensors import (
     state_to_flat,
 )
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_capacity(capacity: int | str, name: str = "capacity") -> int:
-    """Bytes from an int or a string like "4GB" (10**9), "512MiB" (2**20), "1.5 GiB"."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int | str):
-        raise InvalidInputError(f"{name}={capacity!r} must be an int number of bytes or a string like '4GB'")
-    if isinstance(capacity, int):
-        nbytes = capacity
-    else:
-        found = _CAPACITY.match(capacity)
-        unit = found.group(2).lower() if found else None
-        if unit not in _UNITS:
-            raise InvalidInputError(
-                f"{name}={capacity!r} is not a size; write e.g. '4GB', '512MiB' or an int number of bytes"
-            )
-        nbytes = int(float(found.group(1)) * _UNITS[unit])
-    if nbytes <= 0:
-        raise InvalidInputError(f"{name}={capacity!r} must be a positive number of bytes")
-    return nbytes
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """Which cache layers hold attention KV and which hold recurrent (conv + recurrent) states."""
-
-    kv_layers: tuple[int, ...]
-    state_layers: tuple[int, ...]
-
-    @classmethod
-    def from_config(cls, config) -> CacheLayout:
-        layers = DynamicCache(config=config).layers
-        for index, layer in enumerate(layers):
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                raise UnsupportedModelError(
-                    f"layer {index} is a sliding-window attention layer ({type(layer).__name__}); its cache drops "
-                    "old tokens, so prefixes cannot be reused from it. Disable sliding windows to use prefixlab"
-                )
-            if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
-                raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
-        return cls(
-            kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
-            state_layers=tuple(
-                i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
-            ),
-        )
-
-
-# Model types whose transformers layers restart multi-token forwards from a zero recurrent state (ignoring the
-# cached one): reuse is exact there only through prefixlab.recurrent.patch, whose layers resume from the cache.
-STATE_DROPPING_MODEL_TYPES = {
-    "jamba": "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)",
-}
-
-
-def model_identity(model: torch.nn.Module) -> str:
-    """Checksum of what makes cached tensors valid for a model: its architecture config and dtype."""
-    config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
-        config.pop(volatile, None)
-    text = json.dumps(config, sort_keys=True, default=str) + f"|{model.dtype}"
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 class PrefixStore:

@@ -1,0 +1,128 @@
+"""HybridPrefixCache on left-padded batches: each row resumes from its own cached prefix at one common padded
+column (rows without one start fresh), exact against the same batched generate without prefixlab."""
+
+import pytest
+import torch
+from hf_models import build
+from test_hf_cache import generate, new_store, tokens
+
+from prefixlab.cache.hf import HybridPrefixCache
+
+
+def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded batch (pad id 0) and its attention mask from 1-D prompts of different lengths."""
+    width = max(len(row) for row in rows)
+    batch, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return batch, mask
+
+
+def padded_model(family: str):
+    from prefixlab.recurrent import patch
+
+    return patch(build("qwen3_5")) if family == "qwen3_5-patched" else build(family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-patched", "bamba", "llama"])
+def test_left_padded_batch_reuses_each_rows_prefix_exactly_and_admits_the_rows(family):
+    """Rows of different lengths, left-padded: each resumes from its own cached prefix at one common padded column
+    (a row without any cached prefix starts fresh), tokens and fp32 logits match the same batched generate without
+    prefixlab, and every row is admitted without its pads."""
+    model = padded_model(family)
+    store = new_store(model)
+    system = tokens(14, seed=40)
+    cached = [torch.cat([system, tokens(5, seed=41)]), torch.cat([system, tokens(3, seed=42)])]
+    for prompt in cached:  # checkpoints at 14 (branch point) and at each prompt's last-but-one token (18, 16)
+        generate(model, prompt[None], HybridPrefixCache(store))
+    rows = [torch.cat([cached[0], tokens(4, seed=43)]),  # 23 tokens, no pads: resumes at 18
+            torch.cat([cached[1], tokens(2, seed=44)]),  # 19 tokens, 4 pads: resumes at 14 (column 18)
+            tokens(4, seed=45)]  # nothing cached, 19 pads: starts fresh
+    batch, mask = left_pad(rows)
+    options = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    cache = HybridPrefixCache(store)
+    got, expected = generate(model, batch, cache, **options), generate(model, batch, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert cache.rows_reused == ([19, 15, 0] if family == "llama" else [18, 14, 0])
+    store.core.check_invariants()
+    for row, prompt in enumerate(rows):  # admitted without pads: the row's next turn resumes from its whole output
+        follow = torch.cat([prompt, expected.sequences[row, batch.shape[1]:]])[None]
+        single = HybridPrefixCache(store)
+        no_eos = dict(eos_token_id=None)  # the follow-up holds no pad id (generate would mask it)
+        assert torch.equal(generate(model, follow, single, **no_eos), generate(model, follow, **no_eos))
+        assert single.reused_tokens == follow.shape[1] - 1
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_left_padded_batch_whose_longest_row_is_new_runs_exactly(family):
+    """The longest row (no pads) has nothing cached: the common column is 0, the batch runs uncached, exactly, and
+    its rows are admitted."""
+    model = padded_model(family)
+    store = new_store(model)
+    short = tokens(10, seed=50)
+    generate(model, short[None], HybridPrefixCache(store))
+    batch, mask = left_pad([tokens(16, seed=51), torch.cat([short, tokens(2, seed=52)])])
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(model, batch, cache, attention_mask=mask), generate(model, batch, attention_mask=mask))
+    assert cache.reused_tokens == 0
+    single = HybridPrefixCache(store)
+    generate(model, batch[:1], single)
+    assert single.reused_tokens == 15
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_random_left_padded_batches_stay_exact_with_beams_and_return_sequences(family):
+    """Batches of 1-4 rows cut from three shared prompts plus fresh tails, left-padded; greedy, beam search, sampled
+    num_return_sequences: every batch matches the uncached batched generate (tokens, fp32 logits), and what it admits
+    keeps later batches exact."""
+    import random
+
+    model, rng = padded_model(family), random.Random(0)
+    store = new_store(model)
+    bases = [tokens(rng.randint(4, 20), seed=100 + i) for i in range(3)]
+    reused = 0
+    for step in range(12):
+        rows = []
+        for _ in range(rng.randint(1, 4)):
+            base = bases[rng.randrange(3)]
+            tail = tokens(rng.randint(0, 6), seed=1000 + 10 * step + len(rows))
+            rows.append(torch.cat([base[: rng.randint(1, len(base))], tail]))
+        batch, mask = left_pad(rows)
+        options = [{}, dict(num_beams=2), dict(num_return_sequences=2, do_sample=True)][step % 3]
+        options |= dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+        cache = HybridPrefixCache(store)
+        torch.manual_seed(step)
+        got = generate(model, batch, cache, **options)
+        torch.manual_seed(step)
+        expected = generate(model, batch, **options)
+        assert torch.equal(got.sequences, expected.sequences)
+        for mine, theirs in zip(got.logits, expected.logits, strict=True):
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+        reused += sum(cache.rows_reused)
+        store.core.check_invariants()
+    assert reused > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_left_padded_direct_forward_reuses_only_with_real_position_ids(family):
+    """Cached KV holds real positions 0, 1, ...: a padded forward without position_ids (the model then counts
+    columns, pads included) runs uncached and admits nothing; with the real positions (as generate passes) it reuses,
+    and its logits match the uncached forward."""
+    model = padded_model(family)
+    store = new_store(model)
+    first = tokens(12, seed=60)
+    generate(model, first[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([first, tokens(3, seed=61)]), tokens(4, seed=62)])
+    with torch.no_grad():
+        cache = HybridPrefixCache(store)
+        logits = model(input_ids=batch, attention_mask=mask, past_key_values=cache).logits
+        assert cache.reused_tokens == 0 and cache.commit() == 0
+        torch.testing.assert_close(logits, model(input_ids=batch, attention_mask=mask).logits, atol=1e-5, rtol=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = HybridPrefixCache(store)
+        logits = model(input_ids=batch, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        assert cache.rows_reused[0] >= 11
+        expected = model(input_ids=batch, attention_mask=mask, position_ids=positions).logits[:, -logits.shape[1]:]
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
