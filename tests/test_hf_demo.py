@@ -1,6 +1,7 @@
 """`prefixlab demo` end to end on a shortened workload (short system prompts keep it quick)."""
 
 import pytest
+from conftest import require_shared
 
 import prefixlab.demo as demo
 from prefixlab.cli import main
@@ -15,6 +16,8 @@ def short_prompts(monkeypatch):
 def test_demo_serves_identically_and_reports(data, short_prompts, monkeypatch, tmp_path, capsys):
     if data == "builtin":
         monkeypatch.setattr(demo, "shared_file", lambda relative: None)
+    else:
+        require_shared("tokenizers/gpt-neox-20b.json")
     assert main(["demo", "--requests", "6", "--max-new-tokens", "2", "--plot", str(tmp_path / "demo.png")]) == 0
     out = capsys.readouterr().out
     assert "generated tokens identical with and without prefixlab: yes" in out
