@@ -3,7 +3,6 @@
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-import prefixlab
 from prefixlab import HybridPrefixCache, PrefixStore
 
 config = Qwen3_5TextConfig(
@@ -14,8 +13,8 @@ config = Qwen3_5TextConfig(
 )
 torch.manual_seed(0)
 model = Qwen3_5ForCausalLM(config).eval()
-prefixlab.recurrent.patch(model)  # optional: states are captured inside the one prefill pass
 
+# the store routes the GatedDeltaNet layers through prefixlab kernels: states are captured inside the one prefill
 store = PrefixStore(model, capacity="256MB", policy="dp")
 system = torch.randint(1, 1000, (1, 300))
 for question in range(3):

@@ -67,8 +67,10 @@ def serve_workload(model, store):
 
 @pytest.mark.parametrize("family", SERVED)
 def test_reuse_is_exact(family):
+    """transformers' own layers (patch=False): planned states are captured by splitting the prefill."""
     model = build(family)
-    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    assert not store.records_in_kernel
     reused, previous_length = serve_workload(model, store)
     assert reused[0] == 0
     assert reused[2] >= 24, "the third question reuses the system prompt"
@@ -94,8 +96,21 @@ def test_reuse_is_exact_with_patched_recurrent_layers(family):
 
 @pytest.mark.parametrize("family", sorted(STATE_DROPPING_MODEL_TYPES))
 def test_families_that_cannot_resume_unpatched_are_refused(family):
+    model = build(family)
     with pytest.raises(UnsupportedModelError, match="recurrent.patch"):
-        PrefixStore(build(family))
+        PrefixStore(model, patch=False)
+    assert not getattr(model, "prefixlab_patched", False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "jamba"])
+def test_store_patches_by_default_and_close_restores_the_model(family):
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    assert store.records_in_kernel
+    reused, _ = serve_workload(model, store)
+    assert reused[2] >= 24
+    store.close()
+    assert not getattr(model, "prefixlab_patched", False)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])

@@ -51,19 +51,24 @@ class PrefixStore:
         policy: admission policy of the core ("dp", "marconi", "sglang+", "vllm+").
         offload_capacity: optional host-memory budget; entries evicted from the device move there first.
         block_size: token granularity of the policies.
+        patch: route the model's linear-attention layers through prefixlab.recurrent kernels (exact), so states are
+            captured inside the one prefill pass and Jamba-style layers resume from cached states; `close()` undoes
+            it. With patch=False transformers' layers run and planned states are captured by splitting the prefill.
     """
 
     _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
-                 offload_capacity: int | str | None = None, block_size: int = 32, **core_options):
+                 offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
+                 **core_options):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+        already_patched = bool(getattr(model, "prefixlab_patched", False))
         model_type = getattr(model.config, "model_type", "")
-        if model_type in STATE_DROPPING_MODEL_TYPES and not getattr(model, "prefixlab_patched", False):
+        if model_type in STATE_DROPPING_MODEL_TYPES and not (patch or already_patched):
             raise UnsupportedModelError(
                 f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly "
-                "unless you call prefixlab.recurrent.patch(model) before building the store"
+                "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
             )
         self.model = model
         self.identity = model_identity(model)
@@ -83,6 +88,8 @@ class PrefixStore:
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
                           "offload_hits": 0}
         self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
+        # last, so that a store refused above leaves the model as it was
+        self._patched_here = patch and not already_patched and _patch(model)
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
@@ -108,11 +115,16 @@ class PrefixStore:
         return bool(getattr(self.model, "prefixlab_patched", False))
 
     def close(self) -> None:
-        """Admit what open caches hold and remove the hooks from the model."""
+        """Admit what open caches hold, remove the hooks from the model and undo the patch the store applied."""
         self.flush()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self._patched_here:
+            from prefixlab.recurrent.patch import unpatch
+
+            unpatch(self.model)
+            self._patched_here = False
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     def match(self, tokens: Sequence[int], namespace: str = "default"):
@@ -323,6 +335,22 @@ class PrefixStore:
         else:
             cache.forward_done()
             self._open[id(cache)] = cache
+
+
+def _patch(model: torch.nn.Module) -> bool:
+    """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
+    states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py). Returns
+    whether anything was patched (attention-only models have nothing to patch)."""
+    from prefixlab.recurrent.patch import patch
+
+    try:
+        patch(model)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(
+            f"{err}. Build the store with patch=False to keep transformers' own layers (planned states are then "
+            "captured by splitting the prefill at them)"
+        ) from err
+    return bool(getattr(model, "prefixlab_patched", False))
 
 
 def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
