@@ -4,6 +4,8 @@ completions equal plain generation, the store is left as it was, a miss is plain
 import pytest
 import torch
 from hf_models import VOCAB, build
+from hydragen_helpers import assert_same as _assert_same
+from hydragen_helpers import generate_seeded
 from transformers import DynamicCache
 
 from prefixlab.attention import hydragen_cache_from_store
@@ -13,7 +15,7 @@ from prefixlab.errors import InvalidInputError, ModelMismatchError
 from prefixlab.recurrent import patch
 
 N, PREFIX, SUFFIX = 4, 20, 6
-GEN = dict(max_new_tokens=6, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+MAX_NEW_TOKENS = 6
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
@@ -36,15 +38,8 @@ def _tokens(seed: int, length: int) -> torch.Tensor:
 
 
 def _generate(model, ids, seed, cache=None, **kwargs):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        return model.generate(ids, past_key_values=cache, **GEN, **kwargs)
-
-
-def _assert_same(ref, out):
-    assert torch.equal(ref.sequences, out.sequences)
-    for a, b in zip(ref.scores, out.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    return generate_seeded(model, ids, seed, cache, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW_TOKENS),
+                           **kwargs)
 
 
 def _kv_bytes(model, tokens: int) -> int:
@@ -98,7 +93,7 @@ def test_greedy_completions_from_a_store_hit(pair, store):
     finally:
         handle.remove()
     _assert_same(_generate(standard, prompt.repeat(N, 1), 0, do_sample=False), out)
-    assert widths == [prompt.shape[1] - reused] + [1] * (GEN["max_new_tokens"] - 1)  # only the uncached suffix
+    assert widths == [prompt.shape[1] - reused] + [1] * (MAX_NEW_TOKENS - 1)  # only the uncached suffix
     _assert_untouched(store, before)
 
 
@@ -117,12 +112,12 @@ def test_sampled_completions_store_the_served_prefix_once(pair, store):
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
     assert [level.length for level in layer.levels] == [prompt.shape[1]]
     assert cache.shared_bytes() == _kv_bytes(hydragen, prompt.shape[1])
-    assert cache.per_sequence_bytes() == N * _kv_bytes(hydragen, GEN["max_new_tokens"] - 1)
+    assert cache.per_sequence_bytes() == N * _kv_bytes(hydragen, MAX_NEW_TOKENS - 1)
     standard_cache = DynamicCache(config=standard.config)
     _generate(standard, prompt, 5, standard_cache, do_sample=True, num_return_sequences=N)
     standard_bytes = sum(t.numel() * 4 for layer in standard_cache.layers if getattr(layer, "keys", None) is not None
                          for t in (layer.keys, layer.values))
-    assert standard_bytes == N * _kv_bytes(hydragen, prompt.shape[1] + GEN["max_new_tokens"] - 1)
+    assert standard_bytes == N * _kv_bytes(hydragen, prompt.shape[1] + MAX_NEW_TOKENS - 1)
     _assert_untouched(store, before)
 
 

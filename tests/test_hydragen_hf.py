@@ -3,13 +3,15 @@ stored once (counted in bytes), prefixes fed from outside, padding, and bad inpu
 
 import pytest
 import torch
+from hydragen_helpers import assert_same as _assert_same
+from hydragen_helpers import generate_seeded
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
 from prefixlab.attention import HydragenCache
 from prefixlab.errors import InvalidInputError
 
 VOCAB, KV_HEADS, HEAD_DIM = 128, 2, 16
-GEN = dict(max_new_tokens=8, return_dict_in_generate=True, output_scores=True, pad_token_id=0)
+MAX_NEW_TOKENS = 8
 
 
 def _llama():
@@ -57,15 +59,8 @@ def _kv_bytes(model, tokens: int) -> int:
 
 
 def _generate(model, ids, seed, cache=None, **kwargs):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        return model.generate(ids, past_key_values=cache, **GEN, **kwargs)
-
-
-def _assert_same(ref, out):
-    assert torch.equal(ref.sequences, out.sequences)
-    for a, b in zip(ref.scores, out.scores, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    return generate_seeded(model, ids, seed, cache, max_new_tokens=kwargs.pop("max_new_tokens", MAX_NEW_TOKENS),
+                           **kwargs)
 
 
 def test_sampled_completions_share_the_prompt_once(pair):
@@ -76,12 +71,12 @@ def test_sampled_completions_share_the_prompt_once(pair):
     out = _generate(hydragen, prompt, 7, cache, do_sample=True, num_return_sequences=n)
     _assert_same(_generate(standard, prompt, 7, do_sample=True, num_return_sequences=n), out)
     assert cache.shared_bytes() == _kv_bytes(hydragen, 24)  # the prompt, once (not n times)
-    assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, GEN["max_new_tokens"] - 1)  # fed-back tokens
+    assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, MAX_NEW_TOKENS - 1)  # fed-back tokens
     standard_cache = DynamicCache(config=standard.config)
     _generate(standard, prompt, 7, standard_cache, do_sample=True, num_return_sequences=n)
     standard_bytes = sum(t.numel() * 4 for layer in standard_cache.layers if getattr(layer, "keys", None) is not None
                          for t in (layer.keys, layer.values))
-    assert standard_bytes == n * _kv_bytes(hydragen, 24 + GEN["max_new_tokens"] - 1)
+    assert standard_bytes == n * _kv_bytes(hydragen, 24 + MAX_NEW_TOKENS - 1)
 
 
 def test_greedy_batch_of_prompts_sharing_a_prefix(pair):
@@ -92,7 +87,7 @@ def test_greedy_batch_of_prompts_sharing_a_prefix(pair):
     cache = HydragenCache(hydragen.config)
     _assert_same(_generate(standard, ids, 0, do_sample=False), _generate(hydragen, ids, 0, cache, do_sample=False))
     assert cache.shared_bytes() == _kv_bytes(hydragen, 20)
-    assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + GEN["max_new_tokens"] - 1)
+    assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + MAX_NEW_TOKENS - 1)
 
 
 def test_prompts_times_samples_make_a_two_level_tree(pair):
