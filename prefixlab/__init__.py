@@ -4,6 +4,7 @@ from prefixlab.errors import (
     InvalidInputError,
     ModelMismatchError,
     PrefixlabError,
+    StoreClosedError,
     TraceFormatError,
     UnsupportedModelError,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "ModelMismatchError",
     "PrefixStore",
     "PrefixlabError",
+    "StoreClosedError",
     "TraceFormatError",
     "UnsupportedModelError",
     "__version__",

@@ -19,3 +19,7 @@ class ModelMismatchError(PrefixlabError, ValueError):
 
 class UnsupportedModelError(PrefixlabError, TypeError):
     """A model or layer class prefixlab cannot serve; the message names the class."""
+
+
+class StoreClosedError(PrefixlabError, RuntimeError):
+    """A PrefixStore (or a HybridPrefixCache over it) is used after `store.close()`."""

@@ -7,11 +7,18 @@ The store owns a `PrefixCacheCore` (radix tree + admission/eviction policy + byt
 payloads are tensors (cache/tensors.py), an optional host-memory tier for entries evicted from the device, and the
 forward hooks through which the model drives every `HybridPrefixCache` (see cache/hf.py for the request life cycle).
 Policy lives in the core only; this file moves tensors and counts bytes.
+
+Threads: one store may serve `generate` calls from several threads at once (a threaded server). Every change to the
+core, the host tier, the open caches and the counters happens under the store's re-entrant `lock`, held only for
+bookkeeping and tensor copies, never across a model forward, so forwards run concurrently (cache/sharing.py). A
+cache is committed by whichever thread uses the store next, but only between its forwards (never mid-forward).
+One HybridPrefixCache serves one request: never pass the same cache object to two threads at once.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -30,6 +37,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     model_identity,
     parse_capacity,
 )
+from prefixlab.cache.sharing import check_open, guard_forward, serialized, unguard_forward
 from prefixlab.cache.tensors import (
     TensorKV,
     TensorState,
@@ -53,10 +61,16 @@ class PrefixStore:
         block_size: token granularity of the policies.
         patch: route the model's linear-attention layers through prefixlab.recurrent kernels (exact), so states are
             captured inside the one prefill pass and Jamba-style layers resume from cached states; `close()` undoes
-            it. With patch=False transformers' layers run and planned states are captured by splitting the prefill.
+            it. With patch=False transformers' layers run and planned states are captured by splitting the prefill
+            (a model another store patched stays patched while this one is open).
+
+    Thread-safe: several threads may run `generate` with their own HybridPrefixCache over one store; model forwards
+    run concurrently, store bookkeeping is serialised by `lock` (see the module docstring). After `close()` every
+    method raises StoreClosedError.
     """
 
     _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _defaults_lock = threading.Lock()
 
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
@@ -71,6 +85,8 @@ class PrefixStore:
                 "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
             )
         self.model = model
+        self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
+        self.closed = False
         self.identity = model_identity(model)
         self.layout = CacheLayout.from_config(model.config)
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
@@ -89,7 +105,8 @@ class PrefixStore:
                           "offload_hits": 0}
         self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
         # last, so that a store refused above leaves the model as it was
-        self._patched_here = patch and not already_patched and _patch(model)
+        self._holds_patch = _hold_patch(model, patch)
+        guard_forward(model)
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
             model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
@@ -98,12 +115,14 @@ class PrefixStore:
     @classmethod
     def default_for(cls, model: torch.nn.Module, **options) -> PrefixStore:
         """The model's default store, created on first call with `options` (later calls must not pass options)."""
-        store = cls._defaults.get(model)
-        if store is None:
-            store = cls._defaults[model] = cls(model, **options)
-        elif options:
-            raise InvalidInputError("the default store of this model already exists; options apply only at creation")
-        return store
+        with cls._defaults_lock:
+            store = cls._defaults.get(model)
+            if store is None or store.closed:
+                store = cls._defaults[model] = cls(model, **options)
+            elif options:
+                raise InvalidInputError("the default store of this model already exists; options apply only at "
+                                        "creation")
+            return store
 
     @property
     def device(self) -> torch.device:
@@ -115,23 +134,33 @@ class PrefixStore:
         return bool(getattr(self.model, "prefixlab_patched", False))
 
     def close(self) -> None:
-        """Admit what open caches hold, remove the hooks from the model and undo the patch the store applied."""
-        self.flush()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if self._patched_here:
-            from prefixlab.recurrent.patch import unpatch
+        """Admit what open caches hold, remove the hooks from the model and give back the patch (the model is
+        unpatched when no other store holds it). Call it once no request runs; later uses raise StoreClosedError."""
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.flush()
+            finally:
+                self.closed = True
+                for handle in self._hooks:
+                    handle.remove()
+                self._hooks = []
+                unguard_forward(self.model)
+                if self._holds_patch:
+                    from prefixlab.recurrent.patch import let_go
 
-            unpatch(self.model)
-            self._patched_here = False
+                    let_go(self.model)
+                    self._holds_patch = False
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
+    @serialized
     def match(self, tokens: Sequence[int], namespace: str = "default"):
         """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first."""
         self.flush()
         return self.core.match(tokens, namespace=namespace)
 
+    @serialized
     def match_offloaded(self, tokens: Sequence[int], namespace: str, longer_than: int):
         """A host-tier match reusing more than `longer_than` tokens (locked until `release`), else None."""
         if self.offload is None:
@@ -144,21 +173,25 @@ class PrefixStore:
         self.offload.release(match)
         return None
 
+    @serialized
     def lookup(self, tokens: Sequence[int], namespace: str = "default") -> tuple:
         """(device match, match to load from: the host tier's when it reuses more, else the device one); both stay
         locked until `release_lookup`."""
         match = self.match(tokens, namespace)
         return match, self.match_offloaded(tokens, namespace, longer_than=match.length) or match
 
+    @serialized
     def release_lookup(self, match, source) -> None:
         """Unlock what `lookup` returned."""
         self.release(match)
         if source is not match:
             self.release(source)
 
+    @serialized
     def plan(self, tokens: Sequence[int], match) -> list[int]:
         return self.core.plan(tokens, match)
 
+    @serialized
     def release(self, match) -> None:
         """Unlock a match of either tier."""
         if id(match) in self._host_matches:
@@ -166,6 +199,12 @@ class PrefixStore:
             self.offload.release(match)
         else:
             self.core.release(match)
+
+    def forward_failed(self, cache: HybridPrefixCache) -> None:
+        """A forward given `cache` raised (any exception): forget its request; nothing of it is admitted."""
+        with self.lock:
+            cache.forward_failed()
+            self._open.pop(id(cache), None)
 
     def _evict_to_host(self, eviction) -> None:
         """Before the device policy frees a victim, copy its whole path (tokens up to the victim's end, their KV and
@@ -188,6 +227,7 @@ class PrefixStore:
 
         eviction.free = free
 
+    @serialized
     def record_reuse(self, reused_tokens: int, rows: int) -> None:
         self._counters["sequences"] += rows
         self._counters["hit_sequences"] += rows if reused_tokens else 0
@@ -195,6 +235,7 @@ class PrefixStore:
         self._counters["reused_bytes"] += rows * (reused_tokens * self.spec.kv_bytes_per_token
                                                   + (self.spec.state_bytes if reused_tokens else 0))
 
+    @serialized
     def admit(self, tokens: Sequence[int], kv: Callable[[int, int], TensorKV], states: dict[int, TensorState],
               namespace: str = "default") -> bool:
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
@@ -209,12 +250,14 @@ class PrefixStore:
             )
         return admitted
 
+    @serialized
     def flush(self) -> None:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later)."""
         open_caches, self._open = list(self._open.values()), {}
         for cache in open_caches:
             cache.commit()
 
+    @serialized
     def stats(self) -> dict:
         """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
         hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
@@ -224,6 +267,7 @@ class PrefixStore:
         return {**self.core.stats(), **offload, **self._counters}
 
     # -- persistence ------------------------------------------------------------------------------------------------
+    @serialized
     def save(self, path: str | Path) -> None:
         """Write every cached entry (tokens, KV, checkpoints, per namespace) and the model identity to a
         safetensors file. Shared prefixes are written once."""
@@ -297,6 +341,14 @@ class PrefixStore:
         cache = self._our_cache(module, kwargs)
         if cache is None:
             return None
+        check_open(self)
+        try:
+            return self._prepare(module, cache, args, kwargs)
+        except BaseException:  # the forward will not run: the cache must not look half begun
+            self.forward_failed(cache)
+            raise
+
+    def _prepare(self, module, cache: HybridPrefixCache, args: tuple, kwargs: dict):
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
@@ -310,13 +362,15 @@ class PrefixStore:
             )
         if not cache.started:
             kwargs = self._start(module, cache, kwargs)
-        cache.record(kwargs["input_ids"])
+        with self.lock:  # a commit by another thread sees the cache before or after this, never halfway
+            cache.record(kwargs["input_ids"])
         return (), kwargs
 
     def _start(self, module, cache: HybridPrefixCache, kwargs: dict) -> dict:
         """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
         length = kwargs["input_ids"].shape[1]
-        start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
+        with self.lock:
+            start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
         for stop in cache.capture_splits(start, length):
             segment = _slice_inputs(kwargs, start, stop, length)
             if "logits_to_keep" in _forward_parameters(module):
@@ -329,28 +383,27 @@ class PrefixStore:
         cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
         if not isinstance(cache, HybridPrefixCache) or cache.store is not self or not cache.started:
             return
-        if output is None:  # the forward raised
-            cache.forward_failed()
-            self._open.pop(id(cache), None)
-        else:
+        if output is None:  # the forward raised an Exception (sharing.guard_forward catches the others)
+            self.forward_failed(cache)
+            return
+        with self.lock:
             cache.forward_done()
             self._open[id(cache)] = cache
 
 
-def _patch(model: torch.nn.Module) -> bool:
+def _hold_patch(model: torch.nn.Module, apply: bool) -> bool:
     """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
-    states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py). Returns
-    whether anything was patched (attention-only models have nothing to patch)."""
-    from prefixlab.recurrent.patch import patch
+    states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py); shared with
+    the other stores on the model (recurrent/patch.py `hold`). Returns whether this store holds a share."""
+    from prefixlab.recurrent.patch import hold
 
     try:
-        patch(model)
+        return hold(model, apply)
     except UnsupportedModelError as err:
         raise UnsupportedModelError(
             f"{err}. Build the store with patch=False to keep transformers' own layers (planned states are then "
             "captured by splitting the prefill at them)"
         ) from err
-    return bool(getattr(model, "prefixlab_patched", False))
 
 
 def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:

@@ -10,10 +10,15 @@ does. Outputs equal the unpatched model's (fp32 within 1e-5).
 layer's own forward, and `patched(model)` does both around a `with` block. Patching swaps the forward of each layer
 *instance* (the class is untouched, so other models are unaffected); under accelerate's hooks the hooked inner
 forward is swapped so device placement keeps working.
+
+Owners (PrefixStores) share one patch through `hold` / `let_go`: the first hold patches, the last let-go unpatches,
+so closing one of two stores on a model leaves the other's model patched. A patch applied by hand (`patch(model)`)
+is never undone by them.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -29,6 +34,8 @@ from prefixlab.recurrent.families.base import run_layer
 
 BACKENDS = ("auto", *PORTABLE_BACKENDS)
 _ORIGINAL = "_prefixlab_original_forward"  # (attribute swapped, its instance value before patching or None)
+_OWNERS = "_prefixlab_patch_owners"  # how many owners hold a patch that `hold` applied
+_OWNERS_LOCK = threading.Lock()
 
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
@@ -64,7 +71,37 @@ def unpatch(model: nn.Module) -> nn.Module:
         else:
             setattr(layer, attribute, original)
     vars(model).pop("prefixlab_patched", None)
+    vars(model).pop(_OWNERS, None)
     return model
+
+
+def hold(model: nn.Module, apply: bool = True) -> bool:
+    """Take a share of the patch an owner needs: join a patch other owners hold, or (`apply`) patch an unpatched
+    model. Returns whether this call took a share (then call `let_go` once); False when the model has nothing to
+    patch, was patched by hand (its patch is not ours to undo), or stays unpatched (`apply=False`)."""
+    with _OWNERS_LOCK:
+        owners = vars(model).get(_OWNERS)
+        if owners is None:
+            if not apply or is_patched(model):
+                return False
+            patch(model)
+            if not is_patched(model):
+                return False
+            owners = 0
+        vars(model)[_OWNERS] = owners + 1
+        return True
+
+
+def let_go(model: nn.Module) -> None:
+    """Give back a share taken by `hold`; the last one unpatches the model."""
+    with _OWNERS_LOCK:
+        owners = vars(model).get(_OWNERS)
+        if owners is None:  # unpatched by hand meanwhile
+            return
+        if owners > 1:
+            vars(model)[_OWNERS] = owners - 1
+        else:
+            unpatch(model)
 
 
 @contextmanager

@@ -1,0 +1,134 @@
+"""PrefixStore under faults: a bad row in a batch, an interrupt mid-generate, two stores on one model, a closed
+store. Each leaves the store consistent (nothing locked, nothing half admitted) and the next request exact."""
+
+import pytest
+import torch
+from hf_models import build
+from prefix_helpers import node_paths
+
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.errors import InvalidInputError, StoreClosedError
+from prefixlab.recurrent.patch import is_patched
+
+GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build("qwen3_5")
+
+
+def tokens(*shape, seed=0):
+    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, prompt, cache=None):
+    return model.generate(prompt, past_key_values=cache, **GREEDY)
+
+
+def entries(store) -> tuple:
+    """What the store holds (paths, checkpoints, bytes), not its request counters."""
+    return sorted((path, tuple(node.ckpt_pos)) for node, path in node_paths(store.core)), store.core.used_bytes
+
+
+@pytest.mark.parametrize("bad_id", [-1, 128])  # negative; past the vocabulary (128 in the tiny configs)
+def test_a_bad_row_in_a_batch_raises_and_locks_nothing(model, bad_id):
+    store = PrefixStore(model, capacity=48 * 1024, policy="marconi", block_size=4)
+    first, other = tokens(1, 20, seed=1), tokens(1, 20, seed=2)
+    generate(model, first, HybridPrefixCache(store))
+    store.flush()
+    before = entries(store)
+    batch = torch.cat([first, other])
+    batch[1, 7] = bad_id
+    cache = HybridPrefixCache(store)
+    with pytest.raises(InvalidInputError, match="token id"):
+        generate(model, batch, cache)
+    assert store.stats()["locked_matches"] == 0 and entries(store) == before
+    store.core.check_invariants()
+    # nothing stays locked: the tight budget evicts the first entry to admit another one
+    generate(model, other, cache)  # the same cache object serves a fresh request
+    store.flush()
+    assert store.core.match(other[0].tolist()).length > 0
+    store.close()
+
+
+class Interrupt:
+    """A forward pre-hook on one layer raising KeyboardInterrupt on its `at`-th call."""
+
+    def __init__(self, model, at: int):
+        self.calls, self.at = 0, at
+        self.handle = model.model.layers[1].register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("patch", [True, False], ids=["patched", "split-prefill"])
+@pytest.mark.parametrize("at", [1, 3], ids=["mid-prefill", "mid-decode"])
+def test_keyboard_interrupt_resets_the_cache_and_leaves_the_store_unchanged(model, patch, at):
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=patch)
+    first = tokens(1, 16, seed=3)
+    second = torch.cat([first, tokens(1, 6, seed=4)], dim=1)  # a follow-up: resumes where `first` ended
+    generate(model, first, HybridPrefixCache(store))
+    store.flush()
+    before, expected = entries(store), generate(model, second)
+    cache = HybridPrefixCache(store)
+    interrupt = Interrupt(model, at)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(model, second, cache)
+    finally:
+        interrupt.handle.remove()
+    assert not cache.started and cache.get_seq_length() == 0
+    assert store.stats()["locked_matches"] == 0 and entries(store) == before
+    store.core.check_invariants()
+    assert torch.equal(generate(model, second, cache), expected)  # the same object serves the request again
+    assert cache.reused_tokens > 0
+    store.close()
+    assert "forward" not in vars(model) and not model._forward_hooks
+
+
+def test_closing_one_of_two_stores_keeps_the_model_patched_for_the_other():
+    """Jamba resumes exactly only patched: the patch is shared, the last store closed unpatches."""
+    model = build("jamba")
+    prompt = tokens(1, 20, seed=6)
+    expected = generate(model, prompt)  # transformers without prefixlab
+    first = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    second = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    third = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)  # rides on the patch
+    first.close()
+    second.close()
+    assert is_patched(model) and third.records_in_kernel
+    for turn in range(2):
+        cache = HybridPrefixCache(third)
+        assert torch.equal(generate(model, prompt, cache), expected)
+        assert cache.reused_tokens == (19 if turn else 0)
+    third.close()
+    assert not is_patched(model) and not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_closed_store_refuses_every_use_with_a_clear_error(model, tmp_path):
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 12, seed=7)
+    generate(model, prompt, HybridPrefixCache(store))
+    match = store.core.match(prompt[0].tolist())
+    built_before = HybridPrefixCache(store)
+    store.close()
+    store.close()  # idempotent
+    uses = [
+        lambda: store.match([1, 2]), lambda: store.lookup([1, 2]), lambda: store.plan([1, 2], match),
+        lambda: store.release(match), lambda: store.admit([1, 2], lambda a, b: None, {}), lambda: store.flush(),
+        lambda: store.stats(), lambda: store.save(tmp_path / "s.safetensors"), lambda: store.record_reuse(1, 1),
+        lambda: HybridPrefixCache(store), lambda: generate(model, prompt, built_before),
+    ]
+    for use in uses:
+        with pytest.raises(StoreClosedError, match="was closed.*Build a new PrefixStore"):
+            use()
+    assert not (tmp_path / "s.safetensors").exists()
+    default = PrefixStore.default_for(model)
+    default.close()
+    fresh = PrefixStore.default_for(model)  # the closed default is replaced, not handed out
+    assert fresh is not default and not fresh.closed
+    fresh.close()
