@@ -182,3 +182,33 @@ def test_fork_is_an_independent_copy_that_replays_like_a_deep_copy(policy):
     assert hits[0] == hits[1] and snapshot(fork) == snapshot(reference) and fork.evictions > core.evictions
     assert snapshot(core) == before  # the original is untouched
     fork.check_invariants()
+
+
+def test_the_alpha_tuning_record_is_bounded_and_alpha_is_still_tuned():
+    from prefixlab.cache.core import replay_request
+
+    rng = np.random.default_rng(5)
+    core, held = _core(capacity_bytes=3_000, history_tokens=200), []
+    for _ in range(300):
+        replay_request(core, rng.integers(0, 50, 15), rng.integers(0, 50, 5))
+        held.append(sum(len(tokens) for tokens, _ in core._history))
+    assert max(held) <= 200  # unbounded, it grows by 20 tokens a request until alpha is tuned
+    assert core.evictions and not core._tuning and not core._history  # the window was replayed, alpha tuned
+    lazy = _core(capacity_bytes=10**9, history_tokens=200)  # never evicts, so never tunes: the record stays bounded
+    for _ in range(300):
+        replay_request(lazy, rng.integers(0, 50, 15), rng.integers(0, 50, 5))
+    assert lazy._tuning and sum(len(tokens) for tokens, _ in lazy._history) <= 200
+
+
+def test_namespaces_that_hold_nothing_keep_no_root():
+    from prefixlab.cache.core import replay_request
+
+    core = _core(capacity_bytes=2 * STATE_BYTES + 64)
+    for i in range(100):  # looked up only
+        core.release(core.match([1, 2, 3], namespace=f"tenant-{i}"))
+    assert core.tree.roots == {}
+    for i in range(100):  # each admission evicts the older tenants' entries
+        replay_request(core, [1, 2, 3, 4, 5], [6], namespace=f"tenant-{i}")
+    assert len(core.tree.roots) <= 2 and core.stats()["nodes"] <= 6
+    core.check_invariants()
+    assert core.match([1, 2, 3, 4, 5, 6], namespace="tenant-99").length > 0

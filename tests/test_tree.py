@@ -128,3 +128,13 @@ def test_a_locked_entry_survives_pressure_from_other_requests(policy):
     request(core, [30] * 20)
     request(core, [31] * 20)
     assert naive_match(core, [1] * 20) == (0, 0)  # unlocked, it is the least recent and goes
+
+
+def test_a_namespace_root_exists_only_while_it_holds_entries():
+    tree = RadixTree()
+    assert tree.walk(np.array([1, 2]), "ghost").path[0].is_root and tree.roots == {}  # a lookup creates nothing
+    tree = _tree_with([1, 2, 3])
+    (leaf,) = tree.roots["ns"].children.values()
+    tree.remove_leaf(leaf)
+    assert tree.roots == {} and list(tree.nodes()) == []
+    tree.check_invariants()

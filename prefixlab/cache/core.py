@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -62,7 +63,9 @@ class PrefixCacheCore:
     `alpha=None` (FLOP-aware policies) starts at 0 and tunes Marconi's FLOP-efficiency weight once, as the paper
     does: with N0 the requests seen when the first eviction happens, the first `bootstrap_multiplier` x N0
     requests are replayed from an empty cache for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
-    FLOPs is kept (alpha stays 0 if the trace ends first). A number fixes alpha.
+    FLOPs is kept (alpha stays 0 if the trace ends first). A number fixes alpha. The recorded window is bounded by
+    `history_tokens` (tokens of input + output): past it the oldest requests are dropped, so a cache that evicts
+    late replays its most recent `history_tokens` tokens of requests instead of the first ones.
 
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
@@ -80,6 +83,7 @@ class PrefixCacheCore:
         bootstrap_multiplier: int = 5,
         checkpoint_budget: int = 4,
         overflow: bool = False,
+        history_tokens: int = 1 << 22,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -87,7 +91,7 @@ class PrefixCacheCore:
         if not isinstance(spec, ModelSpec):
             raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
         for arg, value in (("block_size", block_size), ("bootstrap_multiplier", bootstrap_multiplier),
-                           ("checkpoint_budget", checkpoint_budget)):
+                           ("checkpoint_budget", checkpoint_budget), ("history_tokens", history_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{arg} must be a positive int, got {value!r}")
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
@@ -102,7 +106,9 @@ class PrefixCacheCore:
         self._live: dict[int, Match] = {}
         self.bootstrap_multiplier = bootstrap_multiplier
         self._tuning = alpha is None and tunes_alpha(policy)
-        self._history: list[tuple[np.ndarray, int]] = []  # (input + output, input length) until alpha is tuned
+        # (input + output, input length) of the requests admitted until alpha is tuned: the bootstrap window
+        self._history: deque[tuple[np.ndarray, int]] = deque()
+        self.history_tokens, self._history_held, self._history_dropped = history_tokens, 0, 0
         self._tune_at: int | None = None
         self._last_walk: tuple | None = None
 
@@ -309,23 +315,28 @@ class PrefixCacheCore:
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
         self._history.append((tokens, match.input_length if match else len(tokens)))
+        self._history_held += len(tokens)
+        while self._history_held > self.history_tokens and len(self._history) > 1:
+            self._history_held -= len(self._history.popleft()[0])
+            self._history_dropped += 1
         if self._tune_at is not None and self.requests >= self._tune_at:
             self.eviction.alpha = self._tune_alpha()
-            self._tuning, self._history = False, []
+            self._tuning, self._history, self._history_held = False, deque(), 0
 
     def _tune_alpha(self) -> float:
         # Until the first eviction alpha plays no part: replay that stretch once and copy it for every alpha.
-        warm = self._tune_at // self.bootstrap_multiplier - 1
+        warm = max(0, self._tune_at // self.bootstrap_multiplier - 1 - self._history_dropped)
+        history = list(self._history)
         base = PrefixCacheCore(
             self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
             checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
         )
-        warm_hits = [_replay(base, tokens, n) for tokens, n in self._history[:warm]]
+        warm_hits = [_replay(base, tokens, n) for tokens, n in history[:warm]]
 
         def flops_saved(alpha: float) -> float:
             core = base.fork()
             core.eviction.alpha = alpha
-            hits = warm_hits + [_replay(core, tokens, n) for tokens, n in self._history[warm:]]
+            hits = warm_hits + [_replay(core, tokens, n) for tokens, n in history[warm:]]
             return float(np.sum(self.spec.flops_saved(np.array(hits, dtype=np.int64))))
 
         return tune_alpha(flops_saved)
@@ -338,7 +349,7 @@ class PrefixCacheCore:
         twin.eviction = self.eviction.copy_for(twin.tree, nodes)
         twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
         twin.admission = copy.deepcopy(self.admission)
-        twin._live, twin._history, twin._last_walk = {}, list(self._history), None
+        twin._live, twin._history, twin._last_walk = {}, deque(self._history), None
         return twin
 
     # inspection --------------------------------------------------------------------------------------------------

@@ -96,7 +96,9 @@ class Walk:
 
 
 class RadixTree:
-    """The tree: one root per namespace, exact byte accounting, structural edits used by the policies."""
+    """The tree: one root per namespace holding entries (a namespace's root is registered by its first leaf and
+    dropped with its last, so namespaces only looked up leave nothing behind), exact byte accounting, structural
+    edits used by the policies."""
 
     def __init__(self) -> None:
         self._next_id = 0
@@ -142,9 +144,11 @@ class RadixTree:
         return twin, nodes
 
     def root(self, namespace: str) -> Node:
-        if namespace not in self.roots:
-            self.roots[namespace] = Node(self._new_id(), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
-        return self.roots[namespace]
+        """The namespace's root; an empty, unregistered one if it holds nothing (`add_leaf` registers it)."""
+        root = self.roots.get(namespace)
+        if root is None:
+            root = Node(self._new_id(), None, np.zeros(0, dtype=np.int64), 0, None, 0, namespace)
+        return root
 
     def walk(self, tokens: np.ndarray, namespace: str, resume: Walk | None = None) -> Walk:
         """Follow `tokens` down from the namespace root as far as they match (numpy compare per edge). `resume`,
@@ -220,6 +224,8 @@ class RadixTree:
         """A new child of `parent` holding `tokens` (which start at parent.end), their KV and `checkpoints`
         ((position, state) pairs on its edge)."""
         self.version += 1
+        if parent.is_root and self.roots.setdefault(parent.namespace, parent) is not parent:
+            raise AssertionError(f"{parent} is a stale root of namespace {parent.namespace!r}: walk again")
         leaf = Node(self._new_id(), parent, tokens, parent.end, kv, now, parent.namespace)
         parent.children[int(tokens[0])] = leaf
         self.kv_bytes += leaf.kv_bytes
@@ -249,6 +255,8 @@ class RadixTree:
         self.kv_bytes -= node.kv_bytes
         parent = node.parent
         del parent.children[int(node.tokens[0])]
+        if parent.is_root and not parent.children and self.roots.get(parent.namespace) is parent:
+            del self.roots[parent.namespace]  # an empty namespace keeps no root (matches holding it still work)
         self.on_remove(node)
         self.on_change(parent)
         return freed
