@@ -121,7 +121,7 @@ def test_a_closed_store_refuses_every_use_with_a_clear_error(model, tmp_path):
         lambda: store.match([1, 2]), lambda: store.lookup([1, 2]), lambda: store.plan([1, 2], match),
         lambda: store.release(match), lambda: store.admit([1, 2], lambda a, b: None, {}), lambda: store.flush(),
         lambda: store.stats(), lambda: store.save(tmp_path / "s.safetensors"), lambda: store.record_reuse(1, 1),
-        lambda: HybridPrefixCache(store), lambda: generate(model, prompt, built_before),
+        lambda: HybridPrefixCache(store), lambda: generate(model, prompt, built_before), built_before.get_seq_length,
     ]
     for use in uses:
         with pytest.raises(StoreClosedError, match="was closed.*Build a new PrefixStore"):

@@ -108,6 +108,8 @@ class HybridPrefixCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
+        if not self._started:
+            check_open(self.store)  # generate asks this first: a cache over a closed store fails before any forward
         return self._seen
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
