@@ -178,7 +178,11 @@ class PrefixStore:
         """(device match, match to load from: the host tier's when it reuses more, else the device one); both stay
         locked until `release_lookup`."""
         match = self.match(tokens, namespace)
-        return match, self.match_offloaded(tokens, namespace, longer_than=match.length) or match
+        try:
+            return match, self.match_offloaded(tokens, namespace, longer_than=match.length) or match
+        except BaseException:
+            self.release(match)
+            raise
 
     @serialized
     def release_lookup(self, match, source) -> None:
