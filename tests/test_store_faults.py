@@ -132,3 +132,25 @@ def test_a_closed_store_refuses_every_use_with_a_clear_error(model, tmp_path):
     fresh = PrefixStore.default_for(model)  # the closed default is replaced, not handed out
     assert fresh is not default and not fresh.closed
     fresh.close()
+
+
+def test_a_forward_that_died_unseen_is_refused_once_then_the_cache_serves_again(model, monkeypatch):
+    """An interrupt landing between the store's hooks and its forward guard leaves the cache mid-forward: its next
+    use raises (generate was told a stale length) and resets it."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt, cache = tokens(1, 12, seed=8), HybridPrefixCache(store)
+    expected = generate(model, prompt)
+    monkeypatch.setattr(store, "forward_failed", lambda cache: None)  # nothing sees the interrupt
+    interrupt = Interrupt(model, 2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate(model, prompt, cache)
+    finally:
+        interrupt.handle.remove()
+        monkeypatch.undo()
+    assert cache.in_flight
+    with pytest.raises(InvalidInputError, match="previous forward was interrupted"):
+        generate(model, prompt, cache)
+    assert not cache.started and store.stats()["locked_matches"] == 0
+    assert torch.equal(generate(model, prompt, cache), expected)
+    store.close()

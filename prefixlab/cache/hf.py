@@ -101,6 +101,11 @@ class HybridPrefixCache(DynamicCache):
     def started(self) -> bool:
         return self._started
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a forward over this cache started and has not ended (reported done or failed) yet."""
+        return bool(self._pending)
+
     def held_tokens(self) -> torch.Tensor:
         """[batch, n] token ids whose KV and states the cache holds now (after generate: prompt + output[:-1] per
         row, in the cache's current row order); what `commit` admits."""

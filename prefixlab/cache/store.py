@@ -353,6 +353,11 @@ class PrefixStore:
             raise
 
     def _prepare(self, module, cache: HybridPrefixCache, args: tuple, kwargs: dict):
+        if cache.in_flight:  # its last forward died where neither hook nor guard saw it (an interrupt between them)
+            raise InvalidInputError(
+                "this HybridPrefixCache's previous forward was interrupted before it ended, so generate() was told a "
+                "wrong cache length; the cache is reset now: run the request again (or use a new cache)"
+            )
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
