@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from prefixlab.cache.sharing import check_open
+from prefixlab.cache.model_info import check_token_ids
+from prefixlab.cache.sharing import check_open, under_store_lock
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
@@ -147,7 +148,7 @@ class HybridPrefixCache(DynamicCache):
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()
-        _check_token_ids(ids, self.store.model)  # every row, before any row locks a match
+        check_token_ids(ids, self.store.model)  # every row, before any row locks a match
         batch, length = ids.shape
         pads = _left_pads(attention_mask, batch, length)
         if pads is not None and not _real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
@@ -293,14 +294,11 @@ class HybridPrefixCache(DynamicCache):
 
         return kv
 
+    @under_store_lock
     def commit(self) -> int:
         """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
-        with self.store.lock:
-            return self._commit()
-
-    def _commit(self) -> int:
         if not self._started or self._pending or self._seen <= self._committed or not self._admit_rows:
             return 0
         tokens = self.held_tokens()
@@ -321,31 +319,21 @@ class HybridPrefixCache(DynamicCache):
         return offered
 
     # -- transformers batch reshaping: keep our token record in step with the tensors --------------------------------
-    # (under the store's lock: another thread's commit sees the tensors and the token record in step)
+    @under_store_lock
     def reorder_cache(self, beam_idx: torch.LongTensor):
-        with self.store.lock:
-            self._reorder_rows(beam_idx)
-
-    def _reorder_rows(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
         self._fed = [torch.cat(self._fed, dim=1).index_select(0, beam_idx.cpu())] if self._fed else []
         self._pads = [self._pads[i] for i in beam_idx.tolist()] if self._pads else []
 
+    @under_store_lock
     def batch_repeat_interleave(self, repeats: int):
-        with self.store.lock:
-            self._repeat_rows(repeats)
-
-    def _repeat_rows(self, repeats: int):
         super().batch_repeat_interleave(repeats)
         self._fed = [torch.cat(self._fed, dim=1).repeat_interleave(repeats, dim=0)] if self._fed else []
         self._admit_rows = [r * repeats + k for r in self._admit_rows for k in range(repeats)]
         self._pads = [pad for pad in self._pads for _ in range(repeats)]
 
+    @under_store_lock
     def batch_select_indices(self, indices: torch.Tensor):
-        with self.store.lock:
-            self._select_rows(indices)
-
-    def _select_rows(self, indices: torch.Tensor):
         super().batch_select_indices(indices)
         self._fed = [torch.cat(self._fed, dim=1)[indices.cpu()]] if self._fed else []
         self._pads = [self._pads[i] for i in torch.as_tensor(indices).reshape(-1).tolist()] if self._pads else []
@@ -355,21 +343,6 @@ class HybridPrefixCache(DynamicCache):
         raise InvalidInputError(
             "HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable assisted/speculative decoding "
             "with this cache"
-        )
-
-
-def _check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
-    """InvalidInputError naming the first row with a token id outside the model's embedding table."""
-    try:
-        vocab = model.get_input_embeddings().num_embeddings
-    except (AttributeError, NotImplementedError):
-        vocab = getattr(model.config, "vocab_size", None)
-    bad = (ids < 0) | (ids >= vocab) if vocab else ids < 0
-    if bool(bad.any()):
-        row, column = (int(i) for i in bad.nonzero()[0])
-        raise InvalidInputError(
-            f"input_ids[{row}, {column}] = {int(ids[row, column])} is not a token id of this model (0 <= id < "
-            f"{vocab}); fix the batch: nothing was looked up or admitted"
         )
 
 

@@ -1,4 +1,5 @@
-"""What a PrefixStore needs to know about a model: byte capacities, which cache layers hold KV or states, identity."""
+"""What a PrefixStore needs to know about a model: byte capacities, which cache layers hold KV or states, identity,
+which token ids it can embed."""
 
 from __future__ import annotations
 
@@ -82,3 +83,18 @@ def model_identity(model: torch.nn.Module) -> str:
         config.pop(volatile, None)
     text = json.dumps(config, sort_keys=True, default=str) + f"|{model.dtype}"
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
+    """InvalidInputError naming the first row with a token id outside the model's embedding table."""
+    try:
+        vocab = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        vocab = getattr(model.config, "vocab_size", None)
+    bad = (ids < 0) | (ids >= vocab) if vocab else ids < 0
+    if bool(bad.any()):
+        row, column = (int(i) for i in bad.nonzero()[0])
+        raise InvalidInputError(
+            f"input_ids[{row}, {column}] = {int(ids[row, column])} is not a token id of this model (0 <= id < "
+            f"{vocab}); fix the batch: nothing was looked up or admitted"
+        )

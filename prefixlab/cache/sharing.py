@@ -45,6 +45,18 @@ def serialized(method: Method) -> Method:
     return locked  # type: ignore[return-value]
 
 
+def under_store_lock(method: Method) -> Method:
+    """Run a HybridPrefixCache method under its store's lock: another thread's commit then sees the cache's tensors
+    and token record in step (before or after the method, never halfway)."""
+
+    @functools.wraps(method)
+    def locked(cache, *args, **kwargs):
+        with cache.store.lock:
+            return method(cache, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
+
+
 def guard_forward(model: torch.nn.Module) -> None:
     """Make any exception raised inside `model`'s forward reset the HybridPrefixCache it was given (counted: call
     `unguard_forward` once per call)."""
