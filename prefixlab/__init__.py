@@ -19,6 +19,8 @@ __all__ = [
     "TraceFormatError",
     "UnsupportedModelError",
     "__version__",
+    "patch",
+    "unpatch",
 ]
 
 
@@ -26,11 +28,15 @@ _SUBPACKAGES = ("attention", "cache", "recurrent", "sim")
 
 
 def __getattr__(name: str):
-    # PrefixStore / HybridPrefixCache and the subpackages pull in torch and transformers: import them when asked for.
+    # PrefixStore, HybridPrefixCache, patch and the subpackages pull in torch and transformers: import them on use.
     if name in ("PrefixStore", "HybridPrefixCache"):
         from prefixlab import cache
 
         return getattr(cache, name)
+    if name in ("patch", "unpatch"):
+        from prefixlab.cache import prepare
+
+        return getattr(prepare, name)
     if name in _SUBPACKAGES:
         import importlib
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.eviction import tune_alpha
+from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.tree import Node, RadixTree, Walk
@@ -56,6 +57,18 @@ class Match:
     walk: Walk = field(repr=False)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What `admit` stored: new tokens (KV) and new checkpoints; falsy when the budget refused the whole entry."""
+
+    tokens: int
+    states: int
+    refused: bool = False
+
+    def __bool__(self) -> bool:
+        return not self.refused
+
+
 class PrefixCacheCore:
     """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
 
@@ -67,7 +80,10 @@ class PrefixCacheCore:
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
     evicts back under it. That is the Marconi simulator's behaviour (a finished request's states are still in
-    memory), which the simulator reproduces; a real store keeps the default."""
+    memory), which the simulator reproduces; a real store keeps the default.
+
+    `explain=True` keeps a bounded `EvictionLog` of what was evicted (`core.evicted`), so that
+    cache/explain.py's `why` can tell evicted entries from never-cached ones."""
 
     def __init__(
         self,
@@ -80,6 +96,7 @@ class PrefixCacheCore:
         bootstrap_multiplier: int = 5,
         checkpoint_budget: int = 4,
         overflow: bool = False,
+        explain: bool = False,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -105,6 +122,7 @@ class PrefixCacheCore:
         self._history: list[tuple[np.ndarray, int]] = []  # (input + output, input length) until alpha is tuned
         self._tune_at: int | None = None
         self._last_walk: tuple | None = None
+        self.evicted = EvictionLog() if explain else None
 
     @property
     def used_bytes(self) -> int:
@@ -154,10 +172,10 @@ class PrefixCacheCore:
         states: Mapping[int, Payload] | None = None,
         match: Match | None = None,
         namespace: str = "default",
-    ) -> bool:
+    ) -> Admission:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
-        last kept checkpoint is useless and not stored. Returns False if no part of it fits."""
+        last kept checkpoint is useless and not stored. Returns what was stored (falsy if no part of it fits)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -175,7 +193,7 @@ class PrefixCacheCore:
         return self._admit(tokens, walk, kv, states, match)
 
     def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
-               states: dict[int, Payload], match: Match | None) -> bool:
+               states: dict[int, Payload], match: Match | None) -> Admission:
         """`admit` of validated arguments, `walk` being `tokens`' walk of the current tree (the replay path)."""
         shared = walk.shared_length
         keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
@@ -192,7 +210,8 @@ class PrefixCacheCore:
             new_kv, new_states, keep_end = self._fitting_prefix(new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
-                return False
+                return Admission(0, 0, refused=True)
+        admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
         deepest = walk.path[-1]
         if new_kv is not None:
             parent = self.tree.split(deepest, shared, self.clock) if walk.ends_inside_edge else deepest
@@ -211,7 +230,7 @@ class PrefixCacheCore:
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
         self.admission.after_admit(self.tree, deepest, len(tokens))
-        return True
+        return admitted
 
     def release(self, match: Match) -> None:
         """Unlock what `match` returned (once)."""
@@ -264,6 +283,8 @@ class PrefixCacheCore:
                 if self._tune_at is None and self._tuning:
                     self._tune_at = self.bootstrap_multiplier * self.requests
                 parent = victim.parent
+                if self.evicted is not None:
+                    self.evicted.record(victim.namespace, path_tokens(victim), [*victim.ckpt_pos, victim.end])
                 self.eviction.free(victim, self.used_bytes + needed - self.capacity_bytes)
                 self.evictions += 1
                 self._compact(parent)
@@ -339,6 +360,7 @@ class PrefixCacheCore:
         twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
         twin.admission = copy.deepcopy(self.admission)
         twin._live, twin._history, twin._last_walk = {}, list(self._history), None
+        twin.evicted = copy.deepcopy(self.evicted)
         return twin
 
     # inspection --------------------------------------------------------------------------------------------------

@@ -1,11 +1,16 @@
 """HybridPrefixCache: a transformers `DynamicCache` that resumes from, and feeds, a `PrefixStore`.
 
+    prefixlab.patch(model)                                  # once per model: kernels + forward hooks
+    out = model.generate(input_ids, past_key_values=HybridPrefixCache(policy="dp"), max_new_tokens=64)
+    # or, managing the store yourself:
     store = PrefixStore(model, capacity="4GB", policy="dp")
     out = model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
 
+A cache without a store binds, on its first forward, to the model's default store (its first open PrefixStore,
+created then with the cache's options if there is none; options that differ from an existing default store's raise).
 One cache object serves one request (one generate call, or several calls that continue the same sequences). The
-store's forward hooks (cache/store.py) drive it, because `generate` never shows the prompt to a cache before the
-first forward:
+model's forward hooks (cache/hooks.py, put there by `prefixlab.patch` or a PrefixStore) drive it, because
+`generate` never shows the prompt to a cache before the first forward:
 - first forward (`begin`): look up the longest reusable prefix of the prompt (at most all but its last token, so the
   model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
   hook which tokens remain; the hook then runs the model on those only;
@@ -33,55 +38,92 @@ token record and pad counts with the tensors.
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
 outputs then cover only the tokens the forward ran (those after the reused prefix). Mamba2 takes its cache as
 `cache_params=`. Assisted / speculative decoding is refused (`crop`): recurrent states cannot roll back.
+`cache.report()` says per row what was reused and why no more, and what the request admitted (cache/explain.py).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from prefixlab.cache.explain import RequestReport, RowReport
+from prefixlab.cache.hooks import ModelDrivenCache
+from prefixlab.cache.store import PrefixStore, normalize_option
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
-if TYPE_CHECKING:
-    from prefixlab.cache.store import PrefixStore
+STORE_OPTIONS = frozenset(inspect.signature(PrefixStore).parameters) - {"model", "core_options"}
 
 
-class HybridPrefixCache(DynamicCache):
-    """A transformers Cache that reuses exact prefixes from `store` and admits what it computes.
+class HybridPrefixCache(DynamicCache, ModelDrivenCache):
+    """A transformers Cache that reuses exact prefixes from a PrefixStore and admits what it computes.
 
     Args:
-        store: the persistent, shared part (one per model).
+        store: the persistent, shared part (one per model). Left out, the cache binds on its first forward to the
+            model's default store (needs `prefixlab.patch(model)` once, or any PrefixStore of the model).
         namespace: entries are only reused by caches of the same namespace (e.g. one per tenant).
+        policy, capacity, offload_capacity, block_size, patch: options of the default store (PrefixStore's), used
+            to create it or checked against it; only without `store`.
     """
 
-    def __init__(self, store: PrefixStore, namespace: str = "default"):
-        from prefixlab.cache.store import PrefixStore
-
-        if not isinstance(store, PrefixStore):
+    def __init__(self, store: PrefixStore | None = None, namespace: str = "default", **store_options):
+        if store is not None and not isinstance(store, PrefixStore):
             raise InvalidInputError(
-                f"HybridPrefixCache(store=...) needs a PrefixStore, got {type(store).__name__}; "
-                "build one with prefixlab.PrefixStore(model)"
+                f"HybridPrefixCache(store=...) takes a PrefixStore, got {type(store).__name__}; build one with "
+                "prefixlab.PrefixStore(model), or leave it out: HybridPrefixCache(policy='dp') after "
+                "prefixlab.patch(model)"
             )
         if not isinstance(namespace, str) or not namespace:
             raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
-        super().__init__(config=store.model.config)
+        if store is not None and store_options:
+            raise InvalidInputError(f"{sorted(store_options)} are options of the store: pass them to PrefixStore, "
+                                    "or leave the store out to use the model's default store")
+        if unknown := sorted(set(store_options) - STORE_OPTIONS):
+            raise InvalidInputError(f"unknown HybridPrefixCache options {unknown}; store options are "
+                                    f"{sorted(STORE_OPTIONS)}")
+        self._store_options = {name: normalize_option(name, value) for name, value in store_options.items()}
+        super().__init__(config=store.model.config if store is not None else None)
         self.store = store
         self.namespace = namespace
         self.reused_tokens = 0  # tokens of the prompt that came from the store (the most of any row)
         self.rows_reused: list[int] = []  # per row: its real tokens that came from the store
         self.prefixlab_capture_positions: list[int] | None = None
+        self._report = RequestReport()
         self._clear_request()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_kwargs) -> HybridPrefixCache:
-        """A cache over the model's default store, created on first use with `store_kwargs` (capacity, policy...)."""
-        from prefixlab.cache.store import PrefixStore
+    def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_options) -> HybridPrefixCache:
+        """A cache bound now to the model's default store (`PrefixStore.default_for(model, **store_options)`)."""
+        return cls(PrefixStore.default_for(model, **store_options), namespace=namespace)
 
-        return cls(PrefixStore.default_for(model, **store_kwargs), namespace=namespace)
+    def prefixlab_bind(self, model: torch.nn.Module) -> None:
+        """Called by the model's forward hook: an unbound cache takes the model's default store; a bound one must be
+        used with its store's model."""
+        if self.store is None:
+            self.store = PrefixStore.default_for(model, **self._store_options)
+            DynamicCache.__init__(self, config=model.config)
+        elif self.store.model is not model:
+            from prefixlab.cache.model_info import model_identity
+
+            identity = model_identity(model)
+            why = ("config or dtype differ" if identity != self.store.identity
+                   else "an equal model, but another object: stores hold tensors of one model object")
+            raise ModelMismatchError(
+                f"a HybridPrefixCache built for another model ({self.store.identity[:12]}, {self.store.model.dtype}) "
+                f"was passed to this one ({identity[:12]}, {model.dtype}); {why}. Use a HybridPrefixCache over this "
+                "model's store, or one without a store"
+            )
+        if self.store.closed:
+            raise InvalidInputError("this HybridPrefixCache's PrefixStore was closed; make a new store")
+
+    def report(self) -> RequestReport:
+        """What happened to this request: per row reused tokens, shared prefix, deepest checkpoint and the reason
+        for any difference (cache/explain.py REASONS), and what the request admitted (admits it now if pending)."""
+        self.commit()
+        return self._report
 
     # -- request state ---------------------------------------------------------------------------------------------
     def _clear_request(self) -> None:
@@ -113,12 +155,18 @@ class HybridPrefixCache(DynamicCache):
 
     # -- guard: only the store's model may write into this cache ----------------------------------------------------
     def _require_started(self) -> None:
-        if not self._started:
-            raise ModelMismatchError(
+        if self._started:
+            return
+        if self.store is None:
+            raise InvalidInputError(
+                "HybridPrefixCache() without a store ran on a model that was not prepared for prefixlab, so nothing "
+                "bound it to a store. Add this line once after loading the model: prefixlab.patch(model)"
+            )
+        raise ModelMismatchError(
                 "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that "
                 f"drive it never ran); the store serves {type(self.store.model).__name__} "
-                f"({self.store.identity[:12]}). Build a PrefixStore for this model and a HybridPrefixCache over it"
-            )
+            f"({self.store.identity[:12]}). Build a PrefixStore for this model and a HybridPrefixCache over it"
+        )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._require_started()
@@ -145,7 +193,9 @@ class HybridPrefixCache(DynamicCache):
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
             self._fed.append(ids[:, :0])
-            self.store.record_reuse(0, batch)
+            self._report = RequestReport([RowReport(length, reason="refused_input") for _ in range(batch)],
+                                         admission="not admitted (refused input)")
+            self.store.record_request(self._report.rows)
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
@@ -154,6 +204,8 @@ class HybridPrefixCache(DynamicCache):
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
             found = [self._lookup(probe) for probe in probes]
+            rows = [self._row_report(length - pad, probe, *pair)
+                    for pad, probe, pair in zip(pads, probes, found, strict=True)]
             common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
             # rows resume from one column: a row whose checkpoint sits elsewhere is re-matched there (a checkpoint at
             # or before it); a row without one (length 0) starts fresh: zero state, its KV up to there only pads
@@ -176,13 +228,25 @@ class HybridPrefixCache(DynamicCache):
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
+        for row, reused in zip(rows, rows_reused, strict=True):
+            row.reused = reused
+            if reused < row.checkpoint:
+                row.reason = "batch_alignment"
+        self._report = RequestReport(rows)
         self.reused_tokens = max(rows_reused)
         self.rows_reused = rows_reused
         self._fed.append(ids[:, :common])
         self._seen = common
-        for reused in rows_reused:
-            self.store.record_reuse(reused, 1)
+        self.store.record_request(rows)
         return common
+
+    def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
+        """A row's report before batch alignment: what the store shares and why it reuses no more."""
+        if prompt_tokens < 2:
+            return RowReport(prompt_tokens, reason="too_short")
+        return RowReport(prompt_tokens, shared=max(match.shared_length, source.shared_length),
+                         checkpoint=source.length, reason=self.store.explain(probe, source),
+                         from_host=source is not match)
 
     def _lookup(self, probe) -> tuple:
         return self.store.lookup(probe, self.namespace)
@@ -211,6 +275,7 @@ class HybridPrefixCache(DynamicCache):
         self._seen += self._pending
         self._pending = 0
         self.prefixlab_capture_positions = None
+        self.store.hold(self)  # admitted on the store's next use
         if self._seen in self._plan:
             self._captured[self._seen] = self._snapshot_states()
             self._plan.remove(self._seen)
@@ -219,6 +284,7 @@ class HybridPrefixCache(DynamicCache):
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
         reusing this cache starts a new request. The store never saw a partial state."""
         self.layers = DynamicCache(config=self.store.model.config).layers
+        self.store.drop(self)
         self._clear_request()
         self.reused_tokens = 0
         self.prefixlab_capture_positions = None
@@ -298,7 +364,8 @@ class HybridPrefixCache(DynamicCache):
                 for pos, snap in snapshots.items() if pos > pad
             }
             if self._seen > pad:
-                self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace)
+                self._report.add_admission(
+                    self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace))
         offered = self._seen - self._committed
         self._committed = self._seen
         return offered

@@ -4,9 +4,10 @@
     model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
 
 The store owns a `PrefixCacheCore` (radix tree + admission/eviction policy + byte budget; cache/core.py) whose
-payloads are tensors (cache/tensors.py), an optional host-memory tier for entries evicted from the device, and the
-forward hooks through which the model drives every `HybridPrefixCache` (see cache/hf.py for the request life cycle).
-Policy lives in the core only; this file moves tensors and counts bytes.
+payloads are tensors (cache/tensors.py) and an optional host-memory tier for entries evicted from the device. It puts
+the forward hooks (cache/hooks.py) on the model, through which the model drives every `HybridPrefixCache` (see
+cache/hf.py for the request life cycle), but never calls a cache itself except `commit()` on those it holds for
+admission. Policy lives in the core only; this file moves tensors and counts bytes.
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.core import PrefixCacheCore, as_tokens
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.explain import MISS_REASONS, REASONS, why
+from prefixlab.cache.hooks import attach, detach
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
@@ -43,7 +45,8 @@ from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedM
 
 
 class PrefixStore:
-    """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`.
+    """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`. The first open store of a model is
+    its default store: `HybridPrefixCache()` without a store binds to it (see `default_for`).
 
     Args:
         model: a transformers causal LM (the store installs forward hooks on it).
@@ -56,7 +59,7 @@ class PrefixStore:
             it. With patch=False transformers' layers run and planned states are captured by splitting the prefill.
     """
 
-    _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its default (first open) store
 
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
@@ -75,34 +78,48 @@ class PrefixStore:
         self.layout = CacheLayout.from_config(model.config)
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
+        offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")
+        core_options = {"explain": True} | core_options
         self.core = PrefixCacheCore(self.capacity_bytes, policy=policy, spec=self.spec, block_size=block_size,
                                     **core_options)
         self.offload = None
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
-        if offload_capacity is not None:
-            self.offload = PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy,
-                                           spec=self.spec, block_size=block_size, **core_options)
+        if offload_bytes is not None:
+            self.offload = PrefixCacheCore(offload_bytes, policy=policy, spec=self.spec, block_size=block_size,
+                                           **core_options)
             self._evict_to_host(self.core.eviction)
+        # what the store was built with, as `HybridPrefixCache(**options)` compares them
+        self.options = {"capacity": self.capacity_bytes, "policy": policy, "offload_capacity": offload_bytes,
+                        "block_size": block_size, "patch": patch, **core_options}
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
-        self._open: dict[int, HybridPrefixCache] = {}
+        self._open: dict[int, object] = {}
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
                           "offload_hits": 0}
-        self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
+        self._reasons = dict.fromkeys(REASONS, 0)
+        self.closed = False
         # last, so that a store refused above leaves the model as it was
         self._patched_here = patch and not already_patched and _patch(model)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
-        ]
+        attach(model, self)
+        PrefixStore._defaults.setdefault(model, self)
 
     @classmethod
     def default_for(cls, model: torch.nn.Module, **options) -> PrefixStore:
-        """The model's default store, created on first call with `options` (later calls must not pass options)."""
+        """The model's default store (its first open one), created with `options` if it has none. Options given for
+        an existing default store must equal the ones it was built with (InvalidInputError naming them): one device
+        budget per model, which every cache without a store shares."""
         store = cls._defaults.get(model)
         if store is None:
-            store = cls._defaults[model] = cls(model, **options)
-        elif options:
-            raise InvalidInputError("the default store of this model already exists; options apply only at creation")
+            return cls(model, **options)
+        wanted = {name: normalize_option(name, value) for name, value in options.items()}
+        differ = {name: value for name, value in wanted.items()
+                  if name not in store.options or store.options[name] != value}
+        if differ:
+            built = {name: store.options.get(name) for name in differ}
+            raise InvalidInputError(
+                f"this model's default store was built with {built}, the cache asks for {differ}. Leave those options "
+                "out to share the default store, or give the cache a store of its own: "
+                "HybridPrefixCache(PrefixStore(model, ...))"
+            )
         return store
 
     @property
@@ -115,11 +132,13 @@ class PrefixStore:
         return bool(getattr(self.model, "prefixlab_patched", False))
 
     def close(self) -> None:
-        """Admit what open caches hold, remove the hooks from the model and undo the patch the store applied."""
+        """Admit what open caches hold, take the store's hooks off the model (unless another store or
+        `prefixlab.patch` still needs them) and undo the kernel patch the store applied. Idempotent."""
         self.flush()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self.closed = True
+        detach(self.model, self)
+        if PrefixStore._defaults.get(self.model) is self:
+            del PrefixStore._defaults[self.model]
         if self._patched_here:
             from prefixlab.recurrent.patch import unpatch
 
@@ -188,17 +207,33 @@ class PrefixStore:
 
         eviction.free = free
 
-    def record_reuse(self, reused_tokens: int, rows: int) -> None:
-        self._counters["sequences"] += rows
-        self._counters["hit_sequences"] += rows if reused_tokens else 0
-        self._counters["reused_tokens"] += reused_tokens * rows
-        self._counters["reused_bytes"] += rows * (reused_tokens * self.spec.kv_bytes_per_token
-                                                  + (self.spec.state_bytes if reused_tokens else 0))
+    def explain(self, tokens: Sequence[int], match) -> str:
+        """Why a live match (of either tier) of `tokens` reuses no more (a reason code, cache/explain.py)."""
+        core = self.offload if id(match) in self._host_matches else self.core
+        return why(core, as_tokens(tokens), match)
+
+    def record_request(self, rows: list) -> None:
+        """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`."""
+        for row in rows:
+            self._counters["sequences"] += 1
+            self._counters["hit_sequences"] += 1 if row.reused else 0
+            self._counters["reused_tokens"] += row.reused
+            self._counters["reused_bytes"] += (row.reused * self.spec.kv_bytes_per_token
+                                               + (self.spec.state_bytes if row.reused else 0))
+            self._reasons[row.reason] += 1
+
+    def hold(self, cache) -> None:
+        """Keep `cache` (anything with `commit()`) to admit on the store's next use."""
+        self._open[id(cache)] = cache
+
+    def drop(self, cache) -> None:
+        self._open.pop(id(cache), None)
 
     def admit(self, tokens: Sequence[int], kv: Callable[[int, int], TensorKV], states: dict[int, TensorState],
-              namespace: str = "default") -> bool:
+              namespace: str = "default"):
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
-        Returns False (with a warning: the request simply ran uncached) when the budget cannot hold it."""
+        Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request simply ran
+        uncached) when the budget cannot hold it."""
         admitted = self.core.admit(tokens, kv=kv, states=states, namespace=namespace)
         if not admitted:
             warnings.warn(
@@ -216,12 +251,16 @@ class PrefixStore:
             cache.commit()
 
     def stats(self) -> dict:
-        """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
-        hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
+        """Core statistics (bytes, checkpoints, evictions, rejected admissions...) plus reuse per sequence served:
+        sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store),
+        `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
+        without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
         self.flush()
         host = self.offload.stats() if self.offload else {}
         offload = {f"offload_{k}": v for k, v in host.items() if k.endswith("bytes")}
-        return {**self.core.stats(), **offload, **self._counters}
+        reasons = dict(self._reasons)
+        return {**self.core.stats(), **offload, **self._counters, "reasons": reasons,
+                "miss_reasons": {reason: reasons[reason] for reason in MISS_REASONS}}
 
     # -- persistence ------------------------------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
@@ -280,62 +319,6 @@ class PrefixStore:
             store.admit(tokens, path_kv(pieces), states, path_nodes[0]["namespace"])
         return store
 
-    # -- forward hooks: how generate() drives HybridPrefixCache ------------------------------------------------------
-    def _our_cache(self, module: torch.nn.Module, kwargs: dict) -> HybridPrefixCache | None:
-        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
-        if not isinstance(cache, HybridPrefixCache) or cache.store is self:
-            return cache if isinstance(cache, HybridPrefixCache) else None
-        if cache.store.model is module:
-            return None  # another store on this model drives it
-        raise ModelMismatchError(
-            f"a HybridPrefixCache built for another model ({cache.store.identity[:12]}, "
-            f"{cache.store.model.dtype}) was passed to this one ({self.identity[:12]}, {self.model.dtype}); "
-            "config or dtype differ. Use a HybridPrefixCache over this model's store"
-        )
-
-    def _before_forward(self, module, args: tuple, kwargs: dict):
-        cache = self._our_cache(module, kwargs)
-        if cache is None:
-            return None
-        if args:
-            if len(args) > 1 or "input_ids" in kwargs:
-                raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
-            kwargs = {"input_ids": args[0], **kwargs}
-        if self._cache_arg != "past_key_values" and kwargs.get("past_key_values") is cache:
-            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"} | {self._cache_arg: cache}
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None:
-            raise InvalidInputError(
-                "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
-            )
-        if not cache.started:
-            kwargs = self._start(module, cache, kwargs)
-        cache.record(kwargs["input_ids"])
-        return (), kwargs
-
-    def _start(self, module, cache: HybridPrefixCache, kwargs: dict) -> dict:
-        """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
-        length = kwargs["input_ids"].shape[1]
-        start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
-        for stop in cache.capture_splits(start, length):
-            segment = _slice_inputs(kwargs, start, stop, length)
-            if "logits_to_keep" in _forward_parameters(module):
-                segment["logits_to_keep"] = 1  # only the states matter here
-            module(**segment)
-            start = stop
-        return _slice_inputs(kwargs, start, length, length)
-
-    def _after_forward(self, module, args: tuple, kwargs: dict, output) -> None:
-        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
-        if not isinstance(cache, HybridPrefixCache) or cache.store is not self or not cache.started:
-            return
-        if output is None:  # the forward raised
-            cache.forward_failed()
-            self._open.pop(id(cache), None)
-        else:
-            cache.forward_done()
-            self._open[id(cache)] = cache
-
 
 def _patch(model: torch.nn.Module) -> bool:
     """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
@@ -353,21 +336,14 @@ def _patch(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "prefixlab_patched", False))
 
 
-def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
-    import inspect
+def normalize_option(name: str, value):
+    """A store option as `PrefixStore.options` holds it (capacities in bytes), validated."""
+    if name == "capacity":
+        return parse_capacity(value)
+    if name == "offload_capacity":
+        return None if value is None else parse_capacity(value, "offload_capacity")
+    if name == "policy":
+        from prefixlab.cache.policies import check_policy_name
 
-    return frozenset(inspect.signature(module.forward).parameters)
-
-
-def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
-    """Model inputs for tokens [start, stop) of a `length`-token call: per-token inputs are cut, the 2D attention
-    mask keeps every column up to `stop` (it spans cached + new tokens)."""
-    out = dict(kwargs)
-    for name in ("input_ids", "position_ids", "token_type_ids"):
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.shape[-1] == length:
-            out[name] = value[..., start:stop]
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        out["attention_mask"] = mask[:, :stop]
-    return out
+        check_policy_name(value)
+    return value
