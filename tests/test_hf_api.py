@@ -77,3 +77,29 @@ def test_bad_cache_options_are_refused_at_construction():
     with pytest.raises(InvalidInputError, match="policy"):
         HybridPrefixCache(policy="lru")
     store.close()
+
+
+@pytest.mark.parametrize("family", ["mamba2", "jamba", "llama"])
+def test_the_cards_line_on_other_families(family):
+    """cache_params= (Mamba2), a Mamba1 hybrid served only patched (Jamba), a KV-only model."""
+    model = build(family)
+    prompt = tokens(1, 16, seed=3)
+    reference = generate(model, prompt)
+    prefixlab.patch(model)
+    generate(model, prompt, HybridPrefixCache(policy="dp"))
+    cache = HybridPrefixCache(policy="dp")
+    assert torch.equal(generate(model, prompt, cache), reference)
+    assert cache.report().reasons == ["hit"] and cache.reused_tokens == 15
+    prefixlab.unpatch(model)
+
+
+def test_a_model_and_its_default_store_are_garbage_collected():
+    import gc
+    import weakref
+
+    model = prefixlab.patch(build("qwen3_5"))
+    generate(model, tokens(1, 8), HybridPrefixCache(capacity="8MB"))
+    dead = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dead() is None

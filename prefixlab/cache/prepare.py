@@ -38,9 +38,9 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: admit and close the model's default store, take the hooks off (unless other stores still
     use them) and restore the layers `patch` routed through prefixlab's kernels."""
-    from prefixlab.cache.store import PrefixStore
+    from prefixlab.cache.store import default_store
 
-    store = PrefixStore._defaults.get(model)
+    store = default_store(model)
     if store is not None:
         store.close()
     detach(model, model)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -59,8 +58,6 @@ class PrefixStore:
             it. With patch=False transformers' layers run and planned states are captured by splitting the prefill.
     """
 
-    _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its default (first open) store
-
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
                  **core_options):
@@ -100,14 +97,15 @@ class PrefixStore:
         # last, so that a store refused above leaves the model as it was
         self._patched_here = patch and not already_patched and _patch(model)
         attach(model, self)
-        PrefixStore._defaults.setdefault(model, self)
+        # the model holds its default store (a cycle the GC collects; a global registry would keep both alive)
+        model.__dict__.setdefault(_DEFAULT_STORE_ATTR, self)
 
     @classmethod
     def default_for(cls, model: torch.nn.Module, **options) -> PrefixStore:
         """The model's default store (its first open one), created with `options` if it has none. Options given for
         an existing default store must equal the ones it was built with (InvalidInputError naming them): one device
         budget per model, which every cache without a store shares."""
-        store = cls._defaults.get(model)
+        store = default_store(model)
         if store is None:
             return cls(model, **options)
         wanted = {name: normalize_option(name, value) for name, value in options.items()}
@@ -137,8 +135,8 @@ class PrefixStore:
         self.flush()
         self.closed = True
         detach(self.model, self)
-        if PrefixStore._defaults.get(self.model) is self:
-            del PrefixStore._defaults[self.model]
+        if default_store(self.model) is self:
+            del self.model.__dict__[_DEFAULT_STORE_ATTR]
         if self._patched_here:
             from prefixlab.recurrent.patch import unpatch
 
@@ -334,6 +332,14 @@ def _patch(model: torch.nn.Module) -> bool:
             "captured by splitting the prefill at them)"
         ) from err
     return bool(getattr(model, "prefixlab_patched", False))
+
+
+_DEFAULT_STORE_ATTR = "_prefixlab_default_store"
+
+
+def default_store(model: torch.nn.Module) -> PrefixStore | None:
+    """The model's default store (its first open PrefixStore), or None."""
+    return model.__dict__.get(_DEFAULT_STORE_ATTR)
 
 
 def normalize_option(name: str, value):
