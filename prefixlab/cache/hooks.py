@@ -66,7 +66,6 @@ class _ModelHooks:
         cache = self._cache(kwargs)
         if cache is None:
             return None
-        cache.prefixlab_bind(module)
         if args:
             if len(args) > 1 or "input_ids" in kwargs:
                 raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
@@ -77,6 +76,7 @@ class _ModelHooks:
             raise InvalidInputError(
                 "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
             )
+        cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if not cache.started:
             kwargs = _start(module, cache, kwargs)
         cache.record(kwargs["input_ids"])
