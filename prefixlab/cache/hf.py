@@ -51,8 +51,9 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hooks import ModelDrivenCache
+from prefixlab.cache.rows import left_pads, real_positions, stack_rows, stack_states
 from prefixlab.cache.store import PrefixStore, normalize_option
-from prefixlab.cache.tensors import TOKEN_AXIS, TensorKV, TensorState
+from prefixlab.cache.tensors import TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
 STORE_OPTIONS = frozenset(inspect.signature(PrefixStore).parameters) - {"model", "core_options"}
@@ -163,9 +164,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
                 "bound it to a store. Add this line once after loading the model: prefixlab.patch(model)"
             )
         raise ModelMismatchError(
-                "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that "
-                f"drive it never ran); the store serves {type(self.store.model).__name__} "
-            f"({self.store.identity[:12]}). Build a PrefixStore for this model and a HybridPrefixCache over it"
+            "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that drive it "
+            f"never ran); the store serves {type(self.store.model).__name__} ({self.store.identity[:12]}). Build a "
+            "PrefixStore for this model and a HybridPrefixCache over it"
         )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -186,8 +187,8 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()
         batch, length = ids.shape
-        pads = _left_pads(attention_mask, batch, length)
-        if pads is not None and not _real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
+        pads = left_pads(attention_mask, batch, length)
+        if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
             pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
@@ -308,18 +309,18 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         device = self.store.device
         for layer_idx in self.store.layout.kv_layers:
             layer = self.layers[layer_idx]
-            keys = _stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
-            values = _stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
+            keys = stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
+            values = stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
             if not layer.is_initialized:
                 DynamicLayer.lazy_initialization(layer, keys, values)
             layer.keys, layer.values = keys, values
         states: list[TensorState | None] = [source.state if source.length else None for source in sources]
         model = next(state for state in states if state is not None) if any(states) else None
         for layer_idx, state_idx in model.conv if model else ():
-            conv = _stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
+            conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
         for layer_idx, state_idx in model.recurrent if model else ():
-            recurrent = _stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
+            recurrent = stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
             self.layers[layer_idx].has_previous_state[state_idx] = True
 
@@ -393,54 +394,3 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             "HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable assisted/speculative decoding "
             "with this cache"
         )
-
-
-def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
-    """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
-    anything else (zeros after ones, non-binary, another shape)."""
-    if attention_mask is None:
-        return [0] * batch
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
-        return None
-    mask = attention_mask.detach().cpu()
-    pads = (mask == 0).long().cumprod(dim=1).sum(dim=1)
-    expected = torch.arange(length)[None, :] >= pads[:, None]
-    if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
-        return None
-    return pads.tolist()
-
-
-def _real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool) -> bool:
-    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at): position_ids
-    [batch, length] or [k, batch, length] must say so on real columns; without them the model counts columns, which
-    is right only without pads (or without attention layers, where positions do not matter)."""
-    if position_ids is None:
-        return not has_attention or not any(pads)
-    ids = position_ids.detach().cpu().long()
-    ids = ids[None] if ids.dim() == 2 else ids
-    if ids.dim() != 3 or tuple(ids.shape[1:]) != (len(pads), length):
-        return False
-    return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
-               for row, pad in enumerate(pads))
-
-
-def _stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:
-    """One fresh [batch, heads, common, dim] tensor on `device`: each row's pieces joined along the token axis and
-    right-aligned at column `common` (zeros before: pad columns). Never aliases the store: requests resume from
-    copies."""
-    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] if pieces else None
-              for pieces in rows]
-    like = next(t for t in joined if t is not None)
-    shape = list(like.shape)
-    shape[TOKEN_AXIS] = common
-    out = torch.zeros([len(rows), *shape], dtype=like.dtype, device=device)
-    for row, tensor in enumerate(joined):
-        if tensor is not None and tensor.shape[TOKEN_AXIS]:
-            out[row, ..., common - tensor.shape[TOKEN_AXIS]:, :] = tensor.to(device)
-    return out
-
-
-def _stack_states(states: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """[batch, ...] copies of each row's state on `device`; zeros (the fresh state) for rows without one."""
-    like = next(t for t in states if t is not None)
-    return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])
