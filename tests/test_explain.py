@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 from hf_models import build
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.explain import REASONS, EvictionLog, format_reasons
@@ -105,3 +107,25 @@ def test_the_eviction_log_is_bounded_and_forgets_the_oldest_first():
     assert log.evicted_between("default", sequences[3], 0, 5) and log.evicted_between("default", sequences[3], 5, 10)
     assert not log.evicted_between("default", sequences[3], 10, 40)  # nothing deeper
     assert not log.evicted_between("tenant", sequences[3], 0, 10)  # namespaces apart
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(st.integers(0, 2), min_size=1, max_size=6),
+                          st.lists(st.integers(1, 6), min_size=1, max_size=3)), max_size=12),
+       st.integers(1, 6))
+def test_the_eviction_log_remembers_exactly_its_most_recent_entries(records, max_entries):
+    """Against a model: the last `max_entries` distinct (namespace, prefix) records, re-recording one refreshes it."""
+    log, model = EvictionLog(max_entries), []
+    for namespace, seq, depths in records:
+        seq = np.array(seq)
+        for depth in sorted({min(d, len(seq)) for d in depths}):
+            key = (namespace, tuple(seq[:depth]))
+            model = [k for k in model if k != key] + [key]
+        model = model[-max_entries:]
+        log.record(namespace, seq, [min(d, len(seq)) for d in depths])
+    assert len(log) == len(model)
+    for namespace, seq, _ in records:
+        for low in range(len(seq) + 1):
+            for high in range(low, len(seq) + 1):
+                expected = any((namespace, tuple(seq[:d])) in model for d in range(low + 1, high + 1))
+                assert log.evicted_between(namespace, np.array(seq), low, high) == expected
