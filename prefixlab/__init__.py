@@ -1,6 +1,7 @@
 """prefixlab: exact, fast prefix reuse for hybrid (attention + recurrent/SSM) LLMs."""
 
 from prefixlab.errors import (
+    CorruptStoreError,
     InvalidInputError,
     ModelMismatchError,
     PrefixlabError,
@@ -11,6 +12,7 @@ from prefixlab.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CorruptStoreError",
     "HybridPrefixCache",
     "InvalidInputError",
     "ModelMismatchError",

@@ -19,3 +19,8 @@ class ModelMismatchError(PrefixlabError, ValueError):
 
 class UnsupportedModelError(PrefixlabError, TypeError):
     """A model or layer class prefixlab cannot serve; the message names the class."""
+
+
+class CorruptStoreError(PrefixlabError, ValueError):
+    """A saved store file is damaged (truncated, garbage, a checksum mismatch); the message names the file and the
+    tensor or part that failed."""

@@ -12,14 +12,11 @@ admission. Policy lives in the core only; this file moves tensors and counts byt
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from prefixlab.cache.core import PrefixCacheCore, as_tokens
 from prefixlab.cache.costmodel import ModelSpec
@@ -31,15 +28,8 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     model_identity,
     parse_capacity,
 )
-from prefixlab.cache.tensors import (
-    TensorKV,
-    TensorState,
-    kv_from_flat,
-    kv_to_flat,
-    path_kv,
-    state_from_flat,
-    state_to_flat,
-)
+from prefixlab.cache.persist import load_store, save_store
+from prefixlab.cache.tensors import TensorKV, TensorState, path_kv
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
 
 
@@ -260,62 +250,20 @@ class PrefixStore:
         return {**self.core.stats(), **offload, **self._counters, "reasons": reasons,
                 "miss_reasons": {reason: reasons[reason] for reason in MISS_REASONS}}
 
-    # -- persistence ------------------------------------------------------------------------------------------------
+    # -- persistence (cache/persist.py) -----------------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
-        """Write every cached entry (tokens, KV, checkpoints, per namespace) and the model identity to a
-        safetensors file. Shared prefixes are written once."""
-        self.flush()
-        tensors, nodes = {}, []
-        for node in self.core.tree.nodes():
-            if node.is_root:
-                continue
-            name = f"n{node.id}"
-            if node.kv is not None:
-                tensors.update(kv_to_flat(node.kv, name))
-            for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
-                tensors.update(state_to_flat(state, f"{name}.s{position}"))
-            nodes.append({"id": node.id, "parent": None if node.parent.is_root else node.parent.id,
-                          "namespace": node.namespace, "tokens": node.tokens.tolist(),
-                          "checkpoints": list(node.ckpt_pos), "leaf": not node.children})
-        header = {"identity": self.identity, "capacity_bytes": self.capacity_bytes, "policy": self.core.policy,
-                  "block_size": self.core.options.block_size, "nodes": nodes}
-        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path),
-                  metadata={"prefixlab": json.dumps(header)})
+        """Write every entry of both tiers (tokens, KV, checkpoints, per namespace) to a safetensors file, with the
+        model identity, a fingerprint of its weights and a checksum per tensor. Shared prefixes are written once;
+        the file is replaced atomically (a failed save leaves the previous file intact)."""
+        save_store(self, path)
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module, **options) -> PrefixStore:
-        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy). `options`
-        override the saved capacity / policy / block_size. ModelMismatchError if the file is for another model."""
-        path = Path(path)
-        if not path.is_file():
-            raise InvalidInputError(f"path={str(path)!r} is not a file written by PrefixStore.save")
-        with safe_open(str(path), framework="pt", device=str(model.device)) as file:
-            header = json.loads((file.metadata() or {}).get("prefixlab", "null") or "null")
-            if header is None:
-                raise InvalidInputError(f"{path} has no prefixlab header: it was not written by PrefixStore.save")
-            identity = model_identity(model)
-            if header["identity"] != identity:
-                raise ModelMismatchError(
-                    f"{path} was saved for a model with identity {header['identity'][:12]}, but this model's config "
-                    f"and dtype give {identity[:12]}; load it with the model (same config and dtype) that saved it"
-                )
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-        store = cls(model, **({"capacity": header["capacity_bytes"], "policy": header["policy"],
-                                "block_size": header["block_size"]} | options))
-        by_id = {node["id"]: node for node in header["nodes"]}
-        for leaf in (node for node in header["nodes"] if node["leaf"]):
-            path_nodes = [leaf]
-            while path_nodes[-1]["parent"] is not None:
-                path_nodes.append(by_id[path_nodes[-1]["parent"]])
-            path_nodes.reverse()
-            tokens, pieces, states, depth = [], [], {}, 0
-            for node in path_nodes:
-                name, depth = f"n{node['id']}", depth + len(node["tokens"])
-                tokens += node["tokens"]
-                pieces.append(kv_from_flat(tensors, name, len(node["tokens"])))
-                states.update({p: state_from_flat(tensors, f"{name}.s{p}") for p in node["checkpoints"]})
-            store.admit(tokens, path_kv(pieces), states, path_nodes[0]["namespace"])
-        return store
+        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy, host-tier
+        entries into the offload tier, or the device tier if `offload_capacity=None`). `options` override the
+        saved capacity / offload_capacity / policy / block_size. The whole file is verified first:
+        ModelMismatchError if it is for another config, dtype or weights, CorruptStoreError if it is damaged."""
+        return load_store(cls, path, model, options)
 
 
 def _patch(model: torch.nn.Module) -> bool:
