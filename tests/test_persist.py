@@ -166,12 +166,18 @@ def test_the_fingerprint_is_computed_once_per_store(saved, tmp_path, monkeypatch
     assert len(calls) == 1
 
 
-def tensor_span(path, name: str) -> tuple[int, int]:
-    """Byte range of tensor `name`'s data in a safetensors file."""
+def safetensors_header(path) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a safetensors file: 8 bytes of header length, then the header."""
     data = path.read_bytes()
     (length,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8:8 + length])[name]["data_offsets"]
-    return 8 + length + begin, 8 + length + end
+    return 8 + length, json.loads(data[8:8 + length])
+
+
+def tensor_span(path, name: str) -> tuple[int, int]:
+    """Byte range of tensor `name`'s data in a safetensors file."""
+    start, header = safetensors_header(path)
+    begin, end = header[name]["data_offsets"]
+    return start + begin, start + end
 
 
 @pytest.mark.parametrize("kind", ["device.n", "host.n"])
@@ -280,3 +286,25 @@ def test_bf16_entries_round_trip_bit_for_bit(tmp_path):
     loaded = PrefixStore.load(tmp_path / "bf16.safetensors", model)
     assert contents(loaded.core) == saved_contents and saved_contents
     loaded.close()
+
+
+@pytest.mark.parametrize("edit", [
+    lambda h: h.pop("weights"),
+    lambda h: h.update(weights=[]),
+    lambda h: h.update(tiers={"elsewhere": []}),
+    lambda h: h["tiers"]["device"][0].pop("leaf"),
+    lambda h: h["tiers"]["device"][0].update(parent=10**6),
+    lambda h: h["tiers"]["host"][0].update(tokens=h["tiers"]["host"][0]["tokens"][:-1]),
+])
+def test_a_well_formed_file_with_an_inconsistent_header_raises_the_librarys_error(saved, copied, edit):
+    """Headers whose checksum matches but whose content does not (written by something else): CorruptStoreError."""
+    model = saved[0]
+    tensors, header = load_file(copied), json.loads(safetensors_header(copied)[1]["__metadata__"]["prefixlab"])
+    edit(header)
+    text = json.dumps(header)
+    save_file(tensors, copied, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
+    untouched = model_state(model)
+    with pytest.raises(CorruptStoreError, match=copied.name):
+        PrefixStore.load(copied, model)
+    assert model_state(model) == untouched
+

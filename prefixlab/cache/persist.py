@@ -217,8 +217,10 @@ def _read_header(path: Path) -> dict:
         keys = ("identity", "weights", "capacity_bytes", "offload_capacity_bytes", "policy", "block_size")
         if missing := [key for key in keys if key not in header]:
             raise KeyError(missing)
-        if not isinstance(header["tiers"], dict) or not set(header["tiers"]) <= set(TIERS):
-            raise ValueError(f"tiers {header['tiers']!r}")
+        if not isinstance(header["weights"], dict) or not isinstance(header["tiers"], dict):
+            raise TypeError("weights and tiers must be JSON objects")
+        if not set(header["tiers"]) <= set(TIERS):
+            raise ValueError(f"tiers {sorted(header['tiers'])}")
         if not all(isinstance(v, list) and len(v) == 3 for v in header["tensors"].values()):
             raise ValueError("tensor records")
     except (ValueError, KeyError, TypeError, AttributeError) as err:
