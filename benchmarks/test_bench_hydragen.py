@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from prefixlab.attention import SharedLevel, hydragen_attention
-from prefixlab.attention.bench import attention_case, bench_attention, time_ms
-from prefixlab.attention.bench_e2e import bench_e2e, format_e2e
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import plan_tree
+from prefixlab.bench.hydragen import attention_case, bench_attention, time_ms
+from prefixlab.bench.hydragen_e2e import bench_e2e, format_e2e
 
 BATCH_SWEEP = [(8, 4096), (16, 4096), (32, 4096), (64, 4096)]
 PREFIX_SWEEP = [(64, 512), (64, 1024), (64, 2048), (64, 4096)]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from prefixlab.attention import HydragenCache, hydragen_cache_from_store
-from prefixlab.attention.bench_e2e import VOCAB, tiny_model
+from prefixlab.bench.hydragen_e2e import VOCAB, tiny_model
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import PrefixStore
 

@@ -2,7 +2,7 @@
 
 Shapes: one Qwen3.5 GatedDeltaNet layer (16 heads, d_k = d_v = 128, B = 1, 4096 tokens) and one Mamba2-style SSD
 layer (32 heads x 64, state 128, one group, 4096 tokens), fp32 on CPU. Each ratio is measured inside one process
-with interleaved best-of-N runs (prefixlab.recurrent.bench). Skipped unless benchmarking is enabled.
+with interleaved best-of-N runs (prefixlab.bench.recurrent). Skipped unless benchmarking is enabled.
 
     python -m pytest benchmarks/test_bench_recurrent.py --benchmark-enable -p no:cacheprovider -s -q
 """
@@ -10,13 +10,13 @@ with interleaved best-of-N runs (prefixlab.recurrent.bench). Skipped unless benc
 import pytest
 import torch
 
-from prefixlab.recurrent import gated_delta_rule, ssd
-from prefixlab.recurrent.bench import (
+from prefixlab.bench.recurrent import (
     capture_overhead,
     delta_rule_vs_transformers,
     spread_positions,
     ssd_vs_transformers,
 )
+from prefixlab.recurrent import gated_delta_rule, ssd
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
 
 LENGTH, HEADS, DIM, REPEATS = 4096, 16, 128, 5

@@ -3,7 +3,9 @@
 import torch
 from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-from prefixlab import HybridPrefixCache, PrefixStore
+import prefixlab
+from prefixlab import HybridPrefixCache
+from prefixlab.cache.explain import format_reasons
 
 config = Qwen3_5TextConfig(
     vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
@@ -13,14 +15,18 @@ config = Qwen3_5TextConfig(
 )
 torch.manual_seed(0)
 model = Qwen3_5ForCausalLM(config).eval()
-
-# the store routes the GatedDeltaNet layers through prefixlab kernels: states are captured inside the one prefill
-store = PrefixStore(model, capacity="256MB", policy="dp")
+plain = {}  # outputs without prefixlab, to compare with
 system = torch.randint(1, 1000, (1, 300))
-for question in range(3):
-    input_ids = torch.cat([system, torch.randint(1, 1000, (1, 20))], dim=1)
-    out = model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=16, do_sample=False)
-    plain = model.generate(input_ids, max_new_tokens=16, do_sample=False)
-    assert torch.equal(out, plain), "prefix reuse changed the output"
-    print(f"request {question}: identical tokens; store: {store.stats()['reused_tokens']} tokens reused so far")
-print({k: v for k, v in store.stats().items() if k in ("hit_sequences", "reused_tokens", "used_bytes")})
+questions = [torch.cat([system, torch.randint(1, 1000, (1, 20))], dim=1) for _ in range(3)]
+for i, input_ids in enumerate(questions):
+    plain[i] = model.generate(input_ids, max_new_tokens=16, do_sample=False)
+
+prefixlab.patch(model)  # once per model: prefixlab's kernels + the hooks every HybridPrefixCache works through
+for i, input_ids in enumerate(questions):
+    cache = HybridPrefixCache(policy="dp", capacity="256MB")  # the card's line: the model's default store
+    out = model.generate(input_ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    assert torch.equal(out, plain[i]), "prefix reuse changed the output"
+    print(f"request {i}: identical tokens; {cache.report()}")
+stats = cache.store.stats()
+print({k: v for k, v in stats.items() if k in ("hit_sequences", "reused_tokens", "used_bytes")})
+print("reasons:", format_reasons(stats["reasons"]))

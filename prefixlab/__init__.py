@@ -1,6 +1,7 @@
 """prefixlab: exact, fast prefix reuse for hybrid (attention + recurrent/SSM) LLMs."""
 
 from prefixlab.errors import (
+    CorruptStoreError,
     InvalidInputError,
     ModelMismatchError,
     PrefixlabError,
@@ -12,6 +13,7 @@ from prefixlab.errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CorruptStoreError",
     "HybridPrefixCache",
     "InvalidInputError",
     "ModelMismatchError",
@@ -21,6 +23,8 @@ __all__ = [
     "TraceFormatError",
     "UnsupportedModelError",
     "__version__",
+    "patch",
+    "unpatch",
 ]
 
 
@@ -28,11 +32,15 @@ _SUBPACKAGES = ("attention", "cache", "recurrent", "sim")
 
 
 def __getattr__(name: str):
-    # PrefixStore / HybridPrefixCache and the subpackages pull in torch and transformers: import them when asked for.
+    # PrefixStore, HybridPrefixCache, patch and the subpackages pull in torch and transformers: import them on use.
     if name in ("PrefixStore", "HybridPrefixCache"):
         from prefixlab import cache
 
         return getattr(cache, name)
+    if name in ("patch", "unpatch"):
+        from prefixlab.cache import prepare
+
+        return getattr(prepare, name)
     if name in _SUBPACKAGES:
         import importlib
 

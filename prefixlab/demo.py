@@ -58,6 +58,9 @@ class Served:
     identical: bool
     baseline_cpu_seconds: float = 0.0  # this process's CPU time to the first token (immune to other processes)
     cached_cpu_seconds: float = 0.0
+    reason: str = "cold"  # why it reused no more (prefixlab.cache.explain.REASONS)
+    shared_tokens: int = 0  # how far the store shared the prompt (the reused part reaches its deepest checkpoint)
+    sequence: tuple[int, ...] = ()  # prompt + generated tokens
 
 
 def _encoder():
@@ -172,17 +175,21 @@ def serve(model, store, system: list[list[int]], requests: list[Request], max_ne
         store.flush()  # admit now, after the response, as a server would (else the next lookup does it)
         if request.kind == "chat":
             histories[request.group] = baseline[0].tolist()
+        row = cache.report().rows[0]
         served.append(Served(request, len(prompt), cache.reused_tokens, baseline_seconds, cached_seconds,
-                             torch.equal(baseline, cached), baseline_cpu, cached_cpu))
+                             torch.equal(baseline, cached), baseline_cpu, cached_cpu, row.reason, row.shared,
+                             tuple(baseline[0].tolist())))
         progress.update(1)
         last = served[-1]
         progress.write(f"{len(served):3d} {request.kind:13s} prompt {last.prompt_tokens:5d}  hit {last.hit_tokens:5d}  "
-                       f"TTFT {last.baseline_seconds * 1e3:7.1f} ms -> {last.cached_seconds * 1e3:7.1f} ms"
-                       f"{'' if last.identical else '  TOKENS DIFFER'}")
+                       f"TTFT {last.baseline_seconds * 1e3:7.1f} ms -> {last.cached_seconds * 1e3:7.1f} ms  "
+                       f"{last.reason}{'' if last.identical else '  TOKENS DIFFER'}")
     return served
 
 
 def summarize(served: list[Served]) -> tuple[str, bool]:
+    from prefixlab.cache.explain import REASONS, format_reasons
+
     base = np.array([s.baseline_seconds for s in served]) * 1e3
     cached = np.array([s.cached_seconds for s in served]) * 1e3
     identical = all(s.identical for s in served)
@@ -192,6 +199,8 @@ def summarize(served: list[Served]) -> tuple[str, bool]:
     total = sum(s.prompt_tokens for s in served)
     lines = [
         f"requests: {len(served)}; prompt tokens reused: {hit} of {total} ({hit / total:.0%})",
+        "why each request reused what it did: "
+        + format_reasons({reason: sum(s.reason == reason for s in served) for reason in REASONS}),
         f"TTFT without prefixlab: P50 {np.percentile(base, 50):.1f} ms, P95 {np.percentile(base, 95):.1f} ms",
         f"TTFT with prefixlab:    P50 {np.percentile(cached, 50):.1f} ms, P95 {np.percentile(cached, 95):.1f} ms",
         f"total prefill time (wall): {base.sum() / 1e3:.2f} s -> {cached.sum() / 1e3:.2f} s "

@@ -21,5 +21,10 @@ class UnsupportedModelError(PrefixlabError, TypeError):
     """A model or layer class prefixlab cannot serve; the message names the class."""
 
 
+class CorruptStoreError(PrefixlabError, ValueError):
+    """A saved store file is damaged (truncated, garbage, a checksum mismatch); the message names the file and the
+    tensor or part that failed."""
+
+
 class StoreClosedError(PrefixlabError, RuntimeError):
     """A PrefixStore (or a HybridPrefixCache over it) is used after `store.close()`."""

@@ -191,13 +191,13 @@ def test_the_alpha_tuning_record_is_bounded_and_alpha_is_still_tuned():
     core, held = _core(capacity_bytes=3_000, history_tokens=200), []
     for _ in range(300):
         replay_request(core, rng.integers(0, 50, 15), rng.integers(0, 50, 5))
-        held.append(sum(len(tokens) for tokens, _ in core._history))
+        held.append(sum(len(tokens) for tokens, _ in core.bootstrap.requests) if core.bootstrap else 0)
     assert max(held) <= 200  # unbounded, it grows by 20 tokens a request until alpha is tuned
-    assert core.evictions and not core._tuning and not core._history  # the window was replayed, alpha tuned
+    assert core.evictions and core.bootstrap is None  # the window was replayed, alpha tuned
     lazy = _core(capacity_bytes=10**9, history_tokens=200)  # never evicts, so never tunes: the record stays bounded
     for _ in range(300):
         replay_request(lazy, rng.integers(0, 50, 15), rng.integers(0, 50, 5))
-    assert lazy._tuning and sum(len(tokens) for tokens, _ in lazy._history) <= 200
+    assert lazy.bootstrap is not None and sum(len(tokens) for tokens, _ in lazy.bootstrap.requests) <= 200
 
 
 def test_namespaces_that_hold_nothing_keep_no_root():

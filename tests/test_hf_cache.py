@@ -219,7 +219,8 @@ def test_bad_arguments_raise_clear_errors(model):
         model(inputs_embeds=torch.zeros(1, 4, 64), past_key_values=cache)
 
 
-def test_for_model_builds_one_default_store(model):
+def test_for_model_builds_one_default_store():
+    model = build(FAMILY)  # its own model: the default store is the model's first open store
     first = HybridPrefixCache.for_model(model, capacity="32MB", policy="marconi")
     second = HybridPrefixCache.for_model(model)
     assert first.store is second.store and first.store.capacity_bytes == 32 * 10**6
@@ -229,7 +230,7 @@ def test_for_model_builds_one_default_store(model):
     third = HybridPrefixCache.for_model(model)
     generate(model, prompt, third)
     assert third.reused_tokens == 11
-    with pytest.raises(InvalidInputError, match="already exists"):
+    with pytest.raises(InvalidInputError, match="default store was built with"):
         HybridPrefixCache.for_model(model, capacity="1GB")
     first.store.close()
 

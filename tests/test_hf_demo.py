@@ -23,9 +23,48 @@ def test_demo_serves_identically_and_reports(data, short_prompts, monkeypatch, t
     assert "generated tokens identical with and without prefixlab: yes" in out
     assert "TTFT without prefixlab: P50" in out and "TTFT with prefixlab:    P50" in out
     assert ("byte tokenizer" in out) == (data == "builtin")
-    hits = [int(line.split("hit")[1].split()[0]) for line in out.splitlines() if " hit " in line]
+    lines = [line for line in out.splitlines() if " prompt " in line and " hit " in line]
+    hits = [int(line.split(" hit ")[1].split()[0]) for line in lines]
     assert len(hits) == 6 and hits[0] == 0 and max(hits) >= 96  # later requests reuse a system prompt
+    assert [line.split()[-1] for line in lines][0] == "cold" and "why each request reused what it did: " in out
     assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+def test_every_request_states_the_reason_the_workload_gives_it(short_prompts, monkeypatch):
+    """The reasons of the demo workload, checked against the workload itself: what a request shares with earlier
+    ones is the longest common prefix of its prompt (but the last token) with their prompt + output[:-1]; with no
+    evictions, one namespace and batch 1, the reason must be cold (nothing shared), hit (all of it reused) or
+    no_checkpoint (less reused than shared)."""
+    import torch
+    from tqdm import tqdm
+
+    from prefixlab import PrefixStore
+
+    monkeypatch.setattr(demo, "shared_file", lambda relative: None)
+    encode, vocab_size, _ = demo._encoder()
+    system, requests = demo.build_workload(9, encode)
+    model = demo.build_model(vocab_size)
+    store = PrefixStore(model, capacity="1GB", policy="dp")
+    with torch.inference_mode(), tqdm(total=len(requests), disable=True) as progress:
+        served = demo.serve(model, store, system, requests, 2, progress)
+    assert store.stats()["evictions"] == 0
+    admitted: list[tuple[int, ...]] = []
+    for s in served:
+        probe = s.sequence[: s.prompt_tokens - 1]
+        shared = max((_common_prefix(probe, earlier) for earlier in admitted), default=0)
+        assert s.shared_tokens == shared
+        expected = "cold" if not shared else "hit" if s.hit_tokens == shared else "no_checkpoint"
+        assert s.reason == expected, (s.hit_tokens, shared, s.reason)
+        admitted.append(s.sequence[:-1])
+    assert {"cold", "hit", "no_checkpoint"} <= {s.reason for s in served}
+    store.close()
+
+
+def _common_prefix(a, b) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def test_summary_flags_differing_tokens():

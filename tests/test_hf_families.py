@@ -132,3 +132,16 @@ def test_kv_only_models_reuse_every_shared_token(family, monkeypatch):
     assert reused[1] >= 24  # the second question already reuses the whole system prompt
     assert reused[3] == previous_length - 1
     store.core.check_invariants()
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_family_table_names_the_layers_patch_serves(family):
+    """hfspec.MODEL_FAMILIES (the one table a new family is added to) says which recurrent layer family patches the
+    model type: that is what prefixlab.recurrent.patch finds in a tiny model of it (none for KV-only models)."""
+    from prefixlab.cache.hfspec import MODEL_FAMILIES
+    from prefixlab.recurrent.patch import linear_attention_layers
+
+    model = build(family)
+    expected = MODEL_FAMILIES[model.config.model_type.removesuffix("_text")].layer_family
+    found = {type(layer_family).__name__ for _, layer_family in linear_attention_layers(model)}
+    assert found == ({expected} if expected else set())

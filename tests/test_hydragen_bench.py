@@ -2,7 +2,7 @@
 
 import json
 
-from prefixlab.attention.bench_e2e import bench_e2e
+from prefixlab.bench.hydragen_e2e import bench_e2e
 from prefixlab.cli import main
 
 

@@ -120,7 +120,7 @@ def test_a_closed_store_refuses_every_use_with_a_clear_error(model, tmp_path):
     uses = [
         lambda: store.match([1, 2]), lambda: store.lookup([1, 2]), lambda: store.plan([1, 2], match),
         lambda: store.release(match), lambda: store.admit([1, 2], lambda a, b: None, {}), lambda: store.flush(),
-        lambda: store.stats(), lambda: store.save(tmp_path / "s.safetensors"), lambda: store.record_reuse(1, 1),
+        lambda: store.stats(), lambda: store.save(tmp_path / "s.safetensors"), lambda: store.record_request([]),
         lambda: HybridPrefixCache(store), lambda: generate(model, prompt, built_before), built_before.get_seq_length,
     ]
     for use in uses:
@@ -140,7 +140,7 @@ def test_a_forward_that_died_unseen_is_refused_once_then_the_cache_serves_again(
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
     prompt, cache = tokens(1, 12, seed=8), HybridPrefixCache(store)
     expected = generate(model, prompt)
-    monkeypatch.setattr(store, "forward_failed", lambda cache: None)  # nothing sees the interrupt
+    monkeypatch.setattr(cache, "forward_failed", lambda: None)  # nothing sees the interrupt
     interrupt = Interrupt(model, 2)
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -3,12 +3,14 @@ outputs equal the uncached model's, the store stays consistent, close() leaves t
 
 import sys
 import threading
+import time
 import warnings
 
 import pytest
 import torch
 from hf_models import build
 
+import prefixlab
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.recurrent.patch import is_patched
 
@@ -77,3 +79,41 @@ def test_threads_sharing_an_evicting_store_get_exact_outputs(workload, options):
     store.close()
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert not is_patched(model) and "forward" not in vars(model)
+
+
+def test_threads_binding_unbound_caches_at_once_share_one_default_store(monkeypatch):
+    """`HybridPrefixCache(policy="dp")` in two threads on one patched model: both bind to one default store (created
+    once, however the threads interleave) and both outputs are exact."""
+    from prefixlab.cache import store as store_module
+    from prefixlab.cache.defaults import default_store
+
+    model = prefixlab.patch(build("qwen3_5"))
+    prompts = [tokens(12, seed) for seed in (40, 41)]
+    expected = [model.generate(prompt, **GREEDY) for prompt in prompts]
+    identity = store_module.model_identity
+
+    def slow_identity(model):  # widen the window in which an unlocked lookup-or-create builds two stores
+        time.sleep(0.05)
+        return identity(model)
+
+    monkeypatch.setattr(store_module, "model_identity", slow_identity)
+    caches = [HybridPrefixCache(policy="dp", capacity="64MB", block_size=4) for _ in prompts]
+    outputs, errors, start = [None] * len(prompts), [], threading.Barrier(len(prompts))
+
+    def worker(i):
+        start.wait()
+        try:
+            outputs[i] = model.generate(prompts[i], past_key_values=caches[i], **GREEDY)
+        except Exception as err:  # reported below
+            errors.append(repr(err))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert caches[0].store is caches[1].store is default_store(model)
+    assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected, strict=True))
+    prefixlab.unpatch(model)
+    assert caches[0].store.closed and not model._forward_hooks and not is_patched(model)

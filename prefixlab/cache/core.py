@@ -8,17 +8,16 @@ anything changes.
 
 from __future__ import annotations
 
-import bisect
 import copy
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.eviction import tune_alpha
-from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState
+from prefixlab.cache.eviction import AlphaBootstrap
+from prefixlab.cache.explain import EvictionLog, path_tokens
+from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError
@@ -57,20 +56,35 @@ class Match:
     walk: Walk = field(repr=False)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What `admit` stored: new tokens (KV) and new checkpoints; falsy when the budget refused the whole entry."""
+
+    tokens: int
+    states: int
+    refused: bool = False
+
+    def __bool__(self) -> bool:
+        return not self.refused
+
+
 class PrefixCacheCore:
     """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
 
     `alpha=None` (FLOP-aware policies) starts at 0 and tunes Marconi's FLOP-efficiency weight once, as the paper
     does: with N0 the requests seen when the first eviction happens, the first `bootstrap_multiplier` x N0
     requests are replayed from an empty cache for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
-    FLOPs is kept (alpha stays 0 if the trace ends first). A number fixes alpha. The recorded window is bounded by
-    `history_tokens` (tokens of input + output): past it the oldest requests are dropped, so a cache that evicts
-    late replays its most recent `history_tokens` tokens of requests instead of the first ones.
+    FLOPs is kept (alpha stays 0 if the trace ends first; eviction.py AlphaBootstrap). A number fixes alpha. The
+    recorded window is bounded by `history_tokens` (tokens of input + output): past it the oldest requests are
+    dropped, so a cache that evicts late replays its most recent `history_tokens` tokens of requests instead.
 
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
     evicts back under it. That is the Marconi simulator's behaviour (a finished request's states are still in
-    memory), which the simulator reproduces; a real store keeps the default."""
+    memory), which the simulator reproduces; a real store keeps the default.
+
+    `explain=True` keeps a bounded `EvictionLog` of what was evicted (`core.evicted`), so that
+    cache/explain.py's `why` can tell evicted entries from never-cached ones."""
 
     def __init__(
         self,
@@ -84,6 +98,7 @@ class PrefixCacheCore:
         checkpoint_budget: int = 4,
         overflow: bool = False,
         history_tokens: int = 1 << 22,
+        explain: bool = False,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
             raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -104,13 +119,11 @@ class PrefixCacheCore:
         self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
         self.clock = self.requests = self.evictions = self.rejected = 0
         self._live: dict[int, Match] = {}
-        self.bootstrap_multiplier = bootstrap_multiplier
-        self._tuning = alpha is None and tunes_alpha(policy)
-        # (input + output, input length) of the requests admitted until alpha is tuned: the bootstrap window
-        self._history: deque[tuple[np.ndarray, int]] = deque()
-        self.history_tokens, self._history_held, self._history_dropped = history_tokens, 0, 0
-        self._tune_at: int | None = None
+        # the requests admitted until alpha is tuned (None once tuned, or when alpha is fixed)
+        self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens) if alpha is None and tunes_alpha(policy)
+                          else None)
         self._last_walk: tuple | None = None
+        self.evicted = EvictionLog() if explain else None
 
     @property
     def used_bytes(self) -> int:
@@ -160,10 +173,10 @@ class PrefixCacheCore:
         states: Mapping[int, Payload] | None = None,
         match: Match | None = None,
         namespace: str = "default",
-    ) -> bool:
+    ) -> Admission:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
-        last kept checkpoint is useless and not stored. Returns False if no part of it fits."""
+        last kept checkpoint is useless and not stored. Returns what was stored (falsy if no part of it fits)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -181,7 +194,7 @@ class PrefixCacheCore:
         return self._admit(tokens, walk, kv, states, match)
 
     def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
-               states: dict[int, Payload], match: Match | None) -> bool:
+               states: dict[int, Payload], match: Match | None) -> Admission:
         """`admit` of validated arguments, `walk` being `tokens`' walk of the current tree (the replay path)."""
         shared = walk.shared_length
         keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
@@ -190,15 +203,17 @@ class PrefixCacheCore:
             raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
         new_states = sorted((p, s) for p, s in states.items() if p > shared or not walk.has_checkpoint(p))
 
-        if self._tuning:
+        if self.bootstrap is not None:
             self._record(tokens, match)
         self.clock += 1
-        if not self._make_room(_entry_bytes(new_kv, new_states), walk.path[-1]) and not self.overflow:
+        if not self._make_room(entry_bytes(new_kv, new_states), walk.path[-1]) and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
-            new_kv, new_states, keep_end = self._fitting_prefix(new_kv, new_states, shared, keep_end)
+            room, ends = self.capacity_bytes - self.used_bytes, self._cut_points(new_states, shared, keep_end)
+            new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
-                return False
+                return Admission(0, 0, refused=True)
+        admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
         deepest = walk.path[-1]
         if new_kv is not None:
             parent = self.tree.split(deepest, shared, self.clock) if walk.ends_inside_edge else deepest
@@ -217,7 +232,7 @@ class PrefixCacheCore:
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
         self.admission.after_admit(self.tree, deepest, len(tokens))
-        return True
+        return admitted
 
     def release(self, match: Match) -> None:
         """Unlock what `match` returned (once)."""
@@ -267,9 +282,11 @@ class PrefixCacheCore:
                 victim = self.eviction.pick(self.clock)
                 if victim is None:
                     return False
-                if self._tune_at is None and self._tuning:
-                    self._tune_at = self.bootstrap_multiplier * self.requests
+                if self.bootstrap is not None:
+                    self.bootstrap.first_eviction(self.requests)
                 parent = victim.parent
+                if self.evicted is not None:
+                    self.evicted.record(victim.namespace, path_tokens(victim), [*victim.ckpt_pos, victim.end])
                 self.eviction.free(victim, self.used_bytes + needed - self.capacity_bytes)
                 self.evictions += 1
                 self._compact(parent)
@@ -277,27 +294,12 @@ class PrefixCacheCore:
         finally:
             self.tree.lock(keep, -1)
 
-    def _fitting_prefix(self, new_kv, new_states, shared: int, keep_end: int):
-        """The longest (kv, states, end) prefix of an entry whose bytes fit in the free space; the cut lands on a
-        kept state (hybrid) or a block boundary (KV-only)."""
-        room = self.capacity_bytes - self.used_bytes
+    def _cut_points(self, new_states: list, shared: int, keep_end: int) -> list[int]:
+        """Where an entry may be cut to fit: at a kept state (hybrid) or a block boundary (KV-only)."""
+        if self.hybrid:
+            return [p for p, _ in new_states]
         block = self.options.block_size
-        ends = [p for p, _ in new_states] if self.hybrid else [*range((shared // block + 1) * block, keep_end, block),
-                                                                 keep_end]
-
-        def part(end: int):
-            if new_kv is None or end <= shared:
-                return None
-            return new_kv if end == keep_end else new_kv.split(end - shared)[0]
-
-        def cost(end: int) -> int:
-            return _entry_bytes(part(end), [(p, s) for p, s in new_states if p <= end])
-
-        fits = bisect.bisect_right(ends, room, key=cost)
-        if fits == 0:
-            return None, [], shared
-        end = ends[fits - 1]
-        return part(end), [(p, s) for p, s in new_states if p <= end], max(end, shared)
+        return [*range((shared // block + 1) * block, keep_end, block), keep_end]
 
     def _compact(self, node: Node) -> None:
         """Drop what became useless: checkpoint-free leaves of a hybrid model, and checkpoint-free nodes with a
@@ -314,32 +316,11 @@ class PrefixCacheCore:
 
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
-        self._history.append((tokens, match.input_length if match else len(tokens)))
-        self._history_held += len(tokens)
-        while self._history_held > self.history_tokens and len(self._history) > 1:
-            self._history_held -= len(self._history.popleft()[0])
-            self._history_dropped += 1
-        if self._tune_at is not None and self.requests >= self._tune_at:
-            self.eviction.alpha = self._tune_alpha()
-            self._tuning, self._history, self._history_held = False, deque(), 0
-
-    def _tune_alpha(self) -> float:
-        # Until the first eviction alpha plays no part: replay that stretch once and copy it for every alpha.
-        warm = max(0, self._tune_at // self.bootstrap_multiplier - 1 - self._history_dropped)
-        history = list(self._history)
-        base = PrefixCacheCore(
-            self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
-            checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow,
-        )
-        warm_hits = [_replay(base, tokens, n) for tokens, n in history[:warm]]
-
-        def flops_saved(alpha: float) -> float:
-            core = base.fork()
-            core.eviction.alpha = alpha
-            hits = warm_hits + [_replay(core, tokens, n) for tokens, n in history[warm:]]
-            return float(np.sum(self.spec.flops_saved(np.array(hits, dtype=np.int64))))
-
-        return tune_alpha(flops_saved)
+        self.bootstrap.record(tokens, match.input_length if match else len(tokens))
+        if self.bootstrap.due(self.requests):
+            fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
+                                    checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
+            self.eviction.alpha, self.bootstrap = self.bootstrap.tune(fresh, _replay), None
 
     def fork(self) -> PrefixCacheCore:
         """An independent copy between requests (no live matches), sharing the immutable payloads (the tuner's)."""
@@ -349,7 +330,9 @@ class PrefixCacheCore:
         twin.eviction = self.eviction.copy_for(twin.tree, nodes)
         twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
         twin.admission = copy.deepcopy(self.admission)
-        twin._live, twin._history, twin._last_walk = {}, deque(self._history), None
+        twin._live, twin._last_walk = {}, None
+        twin.bootstrap = self.bootstrap.copy() if self.bootstrap is not None else None
+        twin.evicted = copy.deepcopy(self.evicted)
         return twin
 
     # inspection --------------------------------------------------------------------------------------------------
@@ -376,10 +359,6 @@ class PrefixCacheCore:
         for node in self.tree.nodes():
             assert node.lock_count == locks.get(node.id, 0), f"{node} lock count {node.lock_count} != live matches"
             assert (node.id in self.eviction.nodes) == self.eviction.eligible(node), f"{node} eviction index stale"
-
-
-def _entry_bytes(kv: KVPayload | None, states: list[tuple[int, Payload]]) -> int:
-    return (kv.nbytes if kv is not None else 0) + sum(s.nbytes for _, s in states)
 
 
 def _check_namespace(namespace: object) -> str:

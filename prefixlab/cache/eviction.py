@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import bisect
 import copy
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+
+import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.tree import Node, RadixTree
@@ -227,3 +230,52 @@ def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[floa
     most FLOPs. `replay_flops_saved(alpha)` replays the window into a fresh cache using that alpha."""
     saved = [replay_flops_saved(alpha) for alpha in grid]
     return grid[saved.index(max(saved))]
+
+
+class AlphaBootstrap:
+    """Marconi's bootstrap window for tuning alpha once (section 4.2): the requests admitted so far as (input +
+    output tokens, input length), at most `history_tokens` tokens of them (the oldest dropped, so the record never
+    outgrows the budget of a cache that evicts late or never); due `multiplier` x N0 requests after the first
+    eviction, N0 being the requests seen by then."""
+
+    def __init__(self, multiplier: int, history_tokens: int) -> None:
+        self.multiplier, self.history_tokens = multiplier, history_tokens
+        self.requests: deque[tuple[np.ndarray, int]] = deque()
+        self.held = self.dropped = 0  # tokens recorded now; requests dropped from the front
+        self.tune_at: int | None = None
+
+    def first_eviction(self, requests: int) -> None:
+        if self.tune_at is None:
+            self.tune_at = self.multiplier * requests
+
+    def record(self, tokens: np.ndarray, input_length: int) -> None:
+        self.requests.append((tokens, input_length))
+        self.held += len(tokens)
+        while self.held > self.history_tokens and len(self.requests) > 1:
+            self.held -= len(self.requests.popleft()[0])
+            self.dropped += 1
+
+    def due(self, requests: int) -> bool:
+        return self.tune_at is not None and requests >= self.tune_at
+
+    def tune(self, fresh, replay: Callable) -> float:
+        """The alpha whose replay of the window (`replay(core, tokens, input_length) -> hit length`) from `fresh`, an
+        empty core with alpha 0, saves the most FLOPs. Until the first eviction alpha plays no part: that stretch is
+        replayed once and its hits reused for every alpha."""
+        warm = max(0, self.tune_at // self.multiplier - 1 - self.dropped)
+        window = list(self.requests)
+        warm_hits = [replay(fresh, tokens, n) for tokens, n in window[:warm]]
+
+        def flops_saved(alpha: float) -> float:
+            core = fresh.fork()
+            core.eviction.alpha = alpha
+            hits = warm_hits + [replay(core, tokens, n) for tokens, n in window[warm:]]
+            return float(np.sum(fresh.spec.flops_saved(np.array(hits, dtype=np.int64))))
+
+        return tune_alpha(flops_saved)
+
+    def copy(self) -> AlphaBootstrap:
+        """An independent record sharing the (immutable) token arrays."""
+        twin = copy.copy(self)
+        twin.requests = deque(self.requests)
+        return twin

@@ -1,11 +1,16 @@
 """HybridPrefixCache: a transformers `DynamicCache` that resumes from, and feeds, a `PrefixStore`.
 
+    prefixlab.patch(model)                                  # once per model: kernels + forward hooks
+    out = model.generate(input_ids, past_key_values=HybridPrefixCache(policy="dp"), max_new_tokens=64)
+    # or, managing the store yourself:
     store = PrefixStore(model, capacity="4GB", policy="dp")
     out = model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
 
+A cache without a store binds, on its first forward, to the model's default store (its first open PrefixStore,
+created then with the cache's options if there is none; options that differ from an existing default store's raise).
 One cache object serves one request (one generate call, or several calls that continue the same sequences). The
-store's forward hooks (cache/store.py) drive it, because `generate` never shows the prompt to a cache before the
-first forward:
+model's forward hooks (cache/hooks.py, put there by `prefixlab.patch` or a PrefixStore) drive it, because
+`generate` never shows the prompt to a cache before the first forward:
 - first forward (`begin`): look up the longest reusable prefix of the prompt (at most all but its last token, so the
   model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
   hook which tokens remain; the hook then runs the model on those only;
@@ -33,58 +38,74 @@ token record and pad counts with the tensors.
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
 outputs then cover only the tokens the forward ran (those after the reused prefix). Mamba2 takes its cache as
 `cache_params=`. Assisted / speculative decoding is refused (`crop`): recurrent states cannot roll back.
+`cache.report()` says per row what was reused and why no more, and what the request admitted (cache/explain.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from prefixlab.cache.model_info import check_token_ids
+from prefixlab.cache.defaults import cache_store_options, check_bound_store
+from prefixlab.cache.explain import RequestReport, RowReport
+from prefixlab.cache.hooks import ModelDrivenCache
+from prefixlab.cache.rows import left_pads, real_positions, stack_rows, stack_states
 from prefixlab.cache.sharing import check_open, under_store_lock
-from prefixlab.cache.tensors import TOKEN_AXIS, TensorKV, TensorState
+from prefixlab.cache.store import PrefixStore
+from prefixlab.cache.tensors import TensorKV, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
-if TYPE_CHECKING:
-    from prefixlab.cache.store import PrefixStore
 
-
-class HybridPrefixCache(DynamicCache):
-    """A transformers Cache that reuses exact prefixes from `store` and admits what it computes.
+class HybridPrefixCache(DynamicCache, ModelDrivenCache):
+    """A transformers Cache that reuses exact prefixes from a PrefixStore and admits what it computes.
 
     Args:
-        store: the persistent, shared part (one per model).
+        store: the persistent, shared part (one per model). Left out, the cache binds on its first forward to the
+            model's default store (needs `prefixlab.patch(model)` once, or any PrefixStore of the model).
         namespace: entries are only reused by caches of the same namespace (e.g. one per tenant).
+        policy, capacity, offload_capacity, block_size, patch: options of the default store (PrefixStore's), used
+            to create it or checked against it; only without `store`.
     """
 
-    def __init__(self, store: PrefixStore, namespace: str = "default"):
-        from prefixlab.cache.store import PrefixStore
-
-        if not isinstance(store, PrefixStore):
+    def __init__(self, store: PrefixStore | None = None, namespace: str = "default", **store_options):
+        if store is not None and not isinstance(store, PrefixStore):
             raise InvalidInputError(
-                f"HybridPrefixCache(store=...) needs a PrefixStore, got {type(store).__name__}; "
-                "build one with prefixlab.PrefixStore(model)"
+                f"HybridPrefixCache(store=...) takes a PrefixStore, got {type(store).__name__}; build one with "
+                "prefixlab.PrefixStore(model), or leave it out: HybridPrefixCache(policy='dp') after "
+                "prefixlab.patch(model)"
             )
         if not isinstance(namespace, str) or not namespace:
             raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
-        check_open(store)
-        super().__init__(config=store.model.config)
+        self._store_options = cache_store_options(store, store_options)
+        super().__init__(config=store.model.config if store is not None else None)
         self.store = store
         self.namespace = namespace
         self.reused_tokens = 0  # tokens of the prompt that came from the store (the most of any row)
         self.rows_reused: list[int] = []  # per row: its real tokens that came from the store
         self.prefixlab_capture_positions: list[int] | None = None
+        self._report = RequestReport()
         self._clear_request()
 
     @classmethod
-    def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_kwargs) -> HybridPrefixCache:
-        """A cache over the model's default store, created on first use with `store_kwargs` (capacity, policy...)."""
-        from prefixlab.cache.store import PrefixStore
+    def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_options) -> HybridPrefixCache:
+        """A cache bound now to the model's default store (`PrefixStore.default_for(model, **store_options)`)."""
+        return cls(PrefixStore.default_for(model, **store_options), namespace=namespace)
 
-        return cls(PrefixStore.default_for(model, **store_kwargs), namespace=namespace)
+    def prefixlab_bind(self, model: torch.nn.Module) -> None:
+        """Called by the model's forward hook: an unbound cache takes the model's default store; a bound one must be
+        used with its store's model."""
+        if self.store is None:
+            self.store = PrefixStore.default_for(model, **self._store_options)
+            DynamicCache.__init__(self, config=model.config)
+        check_bound_store(self.store, model)
+
+    def report(self) -> RequestReport:
+        """What happened to this request: per row reused tokens, shared prefix, deepest checkpoint and the reason
+        for any difference (cache/explain.py REASONS), and what the request admitted (admits it now if pending)."""
+        self.commit()
+        return self._report
 
     # -- request state ---------------------------------------------------------------------------------------------
     def _clear_request(self) -> None:
@@ -114,7 +135,7 @@ class HybridPrefixCache(DynamicCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
-        if not self._started:
+        if not self._started and self.store is not None:
             check_open(self.store)  # generate asks this first: a cache over a closed store fails before any forward
         return self._seen
 
@@ -123,13 +144,18 @@ class HybridPrefixCache(DynamicCache):
 
     # -- guard: only the store's model may write into this cache ----------------------------------------------------
     def _require_started(self) -> None:
-        if not self._started:
-            check_open(self.store)
-            raise ModelMismatchError(
-                "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that "
-                f"drive it never ran); the store serves {type(self.store.model).__name__} "
-                f"({self.store.identity[:12]}). Build a PrefixStore for this model and a HybridPrefixCache over it"
+        if self._started:
+            return
+        if self.store is None:
+            raise InvalidInputError(
+                "HybridPrefixCache() without a store ran on a model that was not prepared for prefixlab, so nothing "
+                "bound it to a store. Add this line once after loading the model: prefixlab.patch(model)"
             )
+        raise ModelMismatchError(
+            "HybridPrefixCache was used by a model its PrefixStore was not built for (the store hooks that drive it "
+            f"never ran); the store serves {type(self.store.model).__name__} ({self.store.identity[:12]}). Build a "
+            "PrefixStore for this model and a HybridPrefixCache over it"
+        )
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self._require_started()
@@ -140,6 +166,7 @@ class HybridPrefixCache(DynamicCache):
         return super().get_conv_state(layer_idx, state_idx)
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
+    @under_store_lock
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
               position_ids: torch.Tensor | None = None) -> int:
         """Start a request for `input_ids` [batch, length] (left padding allowed): load the longest prefix every row
@@ -147,17 +174,18 @@ class HybridPrefixCache(DynamicCache):
         Returns the number of leading (padded) columns already in the cache (the forward must run only the rest)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
-        ids = input_ids.detach().cpu()
-        check_token_ids(ids, self.store.model)  # every row, before any row locks a match
+        ids = input_ids.detach().cpu()  # token ids were checked by the hooks (hooks.py), every row before any lookup
         batch, length = ids.shape
-        pads = _left_pads(attention_mask, batch, length)
-        if pads is not None and not _real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
+        pads = left_pads(attention_mask, batch, length)
+        if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
             pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
             self._fed.append(ids[:, :0])
-            self.store.record_reuse(0, batch)
+            self._report = RequestReport([RowReport(length, reason="refused_input") for _ in range(batch)],
+                                         admission="not admitted (refused input)")
+            self.store.record_request(self._report.rows)
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
@@ -167,6 +195,8 @@ class HybridPrefixCache(DynamicCache):
         try:
             for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
                 found.append(self._lookup(probe))
+            rows = [self._row_report(length - pad, probe, *pair)
+                    for pad, probe, pair in zip(pads, probes, found, strict=True)]
             common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
             # rows resume from one column: a row whose checkpoint sits elsewhere is re-matched there (a checkpoint at
             # or before it); a row without one (length 0) starts fresh: zero state, its KV up to there only pads
@@ -189,13 +219,25 @@ class HybridPrefixCache(DynamicCache):
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
+        for row, reused in zip(rows, rows_reused, strict=True):
+            row.reused = reused
+            if reused < row.checkpoint:
+                row.reason = "batch_alignment"
+        self._report = RequestReport(rows)
         self.reused_tokens = max(rows_reused)
         self.rows_reused = rows_reused
         self._fed.append(ids[:, :common])
         self._seen = common
-        for reused in rows_reused:
-            self.store.record_reuse(reused, 1)
+        self.store.record_request(rows)
         return common
+
+    def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
+        """A row's report before batch alignment: what the store shares and why it reuses no more."""
+        if prompt_tokens < 2:
+            return RowReport(prompt_tokens, reason="too_short")
+        return RowReport(prompt_tokens, shared=max(match.shared_length, source.shared_length),
+                         checkpoint=source.length, reason=self.store.explain(probe, source),
+                         from_host=source is not match)
 
     def _lookup(self, probe) -> tuple:
         return self.store.lookup(probe, self.namespace)
@@ -210,6 +252,7 @@ class HybridPrefixCache(DynamicCache):
             return []
         return [p for p in self._plan if start < p < stop]
 
+    @under_store_lock
     def record(self, input_ids: torch.Tensor) -> None:
         """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
         self._require_started()
@@ -219,19 +262,23 @@ class HybridPrefixCache(DynamicCache):
         offsets = [p - self._seen for p in self._plan if self._seen <= p <= stop]
         self.prefixlab_capture_positions = offsets or None
 
+    @under_store_lock
     def forward_done(self) -> None:
         """The forward in flight succeeded: its tokens are now held; capture the state at its end if planned."""
         self._seen += self._pending
         self._pending = 0
         self.prefixlab_capture_positions = None
+        self.store.hold(self)  # admitted on the store's next use
         if self._seen in self._plan:
             self._captured[self._seen] = self._snapshot_states()
             self._plan.remove(self._seen)
 
+    @under_store_lock
     def forward_failed(self) -> None:
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
         reusing this cache starts a new request. The store never saw a partial state."""
         self.layers = DynamicCache(config=self.store.model.config).layers
+        self.store.drop(self)
         self._clear_request()
         self.reused_tokens = 0
         self.prefixlab_capture_positions = None
@@ -255,18 +302,18 @@ class HybridPrefixCache(DynamicCache):
         device = self.store.device
         for layer_idx in self.store.layout.kv_layers:
             layer = self.layers[layer_idx]
-            keys = _stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
-            values = _stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
+            keys = stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
+            values = stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
             if not layer.is_initialized:
                 DynamicLayer.lazy_initialization(layer, keys, values)
             layer.keys, layer.values = keys, values
         states: list[TensorState | None] = [source.state if source.length else None for source in sources]
         model = next(state for state in states if state is not None) if any(states) else None
         for layer_idx, state_idx in model.conv if model else ():
-            conv = _stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
+            conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
         for layer_idx, state_idx in model.recurrent if model else ():
-            recurrent = _stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
+            recurrent = stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
             self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
             self.layers[layer_idx].has_previous_state[state_idx] = True
 
@@ -313,7 +360,8 @@ class HybridPrefixCache(DynamicCache):
                 for pos, snap in snapshots.items() if pos > pad
             }
             if self._seen > pad:
-                self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace)
+                self._report.add_admission(
+                    self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace))
         offered = self._seen - self._committed
         self._committed = self._seen
         return offered
@@ -344,54 +392,3 @@ class HybridPrefixCache(DynamicCache):
             "HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable assisted/speculative decoding "
             "with this cache"
         )
-
-
-def _left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
-    """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
-    anything else (zeros after ones, non-binary, another shape)."""
-    if attention_mask is None:
-        return [0] * batch
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
-        return None
-    mask = attention_mask.detach().cpu()
-    pads = (mask == 0).long().cumprod(dim=1).sum(dim=1)
-    expected = torch.arange(length)[None, :] >= pads[:, None]
-    if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
-        return None
-    return pads.tolist()
-
-
-def _real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool) -> bool:
-    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at): position_ids
-    [batch, length] or [k, batch, length] must say so on real columns; without them the model counts columns, which
-    is right only without pads (or without attention layers, where positions do not matter)."""
-    if position_ids is None:
-        return not has_attention or not any(pads)
-    ids = position_ids.detach().cpu().long()
-    ids = ids[None] if ids.dim() == 2 else ids
-    if ids.dim() != 3 or tuple(ids.shape[1:]) != (len(pads), length):
-        return False
-    return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
-               for row, pad in enumerate(pads))
-
-
-def _stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:
-    """One fresh [batch, heads, common, dim] tensor on `device`: each row's pieces joined along the token axis and
-    right-aligned at column `common` (zeros before: pad columns). Never aliases the store: requests resume from
-    copies."""
-    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] if pieces else None
-              for pieces in rows]
-    like = next(t for t in joined if t is not None)
-    shape = list(like.shape)
-    shape[TOKEN_AXIS] = common
-    out = torch.zeros([len(rows), *shape], dtype=like.dtype, device=device)
-    for row, tensor in enumerate(joined):
-        if tensor is not None and tensor.shape[TOKEN_AXIS]:
-            out[row, ..., common - tensor.shape[TOKEN_AXIS]:, :] = tensor.to(device)
-    return out
-
-
-def _stack_states(states: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """[batch, ...] copies of each row's state on `device`; zeros (the fresh state) for rows without one."""
-    like = next(t for t in states if t is not None)
-    return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])

@@ -1,4 +1,5 @@
-"""`ModelSpec` from a transformers (5.x) config: which layers a hybrid model has and their dims.
+"""What prefixlab knows per transformers model_type (MODEL_FAMILIES, the one table a new family is added to), and
+`ModelSpec` from a transformers (5.x) config: which layers a hybrid model has and their dims.
 
 Each reader mirrors the model's modeling file in transformers/models/<name>/: the layer pattern
 (`layer_types`, `layers_block_type`, `mlp_layer_types`, periods/offsets), head and state dims, conv kernels, MoE
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -236,12 +237,37 @@ def _dense(c, dtype_bytes):
     return _attention(c, n, dtype_bytes), cm.mlp_layers(n, c.hidden_size, c.intermediate_size)
 
 
-READERS: dict[str, Callable] = {
-    "qwen3_5": _qwen3_5, "qwen3_5_moe": _qwen3_5_moe, "qwen3_next": _qwen3_next, "nemotron_h": _nemotron_h,
-    "bamba": _bamba, "falcon_h1": _falcon_h1, "granitemoehybrid": _granitemoehybrid, "jamba": _jamba,
-    "zamba2": _zamba2, "lfm2": _lfm2, "mamba2": _mamba2_model, "olmo_hybrid": _olmo_hybrid,
-    "kimi_linear": _kimi_linear, **dict.fromkeys(DENSE_MODEL_TYPES, _dense),
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model_type: `reader` (config, dtype bytes) -> its ModelSpec layer groups; `layer_family`, the
+    prefixlab.recurrent.families class that patches its linear-attention layers (None: KV-only); `patched_only`, why
+    transformers' own layers cannot resume exactly (then only a patched model is served)."""
+
+    reader: Callable
+    layer_family: str | None
+    patched_only: str | None = None
+
+
+# Adding a family: its row here (and its reader above; a new kind of recurrent layer also needs a
+# prefixlab.recurrent.families class). tests/test_hf_families.py checks `layer_family` against a tiny model.
+MODEL_FAMILIES: dict[str, ModelFamily] = {
+    "qwen3_5": ModelFamily(_qwen3_5, "GatedDeltaNet"),
+    "qwen3_5_moe": ModelFamily(_qwen3_5_moe, "GatedDeltaNet"),
+    "qwen3_next": ModelFamily(_qwen3_next, "Qwen3NextGatedDeltaNet"),
+    "olmo_hybrid": ModelFamily(_olmo_hybrid, "OlmoHybridGatedDeltaNet"),
+    "kimi_linear": ModelFamily(_kimi_linear, "KimiDeltaAttention"),
+    "nemotron_h": ModelFamily(_nemotron_h, "Mamba2Mixer"),
+    "bamba": ModelFamily(_bamba, "Mamba2Mixer"),
+    "falcon_h1": ModelFamily(_falcon_h1, "FalconH1Mixer"),
+    "granitemoehybrid": ModelFamily(_granitemoehybrid, "Mamba2Mixer"),
+    "zamba2": ModelFamily(_zamba2, "Mamba2Mixer"),
+    "mamba2": ModelFamily(_mamba2_model, "Mamba2Mixer"),
+    "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=(
+        "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)")),
+    "lfm2": ModelFamily(_lfm2, "ShortConv"),
+    **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
+READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 

@@ -17,6 +17,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from prefixlab.cache.hfspec import MODEL_FAMILIES
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -71,9 +72,8 @@ class CacheLayout:
 
 # Model types whose transformers layers restart multi-token forwards from a zero recurrent state (ignoring the
 # cached one): reuse is exact there only through prefixlab.recurrent.patch, whose layers resume from the cache.
-STATE_DROPPING_MODEL_TYPES = {
-    "jamba": "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)",
-}
+STATE_DROPPING_MODEL_TYPES = {model_type: family.patched_only for model_type, family in MODEL_FAMILIES.items()
+                              if family.patched_only}
 
 
 def model_identity(model: torch.nn.Module) -> str:

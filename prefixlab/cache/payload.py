@@ -6,6 +6,7 @@ same protocol, so one policy code path serves both.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -53,3 +54,28 @@ class SizedKV:
 
     def concat(self, other: SizedKV) -> SizedKV:
         return SizedKV(self.ntokens + other.ntokens, self.bytes_per_token)
+
+
+def entry_bytes(kv: KVPayload | None, states: list[tuple[int, Payload]]) -> int:
+    """Bytes of an entry: its KV and its (position, state) checkpoints."""
+    return (kv.nbytes if kv is not None else 0) + sum(s.nbytes for _, s in states)
+
+
+def fitting_prefix(room: int, ends: list[int], kv: KVPayload | None, states: list[tuple[int, Payload]], shared: int,
+                   keep_end: int) -> tuple[KVPayload | None, list[tuple[int, Payload]], int]:
+    """The longest (kv, states, end) prefix of an entry (KV for tokens [shared, keep_end), sorted checkpoints) that
+    fits in `room` bytes, cut at one of the sorted `ends`; (None, [], shared) if none does."""
+
+    def part(end: int) -> KVPayload | None:
+        if kv is None or end <= shared:
+            return None
+        return kv if end == keep_end else kv.split(end - shared)[0]
+
+    def cost(end: int) -> int:
+        return entry_bytes(part(end), [(p, s) for p, s in states if p <= end])
+
+    fits = bisect.bisect_right(ends, room, key=cost)
+    if fits == 0:
+        return None, [], shared
+    end = ends[fits - 1]
+    return part(end), [(p, s) for p, s in states if p <= end], max(end, shared)

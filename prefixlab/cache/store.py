@@ -4,9 +4,10 @@
     model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
 
 The store owns a `PrefixCacheCore` (radix tree + admission/eviction policy + byte budget; cache/core.py) whose
-payloads are tensors (cache/tensors.py), an optional host-memory tier for entries evicted from the device, and the
-forward hooks through which the model drives every `HybridPrefixCache` (see cache/hf.py for the request life cycle).
-Policy lives in the core only; this file moves tensors and counts bytes.
+payloads are tensors (cache/tensors.py) and an optional host-memory tier for entries evicted from the device. It puts
+the forward hooks (cache/hooks.py) on the model, through which the model drives every `HybridPrefixCache` (see
+cache/hf.py for the request life cycle), but never calls a cache itself except `commit()` on those it holds for
+admission. Policy lives in the core only; this file moves tensors and counts bytes.
 
 Threads: one store may serve `generate` calls from several threads at once (a threaded server). Every change to the
 core, the host tier, the open caches and the counters happens under the store's re-entrant `lock`, held only for
@@ -17,41 +18,33 @@ One HybridPrefixCache serves one request: never pass the same cache object to tw
 
 from __future__ import annotations
 
-import json
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
-from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.core import PrefixCacheCore, as_tokens
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.defaults import default_for, register, unregister
+from prefixlab.cache.explain import MISS_REASONS, REASONS, why
+from prefixlab.cache.hooks import attach, detach
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
     model_identity,
     parse_capacity,
 )
-from prefixlab.cache.sharing import check_open, guard_forward, serialized, unguard_forward
-from prefixlab.cache.tensors import (
-    TensorKV,
-    TensorState,
-    kv_from_flat,
-    kv_to_flat,
-    path_kv,
-    state_from_flat,
-    state_to_flat,
-)
-from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
+from prefixlab.cache.persist import load_store, save_store
+from prefixlab.cache.sharing import serialized
+from prefixlab.cache.tensors import TensorKV, TensorState, path_kv
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 
 class PrefixStore:
-    """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`.
+    """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`. The first open store of a model is
+    its default store: `HybridPrefixCache()` without a store binds to it (see `default_for`).
 
     Args:
         model: a transformers causal LM (the store installs forward hooks on it).
@@ -69,9 +62,6 @@ class PrefixStore:
     method raises StoreClosedError.
     """
 
-    _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    _defaults_lock = threading.Lock()
-
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
                  **core_options):
@@ -86,43 +76,40 @@ class PrefixStore:
             )
         self.model = model
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
-        self.closed = False
         self.identity = model_identity(model)
         self.layout = CacheLayout.from_config(model.config)
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
+        offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")
+        core_options = {"explain": True} | core_options
         self.core = PrefixCacheCore(self.capacity_bytes, policy=policy, spec=self.spec, block_size=block_size,
                                     **core_options)
         self.offload = None
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
-        if offload_capacity is not None:
-            self.offload = PrefixCacheCore(parse_capacity(offload_capacity, "offload_capacity"), policy=policy,
-                                           spec=self.spec, block_size=block_size, **core_options)
+        if offload_bytes is not None:
+            self.offload = PrefixCacheCore(offload_bytes, policy=policy, spec=self.spec, block_size=block_size,
+                                           **core_options)
             self._evict_to_host(self.core.eviction)
+        # what the store was built with, as `HybridPrefixCache(**options)` compares them
+        self.options = {"capacity": self.capacity_bytes, "policy": policy, "offload_capacity": offload_bytes,
+                        "block_size": block_size, "patch": patch, **core_options}
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
-        self._open: dict[int, HybridPrefixCache] = {}
+        self._open: dict[int, object] = {}
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
                           "offload_hits": 0}
-        self._cache_arg = "cache_params" if "cache_params" in _forward_parameters(model) else "past_key_values"
+        self._reasons = dict.fromkeys(REASONS, 0)
+        self.closed = False
         # last, so that a store refused above leaves the model as it was
-        self._holds_patch = _hold_patch(model, patch)
-        guard_forward(model)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-            model.register_forward_hook(self._after_forward, with_kwargs=True, always_call=True),
-        ]
+        self._holds_patch = hold_patch(model, patch)
+        attach(model, self)
+        register(self)  # the model's default store if it has none (cache/defaults.py)
 
     @classmethod
     def default_for(cls, model: torch.nn.Module, **options) -> PrefixStore:
-        """The model's default store, created on first call with `options` (later calls must not pass options)."""
-        with cls._defaults_lock:
-            store = cls._defaults.get(model)
-            if store is None or store.closed:
-                store = cls._defaults[model] = cls(model, **options)
-            elif options:
-                raise InvalidInputError("the default store of this model already exists; options apply only at "
-                                        "creation")
-            return store
+        """The model's default store (its first open one), created with `options` if it has none (one store however
+        many threads ask at once). Options given for an existing default store must equal the ones it was built with
+        (InvalidInputError naming them): one device budget per model, which every cache without a store shares."""
+        return default_for(cls, model, options)
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +121,9 @@ class PrefixStore:
         return bool(getattr(self.model, "prefixlab_patched", False))
 
     def close(self) -> None:
-        """Admit what open caches hold, remove the hooks from the model and give back the patch (the model is
-        unpatched when no other store holds it). Call it once no request runs; later uses raise StoreClosedError."""
+        """Admit what open caches hold, take the store's hooks off the model (unless another store or
+        `prefixlab.patch` still needs them) and give back its share of the kernel patch (the model is unpatched when
+        no other owner holds it). Idempotent. Call it once no request runs; later uses raise StoreClosedError."""
         with self.lock:
             if self.closed:
                 return
@@ -143,10 +131,8 @@ class PrefixStore:
                 self.flush()
             finally:
                 self.closed = True
-                for handle in self._hooks:
-                    handle.remove()
-                self._hooks = []
-                unguard_forward(self.model)
+                detach(self.model, self)
+                unregister(self)
                 if self._holds_patch:
                     from prefixlab.recurrent.patch import let_go
 
@@ -204,12 +190,6 @@ class PrefixStore:
         else:
             self.core.release(match)
 
-    def forward_failed(self, cache: HybridPrefixCache) -> None:
-        """A forward given `cache` raised (any exception): forget its request; nothing of it is admitted."""
-        with self.lock:
-            cache.forward_failed()
-            self._open.pop(id(cache), None)
-
     def _evict_to_host(self, eviction) -> None:
         """Before the device policy frees a victim, copy its whole path (tokens up to the victim's end, their KV and
         the victim's checkpoints) into the host tier, which admits or drops it under its own budget."""
@@ -232,18 +212,37 @@ class PrefixStore:
         eviction.free = free
 
     @serialized
-    def record_reuse(self, reused_tokens: int, rows: int) -> None:
-        self._counters["sequences"] += rows
-        self._counters["hit_sequences"] += rows if reused_tokens else 0
-        self._counters["reused_tokens"] += reused_tokens * rows
-        self._counters["reused_bytes"] += rows * (reused_tokens * self.spec.kv_bytes_per_token
-                                                  + (self.spec.state_bytes if reused_tokens else 0))
+    def explain(self, tokens: Sequence[int], match) -> str:
+        """Why a live match (of either tier) of `tokens` reuses no more (a reason code, cache/explain.py)."""
+        core = self.offload if id(match) in self._host_matches else self.core
+        return why(core, as_tokens(tokens), match)
+
+    @serialized
+    def record_request(self, rows: list) -> None:
+        """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`."""
+        for row in rows:
+            self._counters["sequences"] += 1
+            self._counters["hit_sequences"] += 1 if row.reused else 0
+            self._counters["reused_tokens"] += row.reused
+            self._counters["reused_bytes"] += (row.reused * self.spec.kv_bytes_per_token
+                                               + (self.spec.state_bytes if row.reused else 0))
+            self._reasons[row.reason] += 1
+
+    def hold(self, cache) -> None:
+        """Keep `cache` (anything with `commit()`) to admit on the store's next use."""
+        with self.lock:
+            self._open[id(cache)] = cache
+
+    def drop(self, cache) -> None:
+        with self.lock:
+            self._open.pop(id(cache), None)
 
     @serialized
     def admit(self, tokens: Sequence[int], kv: Callable[[int, int], TensorKV], states: dict[int, TensorState],
-              namespace: str = "default") -> bool:
+              namespace: str = "default"):
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
-        Returns False (with a warning: the request simply ran uncached) when the budget cannot hold it."""
+        Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request simply ran
+        uncached) when the budget cannot hold it."""
         admitted = self.core.admit(tokens, kv=kv, states=states, namespace=namespace)
         if not admitted:
             warnings.warn(
@@ -263,147 +262,39 @@ class PrefixStore:
 
     @serialized
     def stats(self) -> dict:
-        """Core statistics (bytes, checkpoints, evictions...) plus reuse per sequence served: sequences,
-        hit_sequences, reused_tokens and reused_bytes (KV + state bytes loaded from the store)."""
+        """Core statistics (bytes, checkpoints, evictions, rejected admissions...) plus reuse per sequence served:
+        sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store),
+        `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
+        without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
         self.flush()
         host = self.offload.stats() if self.offload else {}
         offload = {f"offload_{k}": v for k, v in host.items() if k.endswith("bytes")}
-        return {**self.core.stats(), **offload, **self._counters}
+        reasons = dict(self._reasons)
+        return {**self.core.stats(), **offload, **self._counters, "reasons": reasons,
+                "miss_reasons": {reason: reasons[reason] for reason in MISS_REASONS}}
 
-    # -- persistence ------------------------------------------------------------------------------------------------
+    # -- persistence (cache/persist.py) -----------------------------------------------------------------------------
     @serialized
     def save(self, path: str | Path) -> None:
-        """Write every cached entry (tokens, KV, checkpoints, per namespace) and the model identity to a
-        safetensors file. Shared prefixes are written once."""
-        self.flush()
-        tensors, nodes = {}, []
-        for node in self.core.tree.nodes():
-            if node.is_root:
-                continue
-            name = f"n{node.id}"
-            if node.kv is not None:
-                tensors.update(kv_to_flat(node.kv, name))
-            for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
-                tensors.update(state_to_flat(state, f"{name}.s{position}"))
-            nodes.append({"id": node.id, "parent": None if node.parent.is_root else node.parent.id,
-                          "namespace": node.namespace, "tokens": node.tokens.tolist(),
-                          "checkpoints": list(node.ckpt_pos), "leaf": not node.children})
-        header = {"identity": self.identity, "capacity_bytes": self.capacity_bytes, "policy": self.core.policy,
-                  "block_size": self.core.options.block_size, "nodes": nodes}
-        save_file({k: t.contiguous().cpu() for k, t in tensors.items()}, str(path),
-                  metadata={"prefixlab": json.dumps(header)})
+        """Write every entry of both tiers (tokens, KV, checkpoints, per namespace) to a safetensors file, with the
+        model identity, a fingerprint of its weights and a checksum per tensor. Shared prefixes are written once;
+        the file is replaced atomically (a failed save leaves the previous file intact)."""
+        save_store(self, path)
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module, **options) -> PrefixStore:
-        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy). `options`
-        override the saved capacity / policy / block_size. ModelMismatchError if the file is for another model."""
-        path = Path(path)
-        if not path.is_file():
-            raise InvalidInputError(f"path={str(path)!r} is not a file written by PrefixStore.save")
-        with safe_open(str(path), framework="pt", device=str(model.device)) as file:
-            header = json.loads((file.metadata() or {}).get("prefixlab", "null") or "null")
-            if header is None:
-                raise InvalidInputError(f"{path} has no prefixlab header: it was not written by PrefixStore.save")
-            identity = model_identity(model)
-            if header["identity"] != identity:
-                raise ModelMismatchError(
-                    f"{path} was saved for a model with identity {header['identity'][:12]}, but this model's config "
-                    f"and dtype give {identity[:12]}; load it with the model (same config and dtype) that saved it"
-                )
-            tensors = {name: file.get_tensor(name) for name in file.keys()}
-        store = cls(model, **({"capacity": header["capacity_bytes"], "policy": header["policy"],
-                                "block_size": header["block_size"]} | options))
-        by_id = {node["id"]: node for node in header["nodes"]}
-        for leaf in (node for node in header["nodes"] if node["leaf"]):
-            path_nodes = [leaf]
-            while path_nodes[-1]["parent"] is not None:
-                path_nodes.append(by_id[path_nodes[-1]["parent"]])
-            path_nodes.reverse()
-            tokens, pieces, states, depth = [], [], {}, 0
-            for node in path_nodes:
-                name, depth = f"n{node['id']}", depth + len(node["tokens"])
-                tokens += node["tokens"]
-                pieces.append(kv_from_flat(tensors, name, len(node["tokens"])))
-                states.update({p: state_from_flat(tensors, f"{name}.s{p}") for p in node["checkpoints"]})
-            store.admit(tokens, path_kv(pieces), states, path_nodes[0]["namespace"])
-        return store
-
-    # -- forward hooks: how generate() drives HybridPrefixCache ------------------------------------------------------
-    def _our_cache(self, module: torch.nn.Module, kwargs: dict) -> HybridPrefixCache | None:
-        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
-        if not isinstance(cache, HybridPrefixCache) or cache.store is self:
-            return cache if isinstance(cache, HybridPrefixCache) else None
-        if cache.store.model is module:
-            return None  # another store on this model drives it
-        raise ModelMismatchError(
-            f"a HybridPrefixCache built for another model ({cache.store.identity[:12]}, "
-            f"{cache.store.model.dtype}) was passed to this one ({self.identity[:12]}, {self.model.dtype}); "
-            "config or dtype differ. Use a HybridPrefixCache over this model's store"
-        )
-
-    def _before_forward(self, module, args: tuple, kwargs: dict):
-        cache = self._our_cache(module, kwargs)
-        if cache is None:
-            return None
-        check_open(self)
-        try:
-            return self._prepare(module, cache, args, kwargs)
-        except BaseException:  # the forward will not run: the cache must not look half begun
-            self.forward_failed(cache)
-            raise
-
-    def _prepare(self, module, cache: HybridPrefixCache, args: tuple, kwargs: dict):
-        if cache.in_flight:  # its last forward died where neither hook nor guard saw it (an interrupt between them)
-            raise InvalidInputError(
-                "this HybridPrefixCache's previous forward was interrupted before it ended, so generate() was told a "
-                "wrong cache length; the cache is reset now: run the request again (or use a new cache)"
-            )
-        if args:
-            if len(args) > 1 or "input_ids" in kwargs:
-                raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
-            kwargs = {"input_ids": args[0], **kwargs}
-        if self._cache_arg != "past_key_values" and kwargs.get("past_key_values") is cache:
-            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"} | {self._cache_arg: cache}
-        input_ids = kwargs.get("input_ids")
-        if input_ids is None:
-            raise InvalidInputError(
-                "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
-            )
-        if not cache.started:
-            kwargs = self._start(module, cache, kwargs)
-        with self.lock:  # a commit by another thread sees the cache before or after this, never halfway
-            cache.record(kwargs["input_ids"])
-        return (), kwargs
-
-    def _start(self, module, cache: HybridPrefixCache, kwargs: dict) -> dict:
-        """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
-        length = kwargs["input_ids"].shape[1]
-        with self.lock:
-            start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
-        for stop in cache.capture_splits(start, length):
-            segment = _slice_inputs(kwargs, start, stop, length)
-            if "logits_to_keep" in _forward_parameters(module):
-                segment["logits_to_keep"] = 1  # only the states matter here
-            module(**segment)
-            start = stop
-        return _slice_inputs(kwargs, start, length, length)
-
-    def _after_forward(self, module, args: tuple, kwargs: dict, output) -> None:
-        cache = kwargs.get(self._cache_arg, kwargs.get("past_key_values"))
-        if not isinstance(cache, HybridPrefixCache) or cache.store is not self or not cache.started:
-            return
-        if output is None:  # the forward raised an Exception (sharing.guard_forward catches the others)
-            self.forward_failed(cache)
-            return
-        with self.lock:
-            cache.forward_done()
-            self._open[id(cache)] = cache
+        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy, host-tier
+        entries into the offload tier, or the device tier if `offload_capacity=None`). `options` override the
+        saved capacity / offload_capacity / policy / block_size. The whole file is verified first:
+        ModelMismatchError if it is for another config, dtype or weights, CorruptStoreError if it is damaged."""
+        return load_store(cls, path, model, options)
 
 
-def _hold_patch(model: torch.nn.Module, apply: bool) -> bool:
+def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
     """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
     states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py); shared with
-    the other stores on the model (recurrent/patch.py `hold`). Returns whether this store holds a share."""
+    the other owners on the model (recurrent/patch.py `hold`). Returns whether the caller holds a share (then it
+    calls `recurrent.patch.let_go` once)."""
     from prefixlab.recurrent.patch import hold
 
     try:
@@ -413,23 +304,3 @@ def _hold_patch(model: torch.nn.Module, apply: bool) -> bool:
             f"{err}. Build the store with patch=False to keep transformers' own layers (planned states are then "
             "captured by splitting the prefill at them)"
         ) from err
-
-
-def _forward_parameters(module: torch.nn.Module) -> frozenset[str]:
-    import inspect
-
-    return frozenset(inspect.signature(module.forward).parameters)
-
-
-def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
-    """Model inputs for tokens [start, stop) of a `length`-token call: per-token inputs are cut, the 2D attention
-    mask keeps every column up to `stop` (it spans cached + new tokens)."""
-    out = dict(kwargs)
-    for name in ("input_ids", "position_ids", "token_type_ids"):
-        value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.shape[-1] == length:
-            out[name] = value[..., start:stop]
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
-        out["attention_mask"] = mask[:, :stop]
-    return out

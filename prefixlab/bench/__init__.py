@@ -6,7 +6,7 @@ import argparse
 import importlib
 
 # module path -> defines `register(subparsers)` adding `bench <name>` with `set_defaults(func=...)`.
-BENCH_MODULES = ("prefixlab.attention.bench", "prefixlab.recurrent.bench")
+BENCH_MODULES = ("prefixlab.bench.hydragen", "prefixlab.bench.recurrent")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -90,7 +90,7 @@ def bench_attention(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_h
 
 def _format(result: dict) -> str:
     if "completions" in result:
-        from prefixlab.attention.bench_e2e import format_e2e
+        from prefixlab.bench.hydragen_e2e import format_e2e
 
         return format_e2e(result)
     packed = "n/a" if result["packed_ms"] is None else f"{result['packed_ms']:.2f} ms"
@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
             raise InvalidInputError(f"--threads={args.threads} must be at least 1")
         torch.set_num_threads(args.threads)
     if args.e2e:
-        from prefixlab.attention.bench_e2e import bench_e2e
+        from prefixlab.bench.hydragen_e2e import bench_e2e
 
         result = bench_e2e(args.model, args.completions, args.prompt, args.new_tokens, repeats=args.repeats)
     else:

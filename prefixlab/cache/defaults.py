@@ -1,0 +1,106 @@
+"""A model's default PrefixStore, the store `HybridPrefixCache()` (built without one) binds to, and the checks of
+what a cache is bound to.
+
+The model holds it as `model._prefixlab_default_store` (a cycle the GC collects; a global registry would keep models
+alive): the first open store of the model, registered when it is built and cleared by its `close()`. One re-entrant
+lock guards lookup-or-create, so threads binding unbound caches at once on one model share one default store.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+
+from prefixlab.cache.model_info import model_identity, parse_capacity
+from prefixlab.cache.sharing import check_open
+from prefixlab.errors import InvalidInputError, ModelMismatchError
+
+if TYPE_CHECKING:
+    from prefixlab.cache.store import PrefixStore
+
+_ATTR = "_prefixlab_default_store"
+_LOCK = threading.RLock()  # re-entrant: creating the default store registers it under the same lock
+
+
+def default_store(model: torch.nn.Module) -> PrefixStore | None:
+    """The model's default store (its first open PrefixStore), or None."""
+    return model.__dict__.get(_ATTR)
+
+
+def register(store: PrefixStore) -> None:
+    """Make `store` its model's default store unless the model has one."""
+    with _LOCK:
+        store.model.__dict__.setdefault(_ATTR, store)
+
+
+def unregister(store: PrefixStore) -> None:
+    """`store` closes: the model's next default store is the next one asked for."""
+    with _LOCK:
+        if default_store(store.model) is store:
+            del store.model.__dict__[_ATTR]
+
+
+def default_for(cls: type[PrefixStore], model: torch.nn.Module, options: dict) -> PrefixStore:
+    """`PrefixStore.default_for`: the model's default store, created with `options` if it has none (atomically);
+    options given for an existing one must equal the ones it was built with."""
+    with _LOCK:
+        store = default_store(model)
+        if store is None:
+            return cls(model, **options)
+    wanted = {name: normalize_option(name, value) for name, value in options.items()}
+    differ = {name: value for name, value in wanted.items()
+              if name not in store.options or store.options[name] != value}
+    if differ:
+        built = {name: store.options.get(name) for name in differ}
+        raise InvalidInputError(
+            f"this model's default store was built with {built}, the cache asks for {differ}. Leave those options "
+            "out to share the default store, or give the cache a store of its own: "
+            "HybridPrefixCache(PrefixStore(model, ...))"
+        )
+    return store
+
+
+def cache_store_options(store: PrefixStore | None, options: dict) -> dict:
+    """`HybridPrefixCache(store, **options)`'s store options, checked and normalized: options only without a store
+    (they choose or create the default store), a given store must be open."""
+    from prefixlab.cache.store import PrefixStore
+
+    if store is not None:
+        if options:
+            raise InvalidInputError(f"{sorted(options)} are options of the store: pass them to PrefixStore, "
+                                    "or leave the store out to use the model's default store")
+        check_open(store)
+    known = frozenset(inspect.signature(PrefixStore).parameters) - {"model", "core_options"}
+    if unknown := sorted(set(options) - known):
+        raise InvalidInputError(f"unknown HybridPrefixCache options {unknown}; store options are {sorted(known)}")
+    return {name: normalize_option(name, value) for name, value in options.items()}
+
+
+def check_bound_store(store: PrefixStore, model: torch.nn.Module) -> None:
+    """A cache bound to `store` is used by `model`: it must be the store's model, and the store open."""
+    if store.model is not model:
+        identity = model_identity(model)
+        why = ("config or dtype differ" if identity != store.identity
+               else "an equal model, but another object: stores hold tensors of one model object")
+        raise ModelMismatchError(
+            f"a HybridPrefixCache built for another model ({store.identity[:12]}, {store.model.dtype}) was passed to "
+            f"this one ({identity[:12]}, {model.dtype}); {why}. Use a HybridPrefixCache over this model's store, or "
+            "one without a store"
+        )
+    check_open(store)
+
+
+def normalize_option(name: str, value):
+    """A store option as `PrefixStore.options` holds it (capacities in bytes), validated."""
+    if name == "capacity":
+        return parse_capacity(value)
+    if name == "offload_capacity":
+        return None if value is None else parse_capacity(value, "offload_capacity")
+    if name == "policy":
+        from prefixlab.cache.policies import check_policy_name
+
+        check_policy_name(value)
+    return value

@@ -1,0 +1,211 @@
+"""The forward hooks through which a model drives its prefix caches.
+
+`generate()` never shows a cache the prompt before its first forward, so the model carries a forward pre-hook and an
+always-called post-hook (one pair per model, shared by every store and cache on it). The hooks know only the
+`ModelDrivenCache` protocol below:
+- pre-hook, first forward of a cache: `prefixlab_bind(model)` (an unbound cache picks the model's default store, a
+  bound one checks it belongs to this model), `begin(...)` -> columns already cached, the prefill split at
+  `capture_splits(...)`, and the model runs on the rest;
+- pre-hook, every forward: `record(input_ids)`; post-hook: `forward_done()` or, if the forward raised,
+  `forward_failed()`.
+Faults: torch runs the always-called post-hook only for `Exception`s, so a `KeyboardInterrupt` (or any other
+BaseException) raised inside a forward would leave a cache half advanced; the hooks therefore also wrap the model's
+forward (the forward guard) and call `forward_failed()` on the started caches it was given, whatever it raised. A
+pre-hook that raises resets its cache the same way. A cache still `in_flight` when its next forward starts (an
+interrupt landed between the hooks and the guard: generate was told a stale length) is refused once and reset.
+The hooks hold no lock across a forward; the caches take their store's lock in each protocol call (cache/sharing.py).
+Direction of the imports: hooks.py <- store.py (installs the hooks: `attach` / `detach`) <- hf.py (HybridPrefixCache
+implements the protocol over a PrefixStore). The store never calls a cache except `commit()` on the ones it holds.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import weakref
+
+import torch
+
+from prefixlab.cache.model_info import check_token_ids
+from prefixlab.errors import InvalidInputError
+
+
+class ModelDrivenCache:
+    """The protocol the hooks drive (HybridPrefixCache implements it)."""
+
+    started: bool
+    in_flight: bool  # a forward over it started (record) and has not ended (forward_done / forward_failed)
+
+    def prefixlab_bind(self, model: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+              position_ids: torch.Tensor | None) -> int:
+        raise NotImplementedError
+
+    def capture_splits(self, start: int, stop: int) -> list[int]:
+        raise NotImplementedError
+
+    def record(self, input_ids: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def forward_done(self) -> None:
+        raise NotImplementedError
+
+    def forward_failed(self) -> None:
+        raise NotImplementedError
+
+
+class _ModelHooks:
+    """The hook pair and forward guard of one model and who needs them (stores, `prefixlab.patch`); holds no
+    reference to the model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.cache_arg = "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
+        self.owners: set[int] = set()
+        self.handles = [
+            model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+            model.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
+        ]
+        guard = _guarded(model.forward)
+        guard.prefixlab_replaced = vars(model).get("forward")  # an instance attribute it shadows, put back by `remove`
+        model.forward = guard
+        self.guard = weakref.ref(guard)  # weak: _HOOKS must not keep the model (which the guard holds) alive
+
+    def remove(self, model: torch.nn.Module) -> None:
+        for handle in self.handles:
+            handle.remove()
+        guard = vars(model).get("forward")
+        if guard is not None and guard is self.guard():  # else something wrapped it since (torch.compile): keep it
+            if guard.prefixlab_replaced is None:
+                del model.forward
+            else:
+                model.forward = guard.prefixlab_replaced
+
+    def _cache(self, kwargs: dict) -> ModelDrivenCache | None:
+        cache = kwargs.get(self.cache_arg, kwargs.get("past_key_values"))
+        return cache if isinstance(cache, ModelDrivenCache) else None
+
+    def before_forward(self, module, args: tuple, kwargs: dict):
+        cache = self._cache(kwargs)
+        if cache is None:
+            return None
+        try:
+            return self._prepare(module, cache, args, kwargs)
+        except BaseException:  # the forward will not run: the cache must not look half begun
+            if cache.started:
+                cache.forward_failed()
+            raise
+
+    def _prepare(self, module, cache: ModelDrivenCache, args: tuple, kwargs: dict):
+        if cache.in_flight:  # its last forward died where neither hook nor guard saw it (an interrupt between them)
+            raise InvalidInputError(
+                "this HybridPrefixCache's previous forward was interrupted before it ended, so generate() was told a "
+                "wrong cache length; the cache is reset now: run the request again (or use a new cache)"
+            )
+        if args:
+            if len(args) > 1 or "input_ids" in kwargs:
+                raise InvalidInputError("with HybridPrefixCache, pass model inputs by keyword (input_ids=...)")
+            kwargs = {"input_ids": args[0], **kwargs}
+        if self.cache_arg != "past_key_values" and kwargs.get("past_key_values") is cache:
+            kwargs = {k: v for k, v in kwargs.items() if k != "past_key_values"} | {self.cache_arg: cache}
+        if kwargs.get("input_ids") is None:
+            raise InvalidInputError(
+                "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
+            )
+        if not cache.started:  # every row, before any row is looked up or a default store is created
+            check_token_ids(kwargs["input_ids"], module)
+        cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
+        if not cache.started:
+            kwargs = _start(module, cache, kwargs)
+        cache.record(kwargs["input_ids"])
+        return (), kwargs
+
+    def after_forward(self, module, args: tuple, kwargs: dict, output) -> None:
+        cache = self._cache(kwargs)
+        if cache is None or not cache.started:
+            return
+        if output is None:  # the forward raised an Exception (the guard resets on the others)
+            cache.forward_failed()
+        else:
+            cache.forward_done()
+
+
+def _guarded(forward):
+    """`forward` resetting the started caches it is given on any exception, KeyboardInterrupt included."""
+
+    @functools.wraps(forward)  # transformers reads the forward's signature (via __wrapped__) to pick inputs
+    def guard(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, ModelDrivenCache) and value.started:
+                    value.forward_failed()
+            raise
+
+    return guard
+
+
+_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelHooks
+_HOOKS_LOCK = threading.Lock()  # stores on one model may be built and closed from several threads
+
+
+def attach(model: torch.nn.Module, owner: object) -> None:
+    """Make sure `model` carries the hooks; `owner` (a store, or the model itself for `prefixlab.patch`) keeps
+    them there until it calls `detach`."""
+    with _HOOKS_LOCK:
+        hooks = _HOOKS.get(model)
+        if hooks is None:
+            hooks = _HOOKS[model] = _ModelHooks(model)
+        hooks.owners.add(id(owner))
+
+
+def detach(model: torch.nn.Module, owner: object) -> None:
+    """`owner` no longer needs the hooks; the last one out removes them (and the forward guard)."""
+    with _HOOKS_LOCK:
+        hooks = _HOOKS.get(model)
+        if hooks is None:
+            return
+        hooks.owners.discard(id(owner))
+        if not hooks.owners:
+            hooks.remove(model)
+            del _HOOKS[model]
+
+
+def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
+    """Whether `model` carries the hooks (for `owner`, when given)."""
+    hooks = _HOOKS.get(model)
+    return hooks is not None and (owner is None or id(owner) in hooks.owners)
+
+
+def _start(module, cache: ModelDrivenCache, kwargs: dict) -> dict:
+    """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
+    length = kwargs["input_ids"].shape[1]
+    start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    for stop in cache.capture_splits(start, length):
+        segment = _slice_inputs(kwargs, start, stop, length)
+        if "logits_to_keep" in forward_parameters(module):
+            segment["logits_to_keep"] = 1  # only the states matter here
+        module(**segment)
+        start = stop
+    return _slice_inputs(kwargs, start, length, length)
+
+
+def forward_parameters(module: torch.nn.Module) -> frozenset[str]:
+    return frozenset(inspect.signature(module.forward).parameters)
+
+
+def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
+    """Model inputs for tokens [start, stop) of a `length`-token call: per-token inputs are cut, the 2D attention
+    mask keeps every column up to `stop` (it spans cached + new tokens)."""
+    out = dict(kwargs)
+    for name in ("input_ids", "position_ids", "token_type_ids"):
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor) and value.shape[-1] == length:
+            out[name] = value[..., start:stop]
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+        out["attention_mask"] = mask[:, :stop]
+    return out

@@ -1,0 +1,59 @@
+"""A batch's rows for HybridPrefixCache: which columns are left padding, whether positions are the real ones, and
+per-row tensors stacked into one padded batch (pure tensor functions)."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixlab.cache.tensors import TOKEN_AXIS
+
+
+def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+    """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
+    anything else (zeros after ones, non-binary, another shape)."""
+    if attention_mask is None:
+        return [0] * batch
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        return None
+    mask = attention_mask.detach().cpu()
+    pads = (mask == 0).long().cumprod(dim=1).sum(dim=1)
+    expected = torch.arange(length)[None, :] >= pads[:, None]
+    if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
+        return None
+    return pads.tolist()
+
+
+def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool) -> bool:
+    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at): position_ids
+    [batch, length] or [k, batch, length] must say so on real columns; without them the model counts columns, which
+    is right only without pads (or without attention layers, where positions do not matter)."""
+    if position_ids is None:
+        return not has_attention or not any(pads)
+    ids = position_ids.detach().cpu().long()
+    ids = ids[None] if ids.dim() == 2 else ids
+    if ids.dim() != 3 or tuple(ids.shape[1:]) != (len(pads), length):
+        return False
+    return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
+               for row, pad in enumerate(pads))
+
+
+def stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:
+    """One fresh [batch, heads, common, dim] tensor on `device`: each row's pieces joined along the token axis and
+    right-aligned at column `common` (zeros before: pad columns). Never aliases the store: requests resume from
+    copies."""
+    joined = [torch.cat(pieces, dim=TOKEN_AXIS) if len(pieces) > 1 else pieces[0] if pieces else None
+              for pieces in rows]
+    like = next(t for t in joined if t is not None)
+    shape = list(like.shape)
+    shape[TOKEN_AXIS] = common
+    out = torch.zeros([len(rows), *shape], dtype=like.dtype, device=device)
+    for row, tensor in enumerate(joined):
+        if tensor is not None and tensor.shape[TOKEN_AXIS]:
+            out[row, ..., common - tensor.shape[TOKEN_AXIS]:, :] = tensor.to(device)
+    return out
+
+
+def stack_states(states: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """[batch, ...] copies of each row's state on `device`; zeros (the fresh state) for rows without one."""
+    like = next(t for t in states if t is not None)
+    return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])

@@ -1,0 +1,105 @@
+"""The card's form: `prefixlab.patch(model)` once, then `HybridPrefixCache(policy="dp")` without a store, in generate
+and in direct forwards; the default store's options; the error that names the missing line."""
+
+import pytest
+import torch
+from hf_models import build, cache_argument
+
+import prefixlab
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.cache.hooks import is_attached
+from prefixlab.errors import InvalidInputError
+
+
+def tokens(*shape, seed=0):
+    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, input_ids, cache=None, **kwargs):
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0) | kwargs
+    if cache is not None:
+        options[cache_argument(model)] = cache
+    return model.generate(input_ids, **options)
+
+
+def test_the_cards_line_reuses_exactly_in_generate_and_direct_forwards():
+    model = prefixlab.patch(build("qwen3_5"))
+    prompt = tokens(1, 24, seed=1)
+    reference = generate(model, prompt)
+    first = HybridPrefixCache(policy="dp", capacity="64MB")
+    assert torch.equal(generate(model, prompt, first), reference)
+    second = HybridPrefixCache(policy="dp")  # same default store: options left out or equal share it
+    assert torch.equal(generate(model, prompt, second), reference)
+    assert first.store is second.store and second.reused_tokens == 23
+    assert second.store.capacity_bytes == 64 * 10**6
+    # a direct forward: the outputs cover the tokens after the reused prefix
+    cache = HybridPrefixCache()
+    logits = model(input_ids=prompt, past_key_values=cache).logits
+    assert cache.reused_tokens == 23
+    torch.testing.assert_close(logits, model(input_ids=prompt).logits[:, 23:], atol=1e-5, rtol=0)
+    prefixlab.unpatch(model)
+    assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
+    assert first.store.closed
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama", "mamba2"])
+def test_without_setup_the_error_names_the_line_to_add(family):
+    model = build(family)
+    with pytest.raises(InvalidInputError, match=r"prefixlab\.patch\(model\)"):
+        generate(model, tokens(1, 8), HybridPrefixCache(policy="dp"))
+
+
+def test_options_must_match_the_default_store_and_the_first_store_is_the_default():
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="32MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 12, seed=2)
+    generate(model, prompt, HybridPrefixCache(store))
+    cache = HybridPrefixCache(policy="marconi")  # no patch() needed: the store's hooks are on the model
+    assert torch.equal(generate(model, prompt, cache), generate(model, prompt))
+    assert cache.store is store and cache.reused_tokens == 11
+    before = store.stats()
+    with pytest.raises(InvalidInputError, match="default store was built with.*'policy': 'marconi'"):
+        generate(model, prompt, HybridPrefixCache(policy="dp"))
+    assert store.stats() == before  # refused before anything ran
+    store.close()
+    with pytest.raises(InvalidInputError, match=r"prefixlab\.patch\(model\)"):
+        generate(model, prompt, HybridPrefixCache())
+
+
+def test_bad_cache_options_are_refused_at_construction():
+    store = PrefixStore(build("qwen3_5"), capacity="16MB")
+    with pytest.raises(InvalidInputError, match="options of the store"):
+        HybridPrefixCache(store, policy="dp")
+    with pytest.raises(InvalidInputError, match="unknown HybridPrefixCache options"):
+        HybridPrefixCache(capacty="1GB")
+    with pytest.raises(InvalidInputError, match="capacity"):
+        HybridPrefixCache(capacity="lots")
+    with pytest.raises(InvalidInputError, match="policy"):
+        HybridPrefixCache(policy="lru")
+    store.close()
+
+
+@pytest.mark.parametrize("family", ["mamba2", "jamba", "llama"])
+def test_the_cards_line_on_other_families(family):
+    """cache_params= (Mamba2), a Mamba1 hybrid served only patched (Jamba), a KV-only model."""
+    model = build(family)
+    prompt = tokens(1, 16, seed=3)
+    reference = generate(model, prompt)
+    prefixlab.patch(model)
+    generate(model, prompt, HybridPrefixCache(policy="dp"))
+    cache = HybridPrefixCache(policy="dp")
+    assert torch.equal(generate(model, prompt, cache), reference)
+    assert cache.report().reasons == ["hit"] and cache.reused_tokens == 15
+    prefixlab.unpatch(model)
+
+
+def test_a_model_and_its_default_store_are_garbage_collected():
+    import gc
+    import weakref
+
+    model = prefixlab.patch(build("qwen3_5"))
+    generate(model, tokens(1, 8), HybridPrefixCache(capacity="8MB"))
+    dead = weakref.ref(model)
+    del model
+    gc.collect()
+    assert dead() is None
