@@ -59,7 +59,36 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"infinite-cache ceiling: token hit {rows[0]['ceiling_token_hit_rate']:.2f} %, "
             f"request hit {rows[0]['ceiling_request_hit_rate']:.2f} %"
         )
+    lines += [
+        f"dp vs best other at {c['capacity_gb']:g} GB: token hit {c['token_hit_pts']:+.2f} pts "
+        f"(best other {c['best_token_policy']}), FLOPs saved {c['flops_saved_pct']:+.2f} % "
+        f"(best other {c['best_flops_policy']})"
+        for c in dp_vs_best_other(rows)
+    ]
     return "\n".join(lines)
+
+
+def dp_vs_best_other(rows: list[dict[str, Any]], policy: str = "dp") -> list[dict[str, Any]]:
+    """Per capacity holding a `policy` row and another policy's: `policy`'s token hit rate minus the best other's
+    (points) and its FLOPs saved relative to the best other's (percent; 0 when both saved nothing)."""
+    out = []
+    for capacity_gb in dict.fromkeys(row["capacity_gb"] for row in rows):
+        same = [row for row in rows if row["capacity_gb"] == capacity_gb]
+        ours = next((row for row in same if row["policy"] == policy), None)
+        others = [row for row in same if row["policy"] != policy]
+        if ours is None or not others:
+            continue
+        by_hits = max(others, key=lambda row: row["token_hit_rate"])
+        by_flops = max(others, key=lambda row: row["flops_saved"])
+        best_flops = by_flops["flops_saved"]
+        relative = 100.0 * (ours["flops_saved"] / best_flops - 1.0) if best_flops > 0 else (
+            0.0 if ours["flops_saved"] <= 0 else 100.0)
+        out.append({
+            "capacity_gb": capacity_gb, "token_hit_pts": ours["token_hit_rate"] - by_hits["token_hit_rate"],
+            "best_token_policy": by_hits["policy"], "flops_saved_pct": relative,
+            "best_flops_policy": by_flops["policy"],
+        })
+    return out
 
 
 def json_lines(rows: list[dict[str, Any]]) -> str:

@@ -1,0 +1,165 @@
+"""dp vs the best other policy on every workload, at capacities from the knee of the hit-rate curve to 4x it.
+
+Run as a script (prints one table; `--traces` picks a subset, `--jobs` replays in parallel):
+
+    PREFIXLAB_SHARED_DATA=../shared/data python benchmarks/test_bench_dp.py --jobs 2
+
+or with `make bench` (`-k dp_vs_best`, the same table). The knee of a trace is the smallest capacity of the grid
+`working set / 2^k` (k = 0..6) at which marconi (which this work leaves unchanged) reaches half of the
+infinite-cache token hit rate; the working set is the bytes of the KV of every distinct token plus one recurrent
+state per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.policies import POLICY_NAMES
+from prefixlab.cache.tree import RadixTree
+from prefixlab.data import shared_file
+from prefixlab.sim import build, workloads
+from prefixlab.sim.replay import ceiling, simulate
+
+MODEL = "marconi-7b"
+KNEE_MULTIPLES = (1, 1.5, 2, 3, 4)
+
+
+def traces(names: list[str] | None = None) -> dict[str, list]:
+    """The benchmark workloads (those whose shared data files are present)."""
+    tokenizer = shared_file("tokenizers/gpt-neox-20b.json")
+    chats, prompts = shared_file("traces/lmsys_chat_1000.jsonl"), shared_file("system_prompts/system_prompts.jsonl")
+    documents = shared_file("traces/quality_example.jsonl")
+    makers = {
+        "builtin": build.builtin_trace,
+        "agentic": workloads.agentic_trace,
+        "few-shot": workloads.few_shot_trace,
+    }
+    if tokenizer and chats:
+        makers["lmsys"] = lambda: build.build_conversation_trace(chats, tokenizer, 1.0)
+    if tokenizer and prompts:
+        makers["system-prompts"] = lambda: build.build_shared_prefix_trace(prompts, tokenizer, num_requests=1000)
+    if tokenizer and documents:
+        makers["document-qa"] = lambda: build.build_shared_prefix_trace(documents, tokenizer, num_requests=300)
+    if tokenizer and chats and prompts and documents:
+        makers["mix"] = lambda: workloads.mix_traces(
+            [build.build_conversation_trace(chats, tokenizer, 1.0, max_sessions=60),
+             build.build_shared_prefix_trace(prompts, tokenizer, num_requests=300),
+             build.build_shared_prefix_trace(documents, tokenizer, num_requests=100),
+             workloads.agentic_trace(num_sessions=12), workloads.few_shot_trace(num_requests=200)],
+            ["chat", "prompts", "docs", "agent", "shots"])
+    return {name: make() for name, make in makers.items() if names is None or name in names}
+
+
+def working_set_bytes(requests: list, spec: ModelSpec) -> int:
+    """KV of every distinct token (the infinite cache's radix tree) plus one recurrent state per request."""
+    tree, distinct = RadixTree(), 0
+    for request in requests:
+        tokens = request.tokens
+        walk = tree.walk(tokens, "default")
+        if walk.shared_length < len(tokens):
+            parent = tree.split(walk.path[-1], walk.shared_length, 0) if walk.ends_inside_edge else walk.path[-1]
+            tree.add_leaf(parent, tokens[walk.shared_length:].copy(), None, 0)
+            distinct += len(tokens) - walk.shared_length
+    return distinct * spec.kv_bytes_per_token + len(requests) * spec.state_bytes
+
+
+def _replay(job):
+    requests, policy, capacity_bytes = job
+    return simulate(requests, policy, capacity_bytes, ModelSpec.from_name(MODEL))
+
+
+def knee_bytes(requests: list, spec: ModelSpec, pool) -> tuple[int, float]:
+    """(knee capacity, ceiling token hit rate); see the module docstring."""
+    bound = ceiling(requests, spec).token_hit_rate
+    grid = [working_set_bytes(requests, spec) >> k for k in range(6, -1, -1)]
+    hits = list(pool.map(_replay, [(requests, "marconi", c) for c in grid]))
+    knee = next((c for c, r in zip(grid, hits, strict=True) if r.token_hit_rate >= bound / 2), grid[-1])
+    return knee, bound
+
+
+def compare(name: str, requests: list, pool, policies=POLICY_NAMES, baselines: dict | None = None) -> list[dict]:
+    """One row per capacity: dp, the best other policy by token hits and by FLOPs saved, and replay times.
+    `baselines` (a dict kept between calls) caches the other policies' results and knees: only dp changes."""
+    spec = ModelSpec.from_name(MODEL)
+    baselines = {} if baselines is None else baselines
+    if (name, "knee") not in baselines:
+        baselines[name, "knee"] = knee_bytes(requests, spec, pool)
+    knee, bound = baselines[name, "knee"]
+    capacities = [int(knee * m) for m in KNEE_MULTIPLES]
+    jobs = [(requests, p, c) for c in capacities for p in policies if p == "dp" or (name, p, c) not in baselines]
+    results = {(name, p, c): r for (_, p, c), r in zip(jobs, pool.map(_replay, jobs), strict=True)}
+    baselines.update({key: r for key, r in results.items() if key[1] != "dp"})
+    results = {(p, c): results.get((name, p, c)) or baselines[name, p, c] for c in capacities for p in policies}
+    rows = []
+    for multiple, c in zip(KNEE_MULTIPLES, capacities, strict=True):
+        dp, others = results["dp", c], [results[p, c] for p in policies if p != "dp"]
+        by_hits = max(others, key=lambda r: r.token_hit_rate)
+        by_flops = max(others, key=lambda r: r.flops_saved)
+        rows.append({
+            "trace": name, "knee_x": multiple, "capacity_gb": c / 1e9, "ceiling": bound,
+            "dp": dp.token_hit_rate, "best": by_hits.token_hit_rate, "best_policy": by_hits.policy,
+            "hit_pts": dp.token_hit_rate - by_hits.token_hit_rate,
+            "flops_pct": 100.0 * (dp.flops_saved / by_flops.flops_saved - 1) if by_flops.flops_saved > 0 else 0.0,
+            "flops_policy": by_flops.policy,
+            "time_ratio": dp.replay_seconds / max(results["marconi", c].replay_seconds, 1e-9),
+            "all": {p: round(results[p, c].token_hit_rate, 2) for p in policies},
+        })
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = ("| trace | x knee | GB | dp hit % | best other hit % | dp - best (pts) | dp FLOPs vs best | "
+            "dp / marconi time | ceiling % |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [
+        f"| {r['trace']} | {r['knee_x']:g} | {r['capacity_gb']:.2f} | {r['dp']:.2f} | {r['best']:.2f} "
+        f"({r['best_policy']}) | {r['hit_pts']:+.2f} | {r['flops_pct']:+.2f} % ({r['flops_policy']}) | "
+        f"{r['time_ratio']:.2f} | {r['ceiling']:.2f} |"
+        for r in rows
+    ]
+    return "\n".join([head, *lines])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", help="comma-separated subset of the workloads")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--verbose", action="store_true", help="also print every policy's hit rate")
+    parser.add_argument("--baselines", help="pickle file caching the other policies' results between runs")
+    args = parser.parse_args(argv)
+    chosen = traces(args.traces.split(",") if args.traces else None)
+    rows, baselines = [], {}
+    if args.baselines and Path(args.baselines).is_file():
+        baselines = pickle.loads(Path(args.baselines).read_bytes())
+    with ProcessPoolExecutor(args.jobs) as pool:
+        for name, requests in chosen.items():
+            rows += compare(name, requests, pool, baselines=baselines)
+            if args.baselines:
+                Path(args.baselines).write_bytes(pickle.dumps(baselines))
+            print(format_rows(rows[-len(KNEE_MULTIPLES):]), file=sys.stderr, flush=True)
+            if args.verbose:
+                for r in rows[-len(KNEE_MULTIPLES):]:
+                    print(name, r["knee_x"], r["all"], file=sys.stderr, flush=True)
+    print(format_rows(rows))
+    return 0
+
+
+@pytest.fixture(autouse=True)
+def only_when_benchmarking(request):
+    options = request.config.getoption
+    if options("benchmark_disable", False) and not options("benchmark_enable", False):
+        pytest.skip("dp sweep runs with --benchmark-enable (make bench)")
+
+
+def test_dp_vs_best_table():
+    assert main(["--jobs", "1"]) == 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
