@@ -4,8 +4,8 @@
   sequence extends a partial last block, the old end state is superseded (vLLM+ fills the block in place).
 - `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
   the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
-- `PlacedAdmission` (marconi+balanced|block|log) and `DPAdmission` (dp): Marconi's positions plus checkpoints
-  placed inside the part of the sequence the request computes anyway.
+- `PlacedAdmission` (marconi+balanced|block|log): Marconi's positions plus checkpoints placed inside the part of
+  the sequence the request computes anyway. dp's priced placement is `prefixlab.cache.priced.PricedAdmission`.
 
 `refresh_path` says how hits refresh timestamps: SGLang / vLLM refresh every node on the matched path, Marconi
 only the node whose checkpoint is reused (section 4.3).
@@ -36,8 +36,8 @@ class MarconiAdmission:
             positions.add(shared)
         return sorted(positions)
 
-    def observe(self, shared_length: int, reused_length: int) -> None:
-        """Called with every request's overlap with the tree and the part of it a checkpoint let it reuse."""
+    def observe(self, walk: Walk, reused_length: int) -> None:
+        """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
         """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted."""
@@ -81,38 +81,3 @@ class PlacedAdmission(MarconiAdmission):
     def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
         placed = [p for p in self.placement(reused, length) if reused < p < length] if length > reused + 1 else []
         return sorted(set(super().plan(walk, length, reused)).union(placed))
-
-
-class DPAdmission(PlacedAdmission):
-    """Marconi's positions plus the sparse-prefix-caching DP placement for the observed overlap law.
-
-    What a checkpoint can recover is the overlap a request could not reuse: each request contributes its shared
-    length when it exceeded what a checkpoint let it reuse, and 0 (nothing to recover) otherwise. The decayed
-    histogram of those depths is solved at `block` granularity every `resolve_every` requests.
-
-    Budget per entry: a state is worth `state_tokens` tokens of KV, so an entry computing n new tokens gets at most
-    `memory_fraction * n / state_tokens` placed states (its placed states cost at most that fraction of its KV)
-    and never more than `budget`; with the branch point and the last token an entry holds <= budget + 2 states."""
-
-    def __init__(
-        self, budget: int, block: int, decay: float, resolve_every: int, state_tokens: float,
-        memory_fraction: float = 0.15, max_len: int = 1 << 16,
-    ) -> None:
-        from prefixlab.cache.placement import OverlapHistogram
-
-        self.histogram, self.budget, self.block = OverlapHistogram(max_len, decay, block, resolve_every), budget, block
-        self.state_tokens, self.memory_fraction = state_tokens, memory_fraction
-        self.deepest_loss = 0
-        super().__init__(self._positions)
-
-    def _positions(self, reused: int, length: int) -> list[int]:
-        budget = min(self.budget, int(self.memory_fraction * (length - reused) / max(self.state_tokens, 1e-9)))
-        if self.deepest_loss < self.block or length < self.block or budget < 1:
-            return []  # nothing a checkpoint could recover, or the entry is too small to pay for one
-        # The block DP depends on the length only through its whole blocks: round down so solutions are shared.
-        return self.histogram.positions(length // self.block * self.block, budget)
-
-    def observe(self, shared_length: int, reused_length: int) -> None:
-        lost = min(shared_length if shared_length > reused_length else 0, self.histogram.max_len)
-        self.deepest_loss = max(self.deepest_loss, lost)
-        self.histogram.observe(lost)

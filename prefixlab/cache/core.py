@@ -150,7 +150,7 @@ class PrefixCacheCore:
         else:
             node, length, state = walk.path[-1], walk.shared_length, None
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
-        self.admission.observe(walk.shared_length, length)
+        self.admission.observe(walk, length)
         self.tree.lock(node, +1)
         on_path = walk.path[1:] if with_kv else []
         kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in on_path if n.start < length]
@@ -330,6 +330,7 @@ class PrefixCacheCore:
         twin.eviction = self.eviction.copy_for(twin.tree, nodes)
         twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
         twin.admission = copy.deepcopy(self.admission)
+        twin.eviction.link(twin.admission)
         twin._live, twin._last_walk = {}, None
         twin.bootstrap = self.bootstrap.copy() if self.bootstrap is not None else None
         twin.evicted = copy.deepcopy(self.evicted)

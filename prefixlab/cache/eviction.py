@@ -4,7 +4,8 @@ Each policy keeps its candidates in sorted indexes, updated from the tree's chan
 victim never scans the tree:
 - `LeafLRU` (sglang+): the least recently used leaf goes, KV and checkpoints;
 - `BlockLRU` (vllm+): the tail block (from its previous checkpoint) of the least recently used leaf goes;
-- `FlopAware` (marconi, dp): Marconi's utility S = recency + alpha * flop_efficiency over nodes with <= 1 child,
+- `FlopAware` (marconi; dp's `ThinningFlopAware` adds thinning moves): Marconi's utility S = recency + alpha *
+  flop_efficiency over nodes with <= 1 child,
   both min-max normalised over the candidates; a leaf is deleted, a single-child node drops its checkpoints and
   its KV merges into the child. The argmin is found with a threshold scan over the two sorted indexes, which
   stops as soon as no unseen candidate can score lower.
@@ -99,6 +100,9 @@ class EvictionPolicy:
         """`node` left the tree."""
         self.remove(node)
 
+    def link(self, admission: object) -> None:
+        """Called with the admission policy it is paired with (after construction and after a fork)."""
+
     def pick(self, now: int) -> Node | None:
         """The unlocked candidate to evict next, or None."""
         for *_, node_id in self.by_recency:
@@ -168,7 +172,7 @@ class FlopAware(EvictionPolicy):
         return saved / max(freed, 1)
 
     def update(self, node: Node) -> None:  # EvictionPolicy.update and the efficiency index, in one (hot path)
-        if node.parent is None or len(node.children) > self._max_children:
+        if not self.eligible(node):
             self.remove(node)
             return
         node_id = node.id
@@ -223,6 +227,57 @@ class FlopAware(EvictionPolicy):
 
     def free(self, node: Node, want_bytes: int) -> int:
         return self.tree.remove_leaf(node) if not node.children else self.tree.dissolve(node)
+
+
+class ThinningFlopAware(FlopAware):
+    """dp: Marconi's FLOP-aware eviction (same alpha, same scores for whole entries) plus thinning moves.
+
+    A node holding states before its deepest one (its "interior" states, which dp places) is a candidate whatever
+    its children; its efficiency is that of its least valuable interior state: the FLOPs it saves over the state
+    before it, times the expected overlaps per entry that resume from it (the admission's law), per byte. Picked,
+    it loses interior states, least valuable first, until enough bytes are free; only a node without interior
+    states is deleted (a leaf) or dissolved (a single child), as Marconi does."""
+
+    admission = None
+
+    def link(self, admission: object) -> None:
+        self.admission = admission
+
+    def eligible(self, node: Node) -> bool:
+        return node.parent is not None and (len(node.children) <= self._max_children or len(node.ckpt_pos) > 1)
+
+    def forget(self, node: Node) -> None:
+        super().forget(node)
+        if self.admission is not None:
+            self.admission.forget(node)
+
+    def _interior_values(self, node: Node) -> list[float]:
+        """Expected FLOPs per entry each interior state saves over the one before it."""
+        values = []
+        for i in range(len(node.ckpt_pos) - 1):
+            below = node.ckpt_pos[i - 1] if i else node.start
+            new = float(node.ckpt_pos[i] - below)
+            flops = self._linear_flops * new + self._pair_flops * new * (2.0 * below + new)
+            values.append(self.admission.overlap_mass(node, i) * flops)
+        return values
+
+    def flop_efficiency(self, node: Node) -> float:
+        if self.admission is None or len(node.ckpt_pos) < 2:
+            return super().flop_efficiency(node)
+        return min(self._interior_values(node)) / max(node.ckpt_state[0].nbytes, 1)
+
+    def free(self, node: Node, want_bytes: int) -> int:
+        if self.admission is None:
+            return super().free(node, want_bytes)
+        self.admission.evicting = True
+        freed = 0
+        while len(node.ckpt_pos) > 1 and freed < want_bytes:
+            values = self._interior_values(node)
+            cheapest = values.index(min(values))
+            freed += self.tree.drop_checkpoints(node, cheapest, cheapest + 1)
+        if freed or len(node.children) > self._max_children:
+            return freed
+        return super().free(node, want_bytes)
 
 
 def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID) -> float:

@@ -110,6 +110,16 @@ def solve_placement(hist, budget: int) -> PlacementResult:
 
 def _solve(hist, budget: int, layer) -> PlacementResult:
     """The DP of the module docstring with one envelope step `layer` (`_layer` or `_layer_reference`)."""
+    probs, costs, choices = _tables(hist, budget, layer)
+    n = probs.size
+    curve = [float(F[n]) for F in costs]
+    curve += [curve[-1]] * (budget + 1 - len(curve))
+    positions = _backtrack(choices, n)
+    return PlacementResult(positions, expected_recompute(probs, positions), np.maximum(np.array(curve), 0.0))
+
+
+def _tables(hist, budget: int, layer) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """(probabilities, F_m(j) for every layer m and every j, each layer's argmin choices)."""
     budget = _check_count("budget", budget, 1, NO_CHECKPOINTS)
     probs = _probabilities(hist)
     n = probs.size
@@ -117,15 +127,36 @@ def _solve(hist, budget: int, layer) -> PlacementResult:
     k = np.arange(n, dtype=np.float64)
     # a checkpoint only pays where some overlap has weight, so more layers than that can only repeat the optimum
     layers = min(budget, int(np.count_nonzero(probs[1:])))
-    F, choices, curve = V.copy(), [], [float(V[n])]
+    costs, choices = [V], []
     for _ in range(layers):
-        F, best_k = layer(F[:n] - V[:n] + k * W[:n], W)
-        F = F + V
+        F, best_k = layer(costs[-1][:n] - V[:n] + k * W[:n], W)
+        costs.append(F + V)
         choices.append(best_k)
-        curve.append(float(F[n]))
-    curve += [curve[-1]] * (budget - layers)
-    positions = _backtrack(choices, n)
-    return PlacementResult(positions, expected_recompute(probs, positions), np.maximum(np.array(curve), 0.0))
+    return probs, costs, choices
+
+
+class PlacementTable:
+    """The DP solved once for every prefix of `hist` and every budget up to `budget`: an entry whose overlaps
+    beyond depth j are served by a state at j (its end) costs `cost(m, j)` with m more states, placed at
+    `positions(m, j)`. Costs are in the units of `hist` (counts x depth), not normalised."""
+
+    def __init__(self, hist, budget: int) -> None:
+        probs, costs, self._choices = _tables(hist, budget, _layer)
+        total = float(np.asarray(hist, dtype=np.float64).sum())
+        self._costs = np.maximum(np.array(costs), 0.0) * total
+        self.n = probs.size
+
+    @property
+    def layers(self) -> int:
+        """Budgets beyond this cannot lower any cost."""
+        return len(self._choices)
+
+    def curve(self, j: int) -> np.ndarray:
+        """cost(m, j) for m = 0 .. layers."""
+        return self._costs[:, min(j, self.n)]
+
+    def positions(self, m: int, j: int) -> list[int]:
+        return _backtrack(self._choices[:m], min(j, self.n))
 
 
 def _backtrack(choices: list[np.ndarray], n: int) -> list[int]:

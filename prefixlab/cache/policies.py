@@ -25,13 +25,12 @@ from dataclasses import dataclass
 
 from prefixlab.cache.admission import (
     BlockAdmission,
-    DPAdmission,
     MarconiAdmission,
     PlacedAdmission,
     SGLangAdmission,
 )
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.eviction import BlockLRU, EvictionPolicy, FlopAware, LeafLRU
+from prefixlab.cache.eviction import BlockLRU, EvictionPolicy, FlopAware, LeafLRU, ThinningFlopAware
 from prefixlab.cache.tree import RadixTree
 from prefixlab.errors import InvalidInputError
 
@@ -49,7 +48,8 @@ class PolicyOptions:
     placement_block: int = 64
     histogram_decay: float = 0.99
     resolve_every: int = 10
-    memory_fraction: float = 0.15
+    law_block: int = 16
+    law_resolve_every: int = 50
 
 
 def check_policy_name(name: object) -> str:
@@ -72,20 +72,24 @@ def build_policy(
         return BlockAdmission(options.block_size), BlockLRU(tree, spec, options.block_size)
     if name == "sglang+":
         return SGLangAdmission(), LeafLRU(tree, spec, options.block_size)
+    if name == "dp":
+        from prefixlab.cache.priced import PricedAdmission
+
+        admission = PricedAdmission(options.law_block, options.histogram_decay, options.law_resolve_every,
+                                    spec.state_bytes / max(spec.kv_bytes_per_token, 1))
+        eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
+        eviction.link(admission)
+        return admission, eviction
     eviction = FlopAware(tree, spec, options.block_size, alpha)
     if name == "marconi":
         return MarconiAdmission(), eviction
-    return _placed_admission(name, spec, options), eviction
+    return _placed_admission(name, options), eviction
 
 
-def _placed_admission(name: str, spec: ModelSpec, options: PolicyOptions) -> PlacedAdmission:
+def _placed_admission(name: str, options: PolicyOptions) -> PlacedAdmission:
     from prefixlab.cache import placement
 
     budget, block = options.checkpoint_budget, options.placement_block
-    if name == "dp":
-        state_tokens = spec.state_bytes / max(spec.kv_bytes_per_token, 1)
-        return DPAdmission(budget, block, options.histogram_decay, options.resolve_every, state_tokens,
-                           options.memory_fraction)
     heuristics = {
         "balanced": lambda reused, length: placement.balanced_positions(length - 1, budget),
         "block": lambda reused, length: placement.block_positions(length - 1, block),

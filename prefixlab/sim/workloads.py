@@ -16,8 +16,8 @@ from prefixlab.sim.build import (
     _check_int,
     _check_number,
     conversation_requests,
-    popularity_weights,
     poisson_arrivals,
+    popularity_weights,
     random_tokens,
     shared_prefix_requests,
 )

@@ -1,0 +1,195 @@
+"""dp: where inside an entry to keep recurrent states, priced against what the bytes would buy elsewhere.
+
+The overlap law (`EntryLaw`) is the distribution of the depth at which requests leave an entry, measured from
+the start of the edge they leave (the entry's start for a fresh leaf; a split keeps the upper edge's start, so a
+point where requests keep diverging keeps its depth). Every request counts, whether or not a checkpoint caught it:
+- it leaves inside an edge, or at a branch point (an edge end with children): an interior overlap at depth u;
+- it continues a leaf from its end (multi-turn chat, agent turns): the end state serves it, no interior overlap;
+- its whole input is shared (the same prompt again): counted as a prompt repeat, which a state at the input end
+  serves.
+Counts decay by `decay` per request so the law follows drift. Normalised per admitted entry, the sparse
+prefix-caching DP's cost curve `F_m` (expected recomputed tokens per entry with m placed states) prices the m-th
+state at `F_{m-1} - F_m` tokens; `PricedAdmission` keeps it when that beats `state_tokens * pressure`, the KV
+tokens the state's bytes displace times what a stored token yields (reused / admitted tokens, decayed) once the
+cache evicts, 0 before. So dp places many states while memory is free and none when every byte is contended;
+`ThinningFlopAware` then drops an entry's least valuable interior states before whole entries.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from prefixlab.cache.admission import MarconiAdmission
+from prefixlab.cache.placement import PlacementTable
+from prefixlab.cache.tree import Node, RadixTree, Walk
+
+MAX_PLACED = 16  # per entry; the DP is O(blocks * MAX_PLACED)
+# The bytes a state takes displace the least valuable KV of the cache, worth less than the average stored token:
+# a state is priced at the KV it displaces times this share of the cache's yield (0.25-1 measured within a point
+# or two of each other on the benchmark traces; 0.5 in the middle).
+MARGIN = 0.5
+# Where a new entry hangs in the tree: at the root, continuing a leaf from its end (a next turn), or anywhere else
+# (inside an edge or at a branch point). Each kind has its own law: next turns are rarely left midway, prompts are.
+ENTRY_KINDS = ("extend", "branch")  # per entry; the DP is O(blocks * MAX_PLACED)
+
+
+class EntryLaw:
+    """Decayed counts of interior overlap depths (block-binned) and of the events that price them."""
+
+    def __init__(self, max_len: int, block: int, decay: float, resolve_every: int) -> None:
+        self.block, self.decay, self.resolve_every = block, decay, resolve_every
+        self.bins = max_len // block + 1
+        self._interior = np.zeros(self.bins)  # stored scaled by `_scale` (decay^-requests): O(1) per request
+        self._scale = 1.0
+        # decayed (scaled) totals: requests, admitted entries, prompt repeats, reused and computed tokens
+        self.requests = self.entries = self.repeats = self.reused = self.computed = 0.0
+        self.seen = 0
+        self._table: PlacementTable | None | bool = False  # False: not solved yet
+        self._cumulative: tuple[int, np.ndarray] | None = None
+        self._epoch = 0
+
+    def tick(self) -> None:
+        """One request: age every count by `decay` (renormalising before the scale overflows)."""
+        self._scale /= self.decay
+        if self._scale > 1e100:
+            self._interior /= self._scale
+            self.requests, self.entries, self.repeats = (x / self._scale for x in
+                                                         (self.requests, self.entries, self.repeats))
+            self.reused, self.computed = self.reused / self._scale, self.computed / self._scale
+            self._scale = 1.0
+        self.requests += self._scale
+        self.seen += 1
+
+    def add_interior(self, depth: int) -> None:
+        self._interior[min(depth // self.block, self.bins - 1)] += self._scale
+
+    def add(self, field: str, amount: float = 1.0) -> None:
+        setattr(self, field, getattr(self, field) + amount * self._scale)
+
+    @property
+    def pressure(self) -> float:
+        """Reused tokens per computed token: what a KV token at the margin is assumed to buy (in [0, 1])."""
+        return self.reused / (self.reused + self.computed) if self.reused + self.computed > 0 else 0.0
+
+    @property
+    def repeat_rate(self) -> float:
+        """Prompt repeats per admitted entry."""
+        return self.repeats / self.entries if self.entries > 0 else 0.0
+
+    def interior_mass(self, first_bin: int, last_bin: int) -> float:
+        """Interior overlaps per admitted entry at depths in bins [first_bin, last_bin)."""
+        if self.entries <= 0:
+            return 0.0
+        return float(self._interior[first_bin:max(first_bin, last_bin)].sum() / self.entries)
+
+    def best_from_end(self, length: int) -> tuple[int, float]:
+        """For this law read as distances from an entry's end: (distance D, saving) of the one state at D that
+        saves the most tokens per entry of `length` tokens: overlaps at distances <= D resume from it instead of
+        the entry's start, saving `length - D` each."""
+        epoch = self.seen // self.resolve_every
+        if self._cumulative is None or self._cumulative[0] != epoch:
+            mass = np.cumsum(self._interior) / self.entries if self.entries > 0 else np.zeros(self.bins)
+            self._cumulative = (epoch, mass)
+        blocks = min(length // self.block, self.bins)
+        if blocks < 1:
+            return 0, 0.0
+        distances = (np.arange(blocks) + 1) * self.block  # a state at D serves the distances of blocks < D/block
+        savings = self._cumulative[1][:blocks] * (length - distances)
+        best = int(np.argmax(savings))
+        return int(distances[best]), float(savings[best])
+
+    def table(self) -> PlacementTable | None:
+        """The DP over the law (every entry length, every budget up to MAX_PLACED), re-solved every
+        `resolve_every` requests; None while no interior overlap was seen."""
+        epoch = self.seen // self.resolve_every
+        if epoch != self._epoch or self._table is False:
+            self._epoch, self._table = epoch, None
+            total = self._interior.sum()
+            if self.entries > 0 and total > 0 and np.isfinite(total):
+                # an overlap in block b resumes at best from a checkpoint at block b's start: the block DP, over
+                # the depths seen so far (an entry reaching past them has nothing more to place)
+                seen = int(np.flatnonzero(self._interior)[-1]) + 1
+                self._table = PlacementTable(self._interior[:seen] / self.entries * self.block, MAX_PLACED)
+        return self._table
+
+
+class PricedAdmission(MarconiAdmission):
+    """dp: Marconi's branch point and last token, plus the DP's states inside the new entry while each one's
+    expected saving beats its price, plus a state at the input end when prompts repeat."""
+
+    def __init__(self, block: int, decay: float, resolve_every: int, state_tokens: float,
+                 max_len: int = 1 << 15) -> None:
+        self.law = EntryLaw(max_len, block, decay, resolve_every)  # all requests: pressure, prompt repeats
+        self.laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
+        self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
+        self.state_tokens = max(float(state_tokens), 0.0)
+        self.evicting = False
+        self._kinds: dict[int, str] = {}  # node id -> kind of the entry that created it
+        self._input_length = 0
+        self._planned_kind = "fresh"
+
+    def kind_of(self, node: Node) -> str:
+        """The kind of the entry `node`'s edge came from (a split's upper part: that of the part below it)."""
+        for _ in range(8):
+            kind = self._kinds.get(node.id)
+            if kind is not None or not node.children:
+                return kind or "branch"
+            node = next(iter(node.children.values()))
+        return "branch"
+
+    def forget(self, node: Node) -> None:
+        """`node` left the tree (called by the paired eviction policy)."""
+        self._kinds.pop(node.id, None)
+
+    def observe(self, walk: Walk, reused_length: int) -> None:
+        law, shared = self.law, walk.shared_length
+        law.tick()
+        for kind_law in (*self.laws.values(), *self.end_laws.values()):
+            kind_law.tick()
+        self._input_length = walk.walked
+        law.add("reused", reused_length)
+        law.add("computed", walk.walked - reused_length)
+        if shared == 0:
+            return
+        if shared == walk.walked:
+            law.add("repeats")
+        node = walk.path[-1]
+        if shared < node.end:  # a branch point (an edge's end) already holds Marconi's state
+            kind = self.kind_of(node)
+            self.laws[kind].add_interior(shared - node.start)
+            self.end_laws[kind].add_interior(node.end - shared)
+
+    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+        positions = set(super().plan(walk, length, reused))
+        start, last = walk.shared_length, walk.path[-1]
+        kind = "extend" if start and start == last.end and not last.children else "branch"
+        self._planned_kind = kind
+        law = self.laws[kind]
+        if length > start:
+            for counted in (self.law, law, self.end_laws[kind]):
+                counted.add("entries")
+        price = self.state_tokens * self.law.pressure * MARGIN if self.evicting else 0.0
+        table, blocks = law.table(), (length - start) // law.block
+        if table is not None and blocks > 1:
+            # the m-th state is kept while its saving beats the price (the longest such prefix of the curve)
+            gains = (-np.diff(table.curve(blocks))).tolist()
+            count = next((m for m, gain in enumerate(gains) if gain <= price), len(gains))
+            positions.update(start + p * law.block for p in table.positions(count, blocks)
+                             if reused < start + p * law.block < length)
+        distance, saving = self.end_laws[kind].best_from_end(length - start)
+        if saving > price and reused < length - distance:
+            positions.add(length - distance)
+        end = self._input_length
+        if reused < end < length and self.law.repeat_rate * (end - max(reused, start)) > price:
+            positions.add(end)
+        return sorted(positions)
+
+    def overlap_mass(self, node: Node, i: int) -> float:
+        """Expected overlaps per entry that would resume from checkpoint i of `node`: those leaving the edge
+        between it and the next checkpoint (depths measured from the edge's start, as the law is)."""
+        above = node.ckpt_pos[i + 1] if i + 1 < len(node.ckpt_pos) else node.end + 1
+        law = self.laws[self.kind_of(node)]
+        return law.interior_mass((node.ckpt_pos[i] - node.start) // law.block, (above - node.start) // law.block)
+
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
+        self._kinds.setdefault(deepest.id, self._planned_kind)
