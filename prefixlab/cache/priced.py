@@ -82,11 +82,17 @@ class EntryLaw:
             return 0.0
         return float(self._interior[first_bin:max(first_bin, last_bin)].sum() / self.entries)
 
+    @property
+    def epoch(self) -> int:
+        """Solutions are kept within an epoch: `resolve_every` requests, and at first every doubling of the
+        requests seen (a young law changes fast)."""
+        return self.seen // self.resolve_every if self.seen >= self.resolve_every else -self.seen.bit_length()
+
     def best_from_end(self, length: int) -> tuple[int, float]:
         """For this law read as distances from an entry's end: (distance D, saving) of the one state at D that
         saves the most tokens per entry of `length` tokens: overlaps at distances <= D resume from it instead of
         the entry's start, saving `length - D` each."""
-        epoch = self.seen // self.resolve_every
+        epoch = self.epoch
         if self._cumulative is None or self._cumulative[0] != epoch:
             mass = np.cumsum(self._interior) / self.entries if self.entries > 0 else np.zeros(self.bins)
             self._cumulative = (epoch, mass)
@@ -101,7 +107,7 @@ class EntryLaw:
     def table(self) -> PlacementTable | None:
         """The DP over the law (every entry length, every budget up to MAX_PLACED), re-solved every
         `resolve_every` requests; None while no interior overlap was seen."""
-        epoch = self.seen // self.resolve_every
+        epoch = self.epoch
         if epoch != self._epoch or self._table is False:
             self._epoch, self._table = epoch, None
             total = self._interior.sum()
