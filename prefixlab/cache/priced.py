@@ -33,6 +33,9 @@ MARGIN = 0.5
 ENTRY_KINDS = ("extend", "branch")  # per entry; the DP is O(blocks * MAX_PLACED)
 
 
+TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized")
+
+
 class EntryLaw:
     """Decayed counts of interior overlap depths (block-binned) and of the events that price them."""
 
@@ -41,8 +44,10 @@ class EntryLaw:
         self.bins = max_len // block + 1
         self._interior = np.zeros(self.bins)  # stored scaled by `_scale` (decay^-requests): O(1) per request
         self._scale = 1.0
-        # decayed (scaled) totals: requests, admitted entries, prompt repeats, reused and computed tokens
+        # decayed (scaled) totals: requests, admitted entries, prompt repeats, reused and computed tokens, and the
+        # tokens placed states were predicted to save and did save
         self.requests = self.entries = self.repeats = self.reused = self.computed = 0.0
+        self.predicted = self.realized = 0.0
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
         self._cumulative: tuple[int, np.ndarray] | None = None
@@ -53,9 +58,8 @@ class EntryLaw:
         self._scale /= self.decay
         if self._scale > 1e100:
             self._interior /= self._scale
-            self.requests, self.entries, self.repeats = (x / self._scale for x in
-                                                         (self.requests, self.entries, self.repeats))
-            self.reused, self.computed = self.reused / self._scale, self.computed / self._scale
+            for name in TOTALS:
+                setattr(self, name, getattr(self, name) / self._scale)
             self._scale = 1.0
         self.requests += self._scale
         self.seen += 1
@@ -70,6 +74,12 @@ class EntryLaw:
     def pressure(self) -> float:
         """Reused tokens per computed token: what a KV token at the margin is assumed to buy (in [0, 1])."""
         return self.reused / (self.reused + self.computed) if self.reused + self.computed > 0 else 0.0
+
+    def calibration(self, prior_tokens: float) -> float:
+        """Tokens placed states saved per token they were predicted to save (1 with nothing seen: a prior of
+        `prior_tokens` on both sides). A law that does not come true stops paying for states."""
+        prior = prior_tokens * self._scale
+        return (self.realized + prior) / (self.predicted + prior)
 
     @property
     def repeat_rate(self) -> float:
@@ -157,6 +167,11 @@ class PricedAdmission(MarconiAdmission):
         law.add("computed", walk.walked - reused_length)
         if shared == 0:
             return
+        for node in reversed(walk.path[1:]):  # Marconi's states sit at edge ends: one inside an edge is placed
+            if node.start < reused_length <= node.end:
+                if reused_length < node.end:
+                    law.add("realized", reused_length - node.start)
+                break
         if shared == walk.walked:
             law.add("repeats")
         node = walk.path[-1]
@@ -174,7 +189,10 @@ class PricedAdmission(MarconiAdmission):
         if length > start:
             for counted in (self.law, law, self.end_laws[kind]):
                 counted.add("entries")
+        # predicted savings are discounted by how well past predictions came true
         price = self.state_tokens * self.law.pressure * MARGIN if self.evicting else 0.0
+        price /= self.law.calibration(self.state_tokens)
+        predicted = 0.0
         table, blocks = law.table(), (length - start) // law.block
         if table is not None and blocks > 1:
             # the m-th state is kept while its saving beats the price (the longest such prefix of the curve)
@@ -182,12 +200,17 @@ class PricedAdmission(MarconiAdmission):
             count = next((m for m, gain in enumerate(gains) if gain <= price), len(gains))
             positions.update(start + p * law.block for p in table.positions(count, blocks)
                              if reused < start + p * law.block < length)
+            predicted += sum(gains[:count])
         distance, saving = self.end_laws[kind].best_from_end(length - start)
         if saving > price and reused < length - distance:
             positions.add(length - distance)
+            predicted += saving
         end = self._input_length
-        if reused < end < length and self.law.repeat_rate * (end - max(reused, start)) > price:
+        repeat_saving = self.law.repeat_rate * (end - max(reused, start))
+        if reused < end < length and repeat_saving > price:
             positions.add(end)
+            predicted += repeat_saving
+        self.law.add("predicted", predicted)
         return sorted(positions)
 
     def overlap_mass(self, node: Node, i: int) -> float:
