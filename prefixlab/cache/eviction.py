@@ -232,11 +232,12 @@ class FlopAware(EvictionPolicy):
 class ThinningFlopAware(FlopAware):
     """dp: Marconi's FLOP-aware eviction (same alpha, same scores for whole entries) plus thinning moves.
 
-    A node holding states before its deepest one (its "interior" states, which dp places) is a candidate whatever
-    its children; its efficiency is that of its least valuable interior state: the FLOPs it saves over the state
-    before it, times the expected overlaps per entry that resume from it (the admission's law), per byte. Picked,
-    it loses interior states, least valuable first, until enough bytes are free; only a node without interior
-    states is deleted (a leaf) or dissolved (a single child), as Marconi does."""
+    Marconi's states sit at edge ends (branch points, last tokens); dp places its states inside edges. A node
+    holding such interior states is a candidate whatever its children; its efficiency is that of its least
+    valuable interior state: the FLOPs it saves over the state before it times the expected overlaps per entry
+    that resume from it (the admission's law), per byte. Picked, it loses interior states, least valuable first,
+    until enough bytes are free. A node without interior states is evicted as Marconi does (a leaf deleted, a
+    single-child node dissolved), so on a tree without placed states this is Marconi's eviction."""
 
     admission = None
 
@@ -244,7 +245,9 @@ class ThinningFlopAware(FlopAware):
         self.admission = admission
 
     def eligible(self, node: Node) -> bool:
-        return node.parent is not None and (len(node.children) <= self._max_children or len(node.ckpt_pos) > 1)
+        if node.parent is None:
+            return False
+        return len(node.children) <= self._max_children or (bool(node.ckpt_pos) and node.ckpt_pos[0] < node.end)
 
     def forget(self, node: Node) -> None:
         super().forget(node)
@@ -252,27 +255,27 @@ class ThinningFlopAware(FlopAware):
             self.admission.forget(node)
 
     def _interior_values(self, node: Node) -> list[float]:
-        """Expected FLOPs per entry each interior state saves over the one before it."""
+        """Expected FLOPs per entry each interior state (those before the edge's end) saves over the one before."""
         values = []
-        for i in range(len(node.ckpt_pos) - 1):
+        for i, position in enumerate(node.ckpt_pos):
+            if position >= node.end:
+                break
             below = node.ckpt_pos[i - 1] if i else node.start
-            new = float(node.ckpt_pos[i] - below)
+            new = float(position - below)
             flops = self._linear_flops * new + self._pair_flops * new * (2.0 * below + new)
             values.append(self.admission.overlap_mass(node, i) * flops)
         return values
 
     def flop_efficiency(self, node: Node) -> float:
-        if self.admission is None or len(node.ckpt_pos) < 2:
-            return super().flop_efficiency(node)
-        return min(self._interior_values(node)) / max(node.ckpt_state[0].nbytes, 1)
+        values = self._interior_values(node) if self.admission is not None else []
+        return min(values) / max(node.ckpt_state[0].nbytes, 1) if values else super().flop_efficiency(node)
 
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:
             return super().free(node, want_bytes)
         self.admission.evicting = True
         freed = 0
-        while len(node.ckpt_pos) > 1 and freed < want_bytes:
-            values = self._interior_values(node)
+        while freed < want_bytes and (values := self._interior_values(node)):
             cheapest = values.index(min(values))
             freed += self.tree.drop_checkpoints(node, cheapest, cheapest + 1)
         if freed or len(node.children) > self._max_children:

@@ -142,7 +142,7 @@ class PricedAdmission(MarconiAdmission):
         self.evicting = False
         self._kinds: dict[int, str] = {}  # node id -> kind of the entry that created it
         self._input_length = 0
-        self._planned_kind = "fresh"
+        self._planned_kind = "branch"
 
     def kind_of(self, node: Node) -> str:
         """The kind of the entry `node`'s edge came from (a split's upper part: that of the part below it)."""
