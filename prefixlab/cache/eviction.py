@@ -273,7 +273,6 @@ class ThinningFlopAware(FlopAware):
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:
             return super().free(node, want_bytes)
-        self.admission.evicting = True
         freed = 0
         while freed < want_bytes and (values := self._interior_values(node)):
             cheapest = values.index(min(values))

@@ -8,11 +8,12 @@ point where requests keep diverging keeps its depth). Every request counts, whet
 - its whole input is shared (the same prompt again): counted as a prompt repeat, which a state at the input end
   serves.
 Counts decay by `decay` per request so the law follows drift. Normalised per admitted entry, the sparse
-prefix-caching DP's cost curve `F_m` (expected recomputed tokens per entry with m placed states) prices the m-th
-state at `F_{m-1} - F_m` tokens; `PricedAdmission` keeps it when that beats `state_tokens * pressure`, the KV
-tokens the state's bytes displace times what a stored token yields (reused / admitted tokens, decayed) once the
-cache evicts, 0 before. So dp places many states while memory is free and none when every byte is contended;
-`ThinningFlopAware` then drops an entry's least valuable interior states before whole entries.
+prefix-caching DP's cost curve `F_m` (expected recomputed tokens per entry with m placed states) values the m-th
+state at `F_{m-1} - F_m` tokens; `PricedAdmission` keeps it while that beats its price: the KV tokens the state's
+bytes would hold, times what the cache's tokens yield (reused / (reused + computed) tokens, decayed) at the
+margin (`MARGIN`), divided by how well placed states' predicted savings came true so far. So dp places many
+states when they pay and none when every byte earns more as KV; `ThinningFlopAware` drops an entry's least
+valuable interior states before whole entries.
 """
 
 from __future__ import annotations
@@ -139,7 +140,6 @@ class PricedAdmission(MarconiAdmission):
         self.laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.state_tokens = max(float(state_tokens), 0.0)
-        self.evicting = False
         self._kinds: dict[int, str] = {}  # node id -> kind of the entry that created it
         self._input_length = 0
         self._planned_kind = "branch"
@@ -190,7 +190,7 @@ class PricedAdmission(MarconiAdmission):
             for counted in (self.law, law, self.end_laws[kind]):
                 counted.add("entries")
         # predicted savings are discounted by how well past predictions came true
-        price = self.state_tokens * self.law.pressure * MARGIN if self.evicting else 0.0
+        price = self.state_tokens * self.law.pressure * MARGIN
         price /= self.law.calibration(self.state_tokens)
         predicted = 0.0
         table, blocks = law.table(), (length - start) // law.block
@@ -206,7 +206,7 @@ class PricedAdmission(MarconiAdmission):
             positions.add(length - distance)
             predicted += saving
         end = self._input_length
-        repeat_saving = self.law.repeat_rate * (end - max(reused, start))
+        repeat_saving = self.law.repeat_rate * (end - reused)
         if reused < end < length and repeat_saving > price:
             positions.add(end)
             predicted += repeat_saving

@@ -134,6 +134,8 @@ def run_trace_build(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
     if args.kind == "builtin":
         requests = build.builtin_trace(seed=parse_number(args.seed, "--seed", integer=True, strict=False))
+    elif args.kind in ("agentic", "few-shot", "mix"):
+        requests = _synthetic_trace(args)
     elif args.kind == "conversations":
         requests = build.build_conversation_trace(
             _input_path(args.input, "traces/lmsys_chat_1000.jsonl", "--input"),
@@ -159,8 +161,21 @@ def run_trace_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
+    """`trace build agentic|few-shot|mix` (prefixlab.sim.workloads)."""
+    from prefixlab.sim import workloads
+
+    if args.kind == "mix":
+        traces = [formats.read_trace(path, check_on_error(args.on_error)) for path in args.traces]
+        return workloads.mix_traces(traces, [Path(path).stem for path in args.traces])
+    seed = parse_number(args.seed, "--seed", integer=True, strict=False)
+    if args.kind == "agentic":
+        return workloads.agentic_trace(seed, parse_number(args.sessions, "--sessions", integer=True, strict=False))
+    return workloads.few_shot_trace(seed, parse_number(args.num_requests, "--num-requests", integer=True))
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add `simulate` and `trace build {conversations,shared-prefix,builtin}`."""
+    """Add `simulate` and `trace build {conversations,shared-prefix,builtin,agentic,few-shot,mix}`."""
     sim = subparsers.add_parser("simulate", help="replay a trace through cache policies and capacities")
     sim.add_argument("trace", help="Marconi or Mooncake JSONL trace, or 'builtin' (a small synthetic trace)")
     sim.add_argument(
@@ -177,7 +192,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     build_parser = trace.add_subparsers(dest="trace_command", required=True, metavar="build").add_parser(
         "build", help="build a trace"
     )
-    kinds = build_parser.add_subparsers(dest="kind", required=True, metavar="{conversations,shared-prefix,builtin}")
+    kinds = build_parser.add_subparsers(
+        dest="kind", required=True, metavar="{conversations,shared-prefix,builtin,agentic,few-shot,mix}"
+    )
     conversations = kinds.add_parser("conversations", help="multi-turn chats ({conversation: [...]} JSONL)")
     conversations.add_argument("--rate", default="1", help="sessions per second (default 1)")
     conversations.add_argument("--max-sessions", help="keep only the first N conversations")
@@ -189,10 +206,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     shared.add_argument("--path-prefix", default="", help="system prompts: keep paths starting with this")
     builtin = kinds.add_parser("builtin", help="the small synthetic trace `simulate builtin` replays")
     builtin.add_argument("--seed", default="0")
+    agentic = kinds.add_parser("agentic", help="tool-using agent sessions (synthetic): long appended histories")
+    agentic.add_argument("--sessions", default="40")
+    few_shot = kinds.add_parser("few-shot", help="few-shot prompts with varying example sets (synthetic)")
+    few_shot.add_argument("--num-requests", default="600")
+    for kind in (agentic, few_shot):
+        kind.add_argument("--seed", default="0")
+    mix = kinds.add_parser("mix", help="interleave trace files, each stretched to the longest one's time span")
+    mix.add_argument("traces", nargs="+", help="Marconi JSONL traces to mix")
+    mix.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
     for kind in (conversations, shared):
         kind.add_argument("--input", help="input JSONL (default: the shared data file)")
         kind.add_argument("--tokenizer", help="tokenizers JSON (default: the shared GPT-NeoX tokenizer)")
         kind.add_argument("--on-error", default="stop", help="stop (default) or skip malformed input lines")
-    for kind in (conversations, shared, builtin):
+    for kind in (conversations, shared, builtin, agentic, few_shot, mix):
         kind.add_argument("-o", "--output", required=True, help="output Marconi JSONL path")
         kind.set_defaults(func=run_trace_build)

@@ -1,0 +1,143 @@
+"""dp's priced placement (prefixlab.cache.priced) and its thinning eviction: the law, the prices, bad input."""
+
+import math
+
+import numpy as np
+import pytest
+from prefix_helpers import STATE_BYTES, request, tiny_spec
+
+from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.eviction import ThinningFlopAware
+from prefixlab.cache.priced import EntryLaw, PricedAdmission
+from prefixlab.sim.replay import simulate
+from prefixlab.sim.trace import Request
+
+
+def _core(capacity_bytes=10**7, **kw):
+    return PrefixCacheCore(capacity_bytes, "dp", tiny_spec(), block_size=4, alpha=0.0, **kw)
+
+
+def _law_arrays(law: EntryLaw):
+    return law._interior / law._scale, law.entries / law._scale
+
+
+def test_empty_law_prices_nothing_and_is_finite():
+    law = EntryLaw(max_len=256, block=16, decay=0.9, resolve_every=5)
+    assert law.pressure == 0.0 and law.repeat_rate == 0.0 and law.calibration(100.0) == 1.0
+    assert law.table() is None and law.best_from_end(200) == (16, 0.0)
+    assert law.interior_mass(0, 10) == 0.0
+    law.tick()
+    law.add_interior(10_000)  # beyond max_len: counted in the last bin, not dropped
+    assert law.table() is None  # no entry admitted yet: nothing per entry
+    law.add("entries")
+    law.tick()
+    table = law.table()
+    assert table is not None and all(math.isfinite(c) for c in table.curve(4))
+
+
+def test_law_decays_per_request_and_survives_many_requests():
+    law = EntryLaw(max_len=64, block=16, decay=0.5, resolve_every=5)
+    law.tick()
+    law.add_interior(20)
+    law.tick()
+    interior, _ = _law_arrays(law)
+    assert interior[1] == pytest.approx(0.5)
+    for _ in range(2000):  # the scale renormalises instead of overflowing
+        law.tick()
+    interior, _ = _law_arrays(law)
+    assert np.isfinite(interior).all() and law.requests / law._scale == pytest.approx(2.0, rel=1e-6)
+
+
+def _families(count, shared=200, tail=56, seed=1):
+    rng = np.random.default_rng(seed)
+    stream = []
+    for _ in range(count):
+        common = list(rng.integers(1000, 2000, shared))
+        stream += [common + list(rng.integers(2000, 3000, tail)), common + list(rng.integers(3000, 4000, tail))]
+    return stream
+
+
+def test_the_law_counts_overlaps_whether_or_not_a_state_caught_them():
+    core = _core()
+    hits = [request(core, tokens).length for tokens in _families(8)]
+    assert hits[-1] > 0  # a placed state caught the last family's divergence ...
+    interior, _ = _law_arrays(core.admission.laws["branch"])
+    # ... and every second version still counted as an overlap at depth 200 (block 12 of 16 tokens)
+    assert interior[12] == pytest.approx(sum(0.99 ** age for age in range(0, 16, 2)), rel=1e-9)
+    core.check_invariants()
+
+
+def test_placement_is_free_while_stored_tokens_go_unused_and_priced_once_they_pay():
+    admission = PricedAdmission(block=16, decay=0.99, resolve_every=1, state_tokens=10_000.0)  # a costly state
+    core = _core()
+    core.admission = admission  # a fresh admission on a fresh core: plan through the core's tree
+    for tokens in _families(6):
+        request(core, tokens)
+    law = admission.laws["branch"]
+    assert law.table() is not None
+    walk = core.tree.walk(np.arange(5000, 5256), "default")
+    law_all = admission.law
+    law_all.reused = 0.0  # no stored token was ever reused: bytes buy nothing else, the learnt depth is placed
+    assert [p for p in admission.plan(walk, 256, 0) if p != 256]
+    law_all.reused, law_all.computed = 1.0e6 * law_all._scale, 0.0  # every token stored is reused: dear bytes
+    assert admission.plan(walk, 256, 0) == [256]  # only the last token: no placed state pays for its bytes
+
+
+def test_prompt_repeats_get_a_state_at_the_input_end():
+    rng = np.random.default_rng(0)
+    prompt, answer = rng.integers(0, 500, 90), rng.integers(500, 1000, 40)
+    hits = {}
+    for policy in ("marconi", "dp"):  # the same question and answer again: nothing branches, the input is shared
+        core = PrefixCacheCore(10**7, policy, tiny_spec(), block_size=4, alpha=0.0)
+        hits[policy] = [replay_request(core, prompt, answer) for _ in range(4)]
+    assert hits == {"marconi": [0, 0, 0, 0], "dp": [0, 0, 90, 90]}
+
+
+def test_thinning_drops_placed_states_before_whole_entries():
+    spec = tiny_spec()
+    core = _core(capacity_bytes=10**6)
+    assert isinstance(core.eviction, ThinningFlopAware)
+    for tokens in _families(6):
+        request(core, tokens)
+    node = next(n for n in core.tree.nodes() if n.ckpt_pos and n.ckpt_pos[0] < n.end)
+    before = len(node.ckpt_pos)
+    nodes_before = sum(1 for _ in core.tree.nodes())
+    freed = core.eviction.free(node, 1)  # one byte wanted: one state goes, the entry stays
+    assert freed == STATE_BYTES and len(node.ckpt_pos) == before - 1
+    assert sum(1 for _ in core.tree.nodes()) == nodes_before
+    assert math.isfinite(core.eviction.flop_efficiency(node)) and spec.state_bytes == STATE_BYTES
+    core.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "requests",
+    [
+        [Request("a", 0, 0.0, np.arange(50))],  # one request
+        [Request(str(i), 0, float(i), np.arange(50), np.arange(7)) for i in range(12)],  # identical prompts
+        [Request(str(i), 0, float(i), np.arange(i, i + 40)) for i in range(12)],  # empty outputs
+        [Request(str(i), 0, float(i), np.array([i % 3]), np.array([1])) for i in range(12)],  # one-token prompts
+    ],
+    ids=["one-request", "identical-prompts", "empty-outputs", "one-token-prompts"],
+)
+@pytest.mark.parametrize("capacity_bytes", [STATE_BYTES // 2, 10**6], ids=["below-one-state", "roomy"])
+def test_degenerate_traces_run_and_report_sensibly(requests, capacity_bytes):
+    for overflow in (True, False):
+        result = simulate(requests, "dp", capacity_bytes, tiny_spec(), overflow=overflow)
+        values = (result.token_hit_rate, result.request_hit_rate, result.flops_saved, result.ttft_p50_s)
+        assert all(math.isfinite(v) for v in values) and 0 <= result.token_hit_rate <= 100
+
+
+def test_degenerate_traces_leave_finite_laws():
+    core = PrefixCacheCore(STATE_BYTES // 2, "dp", tiny_spec(), block_size=4)
+    for i in range(20):
+        replay_request(core, np.array([7]), np.zeros(0, dtype=np.int64) if i % 2 else np.array([i]))
+    law = core.admission.law
+    assert all(math.isfinite(x) for x in (law.pressure, law.repeat_rate, law.calibration(1.0)))
+    core.check_invariants()
+
+
+def test_dp_on_a_kv_only_model_is_marconi():
+    spec = tiny_spec(hybrid=False)
+    requests = [Request(str(i), 0, float(i), np.arange(i % 4, 60 + i % 4)) for i in range(10)]
+    dp, marconi = (simulate(requests, p, 400, spec, alpha=0.5) for p in ("dp", "marconi"))
+    assert dp.token_hit_rate == marconi.token_hit_rate
