@@ -189,7 +189,7 @@ def test_simulate_bad_arguments_exit_2_with_one_line(capsys, argv, match, stand_
     [
         (["simulate"], "prefixlab simulate: the following arguments are required: trace"),
         (["trace"], "prefixlab trace: the following arguments are required: build"),
-        (["trace", "build"], "required: {conversations,shared-prefix,builtin}"),
+        (["trace", "build"], "required: {conversations,shared-prefix,builtin,agentic,few-shot,mix}"),
         (["trace", "build", "builtin"], "prefixlab trace build builtin: the following arguments are required: -o"),
     ],
 )
@@ -349,3 +349,25 @@ def test_simulate_does_not_import_torch():
     code = "import sys; from prefixlab.cli import build_parser; build_parser('simulate'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
+    from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
+
+    agent, shots, mixed = tmp_path / "agent.jsonl", tmp_path / "shots.jsonl", tmp_path / "mix.jsonl"
+    assert run(capsys, "trace", "build", "agentic", "--sessions", "2", "--seed", "4", "-o", agent)[0] == 0
+    assert same_trace(read_trace(agent), agentic_trace(4, 2))
+    assert run(capsys, "trace", "build", "few-shot", "--num-requests", "9", "-o", shots)[0] == 0
+    assert same_trace(read_trace(shots), few_shot_trace(0, 9))
+    assert run(capsys, "trace", "build", "mix", agent, shots, "-o", mixed)[0] == 0
+    assert same_trace(read_trace(mixed), mix_traces([read_trace(agent), read_trace(shots)], ["agent", "shots"]))
+    assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
+
+
+def test_simulate_prints_dp_vs_best_other(capsys, stand_in_replay):
+    code, out, _ = run(capsys, "simulate", "builtin", "--policy", "marconi,dp", "--capacity-gb", "1")
+    assert code == 0
+    assert out.strip().splitlines()[-1] == (
+        "dp vs best other at 1 GB: token hit +0.00 pts (best other marconi), FLOPs saved +0.00 % "
+        "(best other marconi)"
+    )
