@@ -5,18 +5,15 @@
 | `vllm+`            | a state every block (32) and at the end     | LRU over blocks               |
 | `sglang+`          | Marconi's (branch point, last token)        | LRU over leaves               |
 | `marconi`          | Marconi's                                   | FLOP-aware, alpha tuned       |
-| `dp`               | Marconi's + DP placement from the overlaps  | FLOP-aware, alpha tuned       |
+| `dp`               | Marconi's + priced DP placement (priced.py) | FLOP-aware + thinning, tuned  |
 | `marconi+balanced` | Marconi's + `budget` evenly spaced states   | FLOP-aware, alpha tuned       |
 | `marconi+block`    | Marconi's + a state every 64 tokens         | FLOP-aware, alpha tuned       |
 | `marconi+log`      | Marconi's + `budget` states, dense near end | FLOP-aware, alpha tuned       |
 
 Placed checkpoints (dp, marconi+*) go only where the request computes anyway: strictly between the reused
-length and the end of the admitted sequence. The per-entry budget (default 4 placed states, so at most 6 with
-the branch point and the last token) bounds what an entry can cost: one marconi-7b state is ~27 MB, the KV of
-~400 tokens, so a few well-placed states pay off and a dense grid (vllm+) does not. dp also caps its placed
-states at `memory_fraction` (15 %) of the bytes of the KV the entry adds: with 25 % or 50 % it lost up to 4
-points to marconi on a trace mixing chats and prompt versions (prefixlab.sim.build.builtin_trace); with 15 % it
-never lost and kept most of its gain on system-prompt versions.
+length and the end of the admitted sequence. The heuristics place a fixed budget (default 4 states, so at most 6
+with the branch point and the last token); dp has no fixed budget: each state is priced (prefixlab.cache.priced),
+since one marconi-7b state is ~27 MB, the KV of ~400 tokens, and whether that pays depends on the workload.
 """
 
 from __future__ import annotations
@@ -40,16 +37,15 @@ POLICY_NAMES = ("vllm+", "sglang+", "marconi", "dp", *(f"marconi+{p}" for p in P
 
 @dataclass(frozen=True)
 class PolicyOptions:
-    """Knobs shared by the policies: vLLM+'s block, and for placed checkpoints the per-entry budget, the DP
-    histogram's decay, how often the DP is re-solved and the block the DP positions are clipped to."""
+    """Knobs shared by the policies: vLLM+'s block, the heuristics' per-entry budget and marconi+block's grid,
+    and dp's law: its decay per request, its depth block and how often (requests) its DP is re-solved."""
 
     block_size: int = 32
     checkpoint_budget: int = 4
     placement_block: int = 64
     histogram_decay: float = 0.99
-    resolve_every: int = 10
     law_block: int = 16
-    law_resolve_every: int = 50
+    resolve_every: int = 50
 
 
 def check_policy_name(name: object) -> str:
@@ -75,7 +71,7 @@ def build_policy(
     if name == "dp":
         from prefixlab.cache.priced import PricedAdmission
 
-        admission = PricedAdmission(options.law_block, options.histogram_decay, options.law_resolve_every,
+        admission = PricedAdmission(options.law_block, options.histogram_decay, options.resolve_every,
                                     spec.state_bytes / max(spec.kv_bytes_per_token, 1))
         eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
         eviction.link(admission)
