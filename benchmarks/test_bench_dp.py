@@ -114,6 +114,35 @@ def compare(name: str, requests: list, pool, policies=POLICY_NAMES, baselines: d
     return rows
 
 
+def at_working_set(name: str, requests: list, pool, policies=POLICY_NAMES) -> list[str]:
+    """Token hit rates at 1x and 2x the working set (the cache holds everything): dp vs the ceiling."""
+    spec = ModelSpec.from_name(MODEL)
+    bound, whole = ceiling(requests, spec).token_hit_rate, working_set_bytes(requests, spec)
+    lines = []
+    for multiple in (1, 2):
+        jobs = [(requests, p, whole * multiple) for p in policies]
+        hits = {p: r.token_hit_rate for p, r in zip(policies, pool.map(_replay, jobs), strict=True)}
+        best = max((p for p in policies if p != "dp"), key=hits.get)
+        lines.append(f"| {name} | {multiple}x working set ({whole * multiple / 1e9:.1f} GB) | {hits['dp']:.2f} | "
+                     f"{hits[best]:.2f} ({best}) | {bound:.2f} | {hits['dp'] - bound:+.2f} |")
+    return lines
+
+
+def replay_times(name: str, requests: list, baselines: dict, rounds: int = 2) -> list[str]:
+    """dp's and marconi's replay seconds (min of `rounds`, alternating, one process) at 1, 2 and 4x the knee."""
+    spec = ModelSpec.from_name(MODEL)
+    knee, _ = baselines.get((name, "knee")) or knee_bytes(requests, spec, ProcessPoolExecutor(1))
+    lines = []
+    for multiple in (1, 2, 4):
+        best = {"dp": float("inf"), "marconi": float("inf")}
+        for _ in range(rounds):
+            for policy in best:
+                best[policy] = min(best[policy], simulate(requests, policy, int(knee * multiple), spec).replay_seconds)
+        lines.append(f"| {name} | {multiple} | {best['marconi']:.2f} | {best['dp']:.2f} | "
+                     f"{best['dp'] / best['marconi']:.2f} |")
+    return lines
+
+
 def format_rows(rows: list[dict]) -> str:
     head = ("| trace | x knee | GB | dp hit % | best other hit % | dp - best (pts) | dp FLOPs vs best | "
             "dp / marconi time | ceiling % |\n|---|---|---|---|---|---|---|---|---|")
@@ -132,11 +161,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="also print every policy's hit rate")
     parser.add_argument("--baselines", help="pickle file caching the other policies' results between runs")
+    parser.add_argument("--working-set", action="store_true", help="dp vs the ceiling at 1x and 2x the working set")
+    parser.add_argument("--timing", action="store_true", help="dp vs marconi replay seconds, one process")
     args = parser.parse_args(argv)
     chosen = traces(args.traces.split(",") if args.traces else None)
     rows, baselines = [], {}
     if args.baselines and Path(args.baselines).is_file():
         baselines = pickle.loads(Path(args.baselines).read_bytes())
+    if args.timing:
+        print("| trace | x knee | marconi s | dp s | dp / marconi |\n|---|---|---|---|---|")
+        for name, requests in chosen.items():
+            print("\n".join(replay_times(name, requests, baselines)), flush=True)
+        return 0
+    if args.working_set:
+        print("| trace | capacity | dp hit % | best other hit % | ceiling % | dp - ceiling |")
+        print("|---|---|---|---|---|---|")
+        with ProcessPoolExecutor(args.jobs) as pool:
+            for name, requests in chosen.items():
+                print("\n".join(at_working_set(name, requests, pool)), flush=True)
+        return 0
     with ProcessPoolExecutor(args.jobs) as pool:
         for name, requests in chosen.items():
             rows += compare(name, requests, pool, baselines=baselines)
