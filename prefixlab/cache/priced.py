@@ -1,19 +1,25 @@
-"""dp: where inside an entry to keep recurrent states, priced against what the bytes would buy elsewhere.
+"""dp: where inside an entry to keep recurrent states, priced against what the bytes would buy as KV.
 
-The overlap law (`EntryLaw`) is the distribution of the depth at which requests leave an entry, measured from
-the start of the edge they leave (the entry's start for a fresh leaf; a split keeps the upper edge's start, so a
-point where requests keep diverging keeps its depth). Every request counts, whether or not a checkpoint caught it:
-- it leaves inside an edge, or at a branch point (an edge end with children): an interior overlap at depth u;
-- it continues a leaf from its end (multi-turn chat, agent turns): the end state serves it, no interior overlap;
-- its whole input is shared (the same prompt again): counted as a prompt repeat, which a state at the input end
-  serves.
-Counts decay by `decay` per request so the law follows drift. Normalised per admitted entry, the sparse
-prefix-caching DP's cost curve `F_m` (expected recomputed tokens per entry with m placed states) values the m-th
-state at `F_{m-1} - F_m` tokens; `PricedAdmission` keeps it while that beats its price: the KV tokens the state's
-bytes would hold, times what the cache's tokens yield (reused / (reused + computed) tokens, decayed) at the
-margin (`MARGIN`), divided by how well placed states' predicted savings came true so far. So dp places many
-states when they pay and none when every byte earns more as KV; `ThinningFlopAware` drops an entry's least
-valuable interior states before whole entries.
+The overlap law (`EntryLaw`) is where requests leave entries. A request that leaves the tree strictly inside an
+edge (a first divergence there: once an edge is split, Marconi's branch-point state serves that depth) adds its
+depth from the edge's start to one histogram and its distance to the edge's end to another, whether or not a
+placed state caught it; a split keeps the upper edge's start, so a point where requests keep diverging keeps its
+depth. A request continuing a leaf from its end (a next chat or agent turn) is served by the end state and adds
+nothing; one whose whole input is shared counts as a prompt repeat. Laws are kept per entry kind ("extend": the
+entry continues a leaf, "branch": anything else), counts decay by `decay` per request so the law follows drift,
+and everything is normalised per admitted entry of the kind.
+
+`PricedAdmission` adds to Marconi's branch point and last token:
+- the sparse-prefix-caching DP's states (depths from the start): its cost curve `F_m` (expected recomputed tokens
+  per entry with m states, for this entry's length, `PlacementTable`) values the m-th state at
+  `F_{m-1} - F_m`, and states are kept while that beats the price;
+- the one state at a distance from the end that saves the most (prompt + question entries are left at the
+  prompt's end, a near-constant distance from the entry's end), if its saving beats the price;
+- a state at the input's end when prompts repeat, if its saving beats the price.
+The price of a state is the KV tokens its bytes would hold times what a stored token yields (reused / (reused +
+computed) tokens, decayed), divided by how well placed states' predicted savings came true so far. So dp places
+states while they pay and none when every byte earns more as KV. `ThinningFlopAware` (eviction.py) drops an
+entry's least valuable in-edge states before whole entries.
 """
 
 from __future__ import annotations
@@ -24,14 +30,10 @@ from prefixlab.cache.admission import MarconiAdmission
 from prefixlab.cache.placement import PlacementTable
 from prefixlab.cache.tree import Node, RadixTree, Walk
 
-MAX_PLACED = 16  # per entry; the DP is O(blocks * MAX_PLACED)
-# The bytes a state takes displace the least valuable KV of the cache, worth less than the average stored token:
-# a state is priced at the KV it displaces times this share of the cache's yield (0.25-1 measured within a point
-# or two of each other on the benchmark traces; 0.5 in the middle).
-MARGIN = 0.5
-# Where a new entry hangs in the tree: at the root, continuing a leaf from its end (a next turn), or anywhere else
-# (inside an edge or at a branch point). Each kind has its own law: next turns are rarely left midway, prompts are.
-ENTRY_KINDS = ("extend", "branch")  # per entry; the DP is O(blocks * MAX_PLACED)
+MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
+# Where a new entry hangs in the tree: continuing a leaf from its end (a next turn), or anywhere else (the root,
+# inside an edge, a branch point). Each kind has its own law: next turns are rarely left midway, prompts are.
+ENTRY_KINDS = ("extend", "branch")
 
 
 TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized")
@@ -190,7 +192,7 @@ class PricedAdmission(MarconiAdmission):
             for counted in (self.law, law, self.end_laws[kind]):
                 counted.add("entries")
         # predicted savings are discounted by how well past predictions came true
-        price = self.state_tokens * self.law.pressure * MARGIN
+        price = self.state_tokens * self.law.pressure
         price /= self.law.calibration(self.state_tokens)
         predicted = 0.0
         table, blocks = law.table(), (length - start) // law.block
