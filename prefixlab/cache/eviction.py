@@ -243,6 +243,7 @@ class ThinningFlopAware(FlopAware):
 
     def link(self, admission: object) -> None:
         self.admission = admission
+        admission.tree = self.tree  # the admission prices states by how full this tree is
 
     def eligible(self, node: Node) -> bool:
         if node.parent is None:

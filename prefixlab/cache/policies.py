@@ -46,6 +46,7 @@ class PolicyOptions:
     histogram_decay: float = 0.99
     law_block: int = 16
     resolve_every: int = 50
+    capacity_bytes: int = 0  # the cache's budget (dp prices states by how full it is); 0: unknown, always full
 
 
 def check_policy_name(name: object) -> str:
@@ -72,7 +73,7 @@ def build_policy(
         from prefixlab.cache.priced import PricedAdmission
 
         admission = PricedAdmission(options.law_block, options.histogram_decay, options.resolve_every,
-                                    spec.state_bytes / max(spec.kv_bytes_per_token, 1))
+                                    spec.state_bytes / max(spec.kv_bytes_per_token, 1), tree, options.capacity_bytes)
         eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
         eviction.link(admission)
         return admission, eviction

@@ -24,6 +24,8 @@ entry's least valuable in-edge states before whole entries.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from prefixlab.cache.admission import MarconiAdmission
@@ -137,7 +139,8 @@ class PricedAdmission(MarconiAdmission):
     expected saving beats its price, plus a state at the input end when prompts repeat."""
 
     def __init__(self, block: int, decay: float, resolve_every: int, state_tokens: float,
-                 max_len: int = 1 << 15) -> None:
+                 tree: RadixTree | None = None, capacity_bytes: int = 0, max_len: int = 1 << 15) -> None:
+        self.tree, self.capacity_bytes = tree, capacity_bytes
         self.law = EntryLaw(max_len, block, decay, resolve_every)  # all requests: pressure, prompt repeats
         self.laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
@@ -145,6 +148,21 @@ class PricedAdmission(MarconiAdmission):
         self._kinds: dict[int, str] = {}  # node id -> kind of the entry that created it
         self._input_length = 0
         self._planned_kind = "branch"
+
+    def __deepcopy__(self, memo: dict) -> PricedAdmission:
+        """A copy without the tree (`core.fork` links the copy to the forked tree through the eviction)."""
+        twin = copy.copy(self)
+        for name, value in self.__dict__.items():
+            if name != "tree":
+                setattr(twin, name, copy.deepcopy(value, memo))
+        return twin
+
+    @property
+    def fill(self) -> float:
+        """Share of the byte budget in use (1 when unknown): free bytes displace nothing yet."""
+        if self.tree is None or self.capacity_bytes <= 0:
+            return 1.0
+        return min(self.tree.used_bytes / self.capacity_bytes, 1.0)
 
     def kind_of(self, node: Node) -> str:
         """The kind of the entry `node`'s edge came from (a split's upper part: that of the part below it)."""
@@ -192,7 +210,7 @@ class PricedAdmission(MarconiAdmission):
             for counted in (self.law, law, self.end_laws[kind]):
                 counted.add("entries")
         # predicted savings are discounted by how well past predictions came true
-        price = self.state_tokens * self.law.pressure
+        price = self.state_tokens * self.law.pressure * self.fill
         price /= self.law.calibration(self.state_tokens)
         predicted = 0.0
         table, blocks = law.table(), (length - start) // law.block
