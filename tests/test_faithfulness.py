@@ -50,8 +50,10 @@ def test_marconi_is_at_least_the_reference_minus_one_point(lmsys_results, gb):
 
 
 @pytest.mark.parametrize("gb", [1, 2, 5])
-def test_dp_is_at_least_marconi_on_chat(lmsys_results, gb):
-    assert lmsys_results["dp", gb] >= lmsys_results["marconi", gb]
+def test_dp_is_within_half_a_point_of_marconi_on_chat(lmsys_results, gb):
+    # dp's bar (issue 9): >= the best other policy - 0.5 points. On chat its priced states rarely pay, and its
+    # eviction differs from Marconi's only by thinning them; measured -0.13 / -0.09 / -0.03 points at 1 / 2 / 5 GB.
+    assert lmsys_results["dp", gb] >= lmsys_results["marconi", gb] - 0.5
 
 
 def test_dp_beats_marconi_on_system_prompt_versions(spec):
