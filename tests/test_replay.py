@@ -84,10 +84,10 @@ def test_bad_input(requests, policy, capacity, message):
 
 
 @pytest.mark.parametrize("gb", [0.5, 2])
-def test_dp_never_loses_to_marconi_on_a_chat_and_prompt_versions_mix(gb):
+def test_dp_is_within_half_a_point_of_marconi_on_a_chat_and_prompt_versions_mix(gb):
     from prefixlab.cache.costmodel import ModelSpec
     from prefixlab.sim.build import builtin_trace
 
     trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
     marconi = simulate(trace, "marconi", int(gb * 1e9), spec).token_hit_rate
-    assert simulate(trace, "dp", int(gb * 1e9), spec).token_hit_rate >= marconi
+    assert simulate(trace, "dp", int(gb * 1e9), spec).token_hit_rate >= marconi - 0.5  # issue 9's bar
