@@ -60,7 +60,8 @@ def contents(core) -> dict:
 def saved(tmp_path_factory):
     """A store whose device tier holds one entry and whose host tier holds the two it evicted, saved to a file."""
     model = build(FAMILY)
-    store = PrefixStore(model, capacity=100_000, offload_capacity="1MB", block_size=4)
+    # marconi: the expected tiers below are its evictions (dp would thin an entry's states and keep two on the device)
+    store = PrefixStore(model, capacity=100_000, offload_capacity="1MB", block_size=4, policy="marconi")
     for prompt, namespace in zip(PROMPTS, NAMESPACES, strict=True):
         generate(model, prompt, store, namespace)
     path = tmp_path_factory.mktemp("persist") / "store.safetensors"
