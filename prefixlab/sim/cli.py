@@ -89,8 +89,30 @@ def load_requests(trace: str, on_error: str) -> list[Request]:
     return build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
 
 
+def parse_replicas(text: str) -> list[int]:
+    """Comma-separated replica counts, e.g. "8,16,64"."""
+    return [parse_number(part.strip(), "--replicas", integer=True) for part in text.split(",")]
+
+
+def parse_routings(text: str) -> list[str]:
+    from prefixlab.fleet.router import check_routing
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise InvalidInputError("--routing is empty; use random, round-robin and/or affinity")
+    for name in names:
+        try:
+            check_routing(name)
+        except InvalidInputError as err:
+            raise InvalidInputError(f"--routing: {err}") from None
+    return names
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    if args.replicas is not None:
+        return run_simulate_fleet(args)
 
     from prefixlab.sim.replay import ceiling, simulate
 
@@ -118,6 +140,50 @@ def run_simulate(args: argparse.Namespace) -> int:
     print(report.json_lines(rows) if args.json else report.format_table(rows))
     if args.plot:
         report.plot_hit_rates(rows, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_simulate_fleet(args: argparse.Namespace) -> int:
+    """`simulate --replicas N,... --routing NAME,...`: one row per (policy, capacity per replica, replicas,
+    routing); with --single-cache each row also has the hit rate of one cache of the fleet's total capacity."""
+    from tqdm import tqdm
+
+    from prefixlab.sim.replay import ceiling, load_imbalance, simulate, simulate_fleet
+
+    policies, capacities_gb = parse_policies(args.policy), parse_capacities_gb(args.capacity_gb)
+    replica_counts, routings = parse_replicas(args.replicas), parse_routings(args.routing)
+    balance_eps = parse_number(args.balance_eps, "--balance-eps", strict=False)
+    spec = load_spec(args.model)
+    if args.plot:
+        report.check_plot_path(args.plot)
+    requests = load_requests(args.trace, args.on_error)
+    bound = ceiling(requests, spec)
+    runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))
+    rows = []
+    with tqdm(total=len(requests) * runs, desc="replay", unit="req", file=sys.stderr, disable=None) as bar:
+        for policy in policies:
+            for capacity_gb in capacities_gb:
+                for replicas in replica_counts:
+                    capacity_bytes = report.gb_to_bytes(capacity_gb)
+                    single = {}
+                    if args.single_cache:
+                        bar.set_postfix_str(f"{policy} 1 x {capacity_gb * replicas:g} GB")
+                        one = simulate(requests, policy, capacity_bytes * replicas, spec, progress=bar.update)
+                        single = {"single_cache_token_hit_rate": one.token_hit_rate}
+                    for routing in routings:
+                        bar.set_postfix_str(f"{policy} {replicas} x {capacity_gb:g} GB {routing}")
+                        result, loads = simulate_fleet(requests, policy, capacity_bytes, spec, replicas, routing,
+                                                       bar.update, balance_eps=balance_eps)
+                        rows.append({
+                            **report.result_row(result, capacity_gb, bound), "replicas": replicas,
+                            "routing": routing, "load_imbalance": load_imbalance(loads),
+                            **single,
+                        })
+    columns = report.FLEET_COLUMNS if args.single_cache else report.FLEET_COLUMNS[:-2] + report.FLEET_COLUMNS[-1:]
+    print(report.json_lines(rows) if args.json else report.format_table(rows, columns))
+    if args.plot:
+        report.plot_fleet(rows, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     return 0
 
@@ -186,6 +252,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", action="store_true", help="print one JSON object per (policy, capacity)")
     sim.add_argument("--plot", metavar="FILE.png", help="plot token hit rate vs capacity per policy")
     sim.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
+    sim.add_argument("--replicas", help="comma-separated fleet sizes: replay N caches of --capacity-gb each")
+    sim.add_argument("--routing", default="affinity",
+                     help="with --replicas: comma-separated routers (random, round-robin, affinity; default affinity)")
+    sim.add_argument("--single-cache", action="store_true",
+                     help="with --replicas: also replay one cache of the fleet's total capacity (slower)")
+    sim.add_argument("--balance-eps", default="0.15",
+                     help="affinity: no replica above (1 + eps) x the mean prefill work (default 0.15)")
     sim.set_defaults(func=run_simulate)
 
     trace = subparsers.add_parser("trace", help="build trace files")

@@ -55,6 +55,49 @@ def simulate(
     )
 
 
+def simulate_fleet(
+    requests: Sequence[Request],
+    policy: str,
+    capacity_bytes: int,
+    spec: ModelSpec,
+    replicas: int,
+    routing: str,
+    progress: Callable[[int], object] | None = None,
+    *,
+    seed: int = 0,
+    balance_eps: float = 0.15,
+    block_size: int = 32,
+    overflow: bool = True,
+) -> tuple[SimResult, np.ndarray]:
+    """Replay `requests` over `replicas` caches of `capacity_bytes` each, a `routing` router (prefixlab.fleet)
+    sending each request to one of them. Returns the fleet's result and each replica's prefill tokens (input
+    tokens not reused)."""
+    from prefixlab.fleet.router import make_router
+
+    requests = _check_requests(requests)
+    router = make_router(routing, replicas, seed, balance_eps=balance_eps, checkpointed=spec.state_bytes > 0)
+    cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow) for _ in range(replicas)]
+    started = time.perf_counter()
+    hits = np.zeros(len(requests), dtype=np.int64)
+    for i, request in enumerate(requests):
+        replica = router.choose(request.input_tokens).replica
+        hits[i] = replay_request(cores[replica], request.input_tokens, request.output_tokens)
+        router.record(replica, request.tokens, len(request.input_tokens) - int(hits[i]))
+        if progress is not None:
+            progress(1)
+    elapsed = time.perf_counter() - started
+    lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
+    result = summarize(policy, capacity_bytes, lengths, hits, spec, evictions=sum(c.evictions for c in cores),
+                       replay_seconds=elapsed)
+    return result, router.loads.copy()
+
+
+def load_imbalance(loads: np.ndarray) -> float:
+    """max / mean of per-replica work (1.0 = perfectly balanced; 1.0 for an idle fleet)."""
+    mean = float(np.mean(loads)) if len(loads) else 0.0
+    return float(np.max(loads)) / mean if mean > 0 else 1.0
+
+
 def ceiling(requests: Sequence[Request], spec: ModelSpec) -> SimResult:
     """The infinite-cache bound: each request reuses its longest common prefix with any earlier request's
     input + output (as if every position were checkpointed and nothing evicted)."""

@@ -31,6 +31,18 @@ TABLE_COLUMNS = (
 )
 
 
+TEXT_KEYS = ("policy", "routing")
+
+# the fleet table (`simulate --replicas`): the routing columns, then the single-cache columns minus the TTFTs
+FLEET_COLUMNS = (
+    TABLE_COLUMNS[:2]
+    + (("replicas", "replicas", "{}"), ("routing", "routing", "{}"))
+    + TABLE_COLUMNS[2:4]
+    + (("load_imbalance", "imbalance", "{:.3f}"), ("single_cache_token_hit_rate", "1 cache x N hit %", "{:.2f}"))
+    + TABLE_COLUMNS[-1:]
+)
+
+
 def result_row(result: SimResult, capacity_gb: float, ceiling: SimResult) -> dict[str, Any]:
     """The report row of one replay: every SimResult field, its capacity in GB and the infinite-cache ceiling."""
     return {
@@ -41,15 +53,16 @@ def result_row(result: SimResult, capacity_gb: float, ceiling: SimResult) -> dic
     }
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def format_table(rows: list[dict[str, Any]], columns: tuple = TABLE_COLUMNS) -> str:
     """An aligned text table of `rows`, followed by the infinite-cache ceiling line."""
-    cells = [[header for _, header, _ in TABLE_COLUMNS]]
-    cells += [[fmt.format(row[key]) for key, _, fmt in TABLE_COLUMNS] for row in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(TABLE_COLUMNS))]
+    cells = [[header for _, header, _ in columns]]
+    cells += [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     # Text columns align left, numbers right, so digits line up.
+    text = [key in TEXT_KEYS for key, _, _ in columns]
     lines = [
         "  ".join(
-            cell.ljust(width) if i == 0 else cell.rjust(width)
+            cell.ljust(width) if text[i] else cell.rjust(width)
             for i, (cell, width) in enumerate(zip(line, widths, strict=True))
         )
         for line in cells
@@ -120,4 +133,31 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
         axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
     axes.set(xlabel="cache capacity (GB)", ylabel="token hit rate (%)", ylim=(0, 100))
     axes.legend()
+    figure.savefig(path)
+
+
+def plot_fleet(rows: list[dict[str, Any]], path: str | Path) -> None:
+    """Token hit rate vs replicas, one line per (policy, capacity, routing) and, when the rows have it, a dotted one
+    per (policy, capacity) for one cache of the fleet's total capacity; written with the Agg canvas."""
+    from matplotlib.figure import Figure
+
+    path = check_plot_path(path)
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    axes = figure.add_subplot()
+    setups = list(dict.fromkeys((row["policy"], row["capacity_gb"]) for row in rows))
+    for policy, capacity_gb in setups:
+        mine = [row for row in rows if (row["policy"], row["capacity_gb"]) == (policy, capacity_gb)]
+        prefix = f"{policy} {capacity_gb:g} GB/replica, " if len(setups) > 1 else ""
+        for routing in dict.fromkeys(row["routing"] for row in mine):
+            points = sorted((row["replicas"], row["token_hit_rate"]) for row in mine if row["routing"] == routing)
+            axes.plot(*zip(*points, strict=True), marker="o", label=prefix + routing)
+        single = sorted({(row["replicas"], row["single_cache_token_hit_rate"]) for row in mine
+                         if "single_cache_token_hit_rate" in row})
+        if single:
+            axes.plot(*zip(*single, strict=True), linestyle=":", marker=".", label=prefix + "one cache of N x capacity")
+    if rows:
+        axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
+    title = f"{setups[0][0]}, {setups[0][1]:g} GB per replica" if len(setups) == 1 else ""
+    axes.set(xlabel="replicas", ylabel="token hit rate (%)", ylim=(0, 100), xscale="log", title=title)
+    axes.legend(fontsize="small")
     figure.savefig(path)
