@@ -117,31 +117,35 @@ class AffinityRouter(Router):
         self.tree = RadixTree()
         self.all_mask = (1 << replicas) - 1
 
-    def reusable(self, tokens: np.ndarray) -> np.ndarray:
-        """Tokens of `tokens` each replica is expected to resume (0 where it holds nothing)."""
+    def reusable(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per replica: the tokens of `tokens` it is expected to resume now (deepest checkpoint it holds on the
+        path) and the tokens it holds the KV of (where serving the request there checkpoints the branch)."""
         walk = self.tree.walk(tokens, "default")
-        out = np.zeros(self.replicas, dtype=np.int64)
-        assigned = 0
+        reusable = np.zeros(self.replicas, dtype=np.int64)
+        shared = np.zeros(self.replicas, dtype=np.int64)
+        with_ckpt = with_kv = 0
         for node in reversed(walk.path[1:]):
+            with_kv = _assign(shared, node.kv.mask & ~with_kv, min(node.end, walk.shared_length), with_kv)
             if self.checkpointed:
                 for i in range(node.checkpoint_at_or_before(walk.shared_length), -1, -1):
-                    assigned = _assign(out, node.ckpt_state[i].mask & ~assigned, node.ckpt_pos[i], assigned)
-            else:
-                assigned = _assign(out, node.kv.mask & ~assigned, min(node.end, walk.shared_length), assigned)
-            if assigned == self.all_mask:
+                    with_ckpt = _assign(reusable, node.ckpt_state[i].mask & ~with_ckpt, node.ckpt_pos[i], with_ckpt)
+            if with_kv == self.all_mask and (with_ckpt == self.all_mask or not self.checkpointed):
                 break
-        return out
+        return (reusable if self.checkpointed else shared), shared
 
     def choose(self, tokens: np.ndarray) -> Choice:
-        reusable = self.reusable(tokens)
+        reusable, shared = self.reusable(tokens)
         after = self.loads + (len(tokens) - reusable)  # each replica's prefill work if it takes the request
         mean_after = (self.loads.sum() + len(tokens) - reusable) / self.replicas
         eligible = np.flatnonzero(after <= (1.0 + self.balance_eps) * mean_after)
         if len(eligible) == 0:
-            return Choice(int(np.argmin(after)), int(reusable[np.argmin(after)]))
-        # most reuse first, then the least work after the request, then the lowest index (deterministic)
-        best = eligible[np.lexsort((eligible, after[eligible], -reusable[eligible]))[0]]
-        return Choice(int(best), int(reusable[best]))
+            best = int(np.argmin(after))
+            return Choice(best, int(reusable[best]))
+        # Most reuse now, then the most held KV (the branch checkpoint it gets there serves the next such request),
+        # then the least work after the request, then the lowest index (deterministic).
+        order = np.lexsort((eligible, after[eligible], -shared[eligible], -reusable[eligible]))
+        best = int(eligible[order[0]])
+        return Choice(best, int(reusable[best]))
 
     def record(self, replica: int, tokens: np.ndarray, prefill_tokens: int) -> None:
         super().record(replica, tokens, prefill_tokens)
