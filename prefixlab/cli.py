@@ -15,6 +15,7 @@ SUBCOMMAND_MODULES = {
     "trace": "prefixlab.sim.cli",
     "demo": "prefixlab.demo",
     "bench": "prefixlab.bench",
+    "run": "prefixlab.fleet.run",
 }
 
 

@@ -1,0 +1,98 @@
+"""The prompt file of `prefixlab run`: one JSON object per line.
+
+    {"id": "q1", "text": "Summarize ...", "max_new_tokens": 32}
+    {"id": 7, "input_ids": [101, 2023, 318]}
+
+`id` (string or int, unique) and exactly one of `text` (needs a tokenizer) or `input_ids` are required;
+`max_new_tokens` is optional (default: the command's --max-new-tokens). Generation is greedy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prefixlab.errors import InvalidInputError
+
+ON_ERROR_CHOICES = ("stop", "skip")
+KEYS = {"id", "text", "input_ids", "max_new_tokens"}
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One line of the prompt file: its position in the file (`index`, 0-based), id and token ids."""
+
+    index: int
+    id: str | int
+    tokens: np.ndarray
+    max_new_tokens: int
+
+
+def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_tokens: int) -> tuple:
+    if not isinstance(obj, dict):
+        raise ValueError("expected a JSON object")
+    unknown = set(obj) - KEYS
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} (allowed: {', '.join(sorted(KEYS))})")
+    prompt_id = obj.get("id")
+    if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int):
+        raise ValueError("'id' must be a string or an int")
+    if ("text" in obj) == ("input_ids" in obj):
+        raise ValueError("give exactly one of 'text' and 'input_ids'")
+    if "text" in obj:
+        if not isinstance(obj["text"], str):
+            raise ValueError("'text' must be a string")
+        if encode is None:
+            raise ValueError("a 'text' prompt needs a tokenizer: pass --tokenizer tokenizer.json (or use input_ids)")
+        ids = encode(obj["text"])
+    else:
+        ids = obj["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise ValueError("'input_ids' must be a list of non-negative ints")
+    if not ids:
+        raise ValueError("the prompt is empty")
+    new_tokens = obj.get("max_new_tokens", default_new_tokens)
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
+        raise ValueError("'max_new_tokens' must be a positive int")
+    return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens
+
+
+def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = None, *, max_new_tokens: int = 16,
+                 on_error: str = "stop", vocab_size: int | None = None) -> list[Prompt]:
+    """The prompts of a JSONL file. A malformed line raises InvalidInputError naming file:line (`on_error="stop"`)
+    or is reported on stderr and left out (`"skip"`); duplicate ids always raise."""
+    if on_error not in ON_ERROR_CHOICES:
+        raise InvalidInputError(f"--on-error {on_error!r}: use one of {', '.join(ON_ERROR_CHOICES)}")
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidInputError(f"{path}: no such prompt file")
+    prompts: list[Prompt] = []
+    first_line: dict[str | int, int] = {}
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                prompt_id, tokens, new_tokens = _parse(json.loads(line), encode, max_new_tokens)
+                if vocab_size is not None and tokens.max() >= vocab_size:
+                    raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
+            except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+                message = f"{path}:{number}: {err}"
+                if on_error == "stop":
+                    raise InvalidInputError(message + " (fix the line, or pass --on-error skip)") from None
+                print(f"prefixlab: skipped {message}", file=sys.stderr)
+                continue
+            if prompt_id in first_line:
+                raise InvalidInputError(f"{path}:{number}: duplicate id {prompt_id!r} (first on line "
+                                        f"{first_line[prompt_id]}); ids must be unique")
+            first_line[prompt_id] = number
+            prompts.append(Prompt(len(prompts), prompt_id, tokens, new_tokens))
+    if not prompts:
+        raise InvalidInputError(f"{path}: no prompts")
+    return prompts

@@ -1,0 +1,195 @@
+"""`prefixlab run PROMPTS.jsonl --model CONFIG_OR_PATH --out OUT.jsonl`: batch inference with prefix reuse, on
+one process or many (`accelerate launch --num_processes N -m prefixlab run ...`).
+
+Every process reads the prompt file and builds the same model with its own PrefixStore. The main process routes
+the prompts not yet finished (prefixlab.fleet.schedule.assign) and broadcasts the assignment with Accelerate's
+collectives; each process serves its share in radix-tree order (or file order with --order input) and appends
+results to its own part file; the main process merges them into OUT in file order and prints the summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from prefixlab.errors import InvalidInputError
+
+
+def _encoder(tokenizer: str | None):
+    """(encode(text) -> ids, decode(ids) -> text), or (None, None) without a tokenizer."""
+    if tokenizer is None:
+        return None, None
+    from prefixlab.sim.build import TextEncoder
+
+    text_encoder = TextEncoder(tokenizer)
+    return (lambda text: text_encoder([text])[0]), text_encoder.tokenizer.decode
+
+
+def _check_launch(state) -> None:
+    """accelerate 1.x's `launch --cpu --num_processes N` starts ONE process unless given an mpirun hostfile."""
+    if state.num_processes == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") and \
+            "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        print("prefixlab: note: `accelerate launch --cpu` started a single process (accelerate starts several CPU "
+              "processes only with an mpirun hostfile); for N CPU processes on one machine use `accelerate launch "
+              "--multi_gpu --num_processes N -m prefixlab run --cpu ...` (torch.distributed on gloo)", file=sys.stderr)
+
+
+class Stopped(Exception):
+    """SIGTERM (the launcher stops the group when a process dies): finish cleanly, keep what is written."""
+
+
+def _on_sigterm(signum, frame):
+    raise Stopped()
+
+
+def run_batch(args: argparse.Namespace) -> dict | None:
+    """The whole run; returns the summary on the main process (None elsewhere)."""
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from prefixlab.cache.store import PrefixStore
+    from prefixlab.fleet import outputs, schedule, serve
+    from prefixlab.fleet.prompts import read_prompts
+
+    state = PartialState(cpu=args.cpu)
+    _check_launch(state)
+    rank, processes = state.process_index, state.num_processes
+    if args.routing not in schedule.ASSIGNMENTS:
+        raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(schedule.ASSIGNMENTS)}")
+    if args.order not in ("radix", "input"):
+        raise InvalidInputError(f"--order {args.order!r}: use radix or input")
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+    encode, decode = _encoder(args.tokenizer)
+    model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
+    prompts = read_prompts(args.prompts, encode, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
+                           vocab_size=model.config.get_text_config().vocab_size)
+    if len(prompts) < processes:
+        raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
+                                f"{len(prompts)} processes")
+    if state.device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    digests = gather_object([serve.weights_digest(model)])
+    if len(set(digests)) > 1:
+        raise InvalidInputError(f"the processes built different weights ({digests}); check --seed and --model")
+
+    plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
+    if state.is_main_process:
+        done = outputs.finished(out)
+        pending = [p.index for p in prompts if p.id not in done]
+        plan = [len(prompts) - len(pending),
+                dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
+                                                  seed=args.seed, balance_eps=args.balance_eps), strict=True))]
+        if plan[0]:
+            print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
+    broadcast_object_list(plan)
+    resumed, assignment = plan
+    mine = [i for i, process in sorted(assignment.items()) if process == rank]
+    if args.order == "radix":
+        local = schedule.radix_schedule([prompts[i].tokens for i in mine])
+        steps = [(mine[k], length) for k, length in local]
+    else:
+        steps = [(i, 0) for i in mine]
+
+    store = PrefixStore(model, capacity=args.capacity, policy=args.policy)
+    writer = outputs.PartWriter(out, rank)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    started, stats, stopped = time.perf_counter(), None, False
+    try:
+        from tqdm import tqdm
+
+        with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
+                  position=rank) as bar:
+            stats = serve.serve(model, store, prompts, steps, writer.write, process=rank, decode=decode,
+                                progress=bar.update)
+    except (Stopped, KeyboardInterrupt):
+        stopped = True
+    finally:
+        writer.close()
+        signal.signal(signal.SIGTERM, previous)
+        store.close()
+    gathered = gather_object([stats.as_dict()]) if not stopped else [None]
+    if not state.is_main_process:
+        return None
+    written, missing = outputs.merge(out, [p.id for p in prompts])
+    return _summary(prompts, gathered, written, missing, resumed, time.perf_counter() - started, args)
+
+
+def _summary(prompts, gathered: list[dict | None], written: int, missing: list, resumed: int, seconds: float,
+             args) -> dict:
+    per_process = [g for g in gathered if g is not None]
+    total = {key: sum(g[key] for g in per_process) for key in
+             ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens")}
+    prefilled = [g["prefilled_tokens"] for g in per_process]
+    mean = sum(prefilled) / max(len(prefilled), 1)
+    return {
+        "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
+        "lost_ids": missing[:20], "routing": args.routing, "order": args.order, "processes": len(gathered),
+        "token_hit_rate": 100.0 * total["reused_tokens"] / max(total["prompt_tokens"], 1),
+        "load_imbalance": max(prefilled) / mean if mean else 1.0,
+        "seconds": seconds, "requests_per_second": total["requests"] / seconds if seconds else 0.0,
+        "generated_tokens_per_second": total["generated_tokens"] / seconds if seconds else 0.0,
+        "per_process": per_process,
+    }
+
+
+def format_summary(summary: dict, out: str) -> str:
+    lines = [
+        f"requests: {summary['requests']} served now, {summary['resumed']} from a previous run, "
+        f"{summary['written']} of {summary['prompts']} in {out}",
+        f"prompt tokens: {summary['prompt_tokens']}, reused from the store: {summary['reused_tokens']} "
+        f"({summary['token_hit_rate']:.1f}%), prefilled: {summary['prefilled_tokens']} "
+        f"(of which {summary['prime_tokens']} in shared-prefix primes)",
+        f"processes: {summary['processes']} ({summary['routing']} routing, {summary['order']} order), "
+        f"load imbalance {summary['load_imbalance']:.3f} (max/mean prefilled tokens)",
+        f"throughput: {summary['requests_per_second']:.2f} requests/s, "
+        f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
+    ]
+    if summary["lost"]:
+        lines.append(f"NOT DONE: {summary['lost']} prompts (ids {summary['lost_ids']}"
+                     f"{' ...' if summary['lost'] > len(summary['lost_ids']) else ''}); rerun the same command to "
+                     "finish them")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = run_batch(args)
+    if summary is None:
+        return 0
+    print(json.dumps(summary) if args.json else format_summary(summary, args.out))
+    return 1 if summary["lost"] else 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    from prefixlab.fleet.schedule import ASSIGNMENTS
+
+    cmd = subparsers.add_parser("run", help="batch inference over a prompt file with prefix reuse (accelerate-ready)")
+    cmd.add_argument("prompts", help="JSONL: one {id, text | input_ids, max_new_tokens?} object per line")
+    cmd.add_argument("--model", required=True, help="a config.json (random init, seeded) or a local model folder")
+    cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
+    cmd.add_argument("--tokenizer", help="tokenizers JSON file, for text prompts and decoded outputs")
+    cmd.add_argument("--routing", default="affinity", help=f"across processes: {', '.join(ASSIGNMENTS)}")
+    cmd.add_argument("--order", default="radix", help="within a process: radix (shared prefixes once) or input")
+    cmd.add_argument("--max-new-tokens", type=_positive, default=16, help="default for prompts without one")
+    cmd.add_argument("--capacity", default="1GB", help="each process's store capacity, e.g. 1GB or 256MiB")
+    cmd.add_argument("--policy", default="dp", help="store admission policy (default dp)")
+    cmd.add_argument("--balance-eps", type=float, default=0.15, help="affinity: max work (1 + eps) x the mean")
+    cmd.add_argument("--seed", type=int, default=0, help="random-init seed (the same on every process)")
+    cmd.add_argument("--on-error", default="stop", help="malformed prompt lines: stop (default) or skip")
+    cmd.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
+    cmd.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    cmd.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value

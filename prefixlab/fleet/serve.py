@@ -1,0 +1,141 @@
+"""One process's share of a batch: the model, its PrefixStore, and the loop over scheduled steps."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from prefixlab.errors import InvalidInputError
+from prefixlab.fleet.prompts import Prompt
+
+
+@dataclass
+class ProcessStats:
+    """What one process did in this run. `prefilled_tokens` counts every token its model computed in prefill
+    (prime steps included): the work routing balances and scheduling saves."""
+
+    process: int = 0
+    requests: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prime_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_model(model: str, seed: int = 0, device: str = "cpu"):
+    """A transformers causal LM from a config.json (random init after torch.manual_seed(seed), so every process
+    builds the same weights) or a local model folder with weights (from_pretrained, local files only), in eval
+    mode on `device`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(model)
+    if not path.exists():
+        raise InvalidInputError(f"--model {model!r}: no such file or folder; pass a config.json or a local model "
+                                "folder (nothing is downloaded)")
+    has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
+    try:
+        if has_weights:
+            loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+            torch.manual_seed(seed)
+            loaded = AutoModelForCausalLM.from_config(config)
+    except (ValueError, KeyError, TypeError, OSError) as err:
+        raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
+    return loaded.to(device).eval()
+
+
+def weights_digest(model) -> str:
+    """A short hash of (a sample of) the weights' bits: processes compare it to catch differently seeded models."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        sample = tensor.detach().reshape(-1)[:4096].cpu().contiguous()
+        digest.update(name.encode())
+        # float() is exact for fp16/bf16 (numpy has no bf16), so equal bits give equal bytes
+        digest.update((sample.float() if sample.dtype.is_floating_point else sample).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int]:
+    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused)."""
+    import torch
+
+    from prefixlab.cache.hf import HybridPrefixCache
+
+    cache = HybridPrefixCache(store)
+    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(model))
+    store.flush()  # admit now, so the next step can reuse this one
+    return out[0, input_ids.shape[1]:].tolist(), cache.reused_tokens
+
+
+def generate_uncached(model, tokens, max_new_tokens: int) -> list[int]:
+    """The same greedy generation without prefixlab (the exactness reference)."""
+    import torch
+
+    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=_pad_id(model))
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def prime(model, store, tokens) -> int:
+    """Prefill `tokens` alone through the store (so it keeps a checkpoint at their end); returns tokens computed."""
+    import torch
+
+    from prefixlab.cache.hf import HybridPrefixCache
+
+    cache = HybridPrefixCache(store)
+    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    model(input_ids=input_ids, past_key_values=cache, use_cache=True)
+    store.flush()
+    return len(tokens) - cache.reused_tokens
+
+
+def _pad_id(model) -> int:
+    pad = getattr(model.config, "pad_token_id", None)
+    return pad if isinstance(pad, int) else 0
+
+
+def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int, int]], write: Callable[[dict], None],
+          *, process: int = 0, decode: Callable[[list[int]], str] | None = None,
+          progress: Callable[[int], object] | None = None) -> ProcessStats:
+    """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule) over `prompts`, writing one record
+    per finished prompt with `write`."""
+    import torch
+
+    stats = ProcessStats(process=process)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for index, prime_length in steps:
+            prompt = prompts[index]
+            if prime_length:
+                computed = prime(model, store, prompt.tokens[:prime_length])
+                stats.prime_tokens += computed
+                stats.prefilled_tokens += computed
+                continue
+            output_ids, reused = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+            record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
+                      "reused_tokens": reused, "process": process}
+            if decode is not None:
+                record["text"] = decode(output_ids)
+            write(record)
+            stats.requests += 1
+            stats.prompt_tokens += len(prompt.tokens)
+            stats.reused_tokens += reused
+            stats.prefilled_tokens += len(prompt.tokens) - reused
+            stats.generated_tokens += len(output_ids)
+            if progress is not None:
+                progress(1)
+    stats.seconds = time.perf_counter() - started
+    return stats
