@@ -116,22 +116,28 @@ def build_workload(num_requests: int, encode) -> tuple[list[list[int]], list[Req
     return system, requests
 
 
-def build_model(vocab_size: int):
-    """A tiny random-init Qwen3.5-architecture hybrid: 3 GatedDeltaNet layers and 1 attention layer, fp32, with its
-    GatedDeltaNet layers patched (prefixlab kernels: they resume from and record states inside one forward)."""
-    import torch
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+def tiny_hybrid_config(vocab_size: int):
+    """The config of a tiny Qwen3.5-architecture hybrid: 3 GatedDeltaNet layers and 1 attention layer."""
+    from transformers import Qwen3_5TextConfig
 
-    from prefixlab.recurrent.patch import patch
-
-    config = Qwen3_5TextConfig(
+    return Qwen3_5TextConfig(
         vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64,
         linear_value_head_dim=64, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None,
     )
+
+
+def build_model(vocab_size: int):
+    """The tiny random-init hybrid (tiny_hybrid_config), fp32, with its GatedDeltaNet layers patched (prefixlab
+    kernels: they resume from and record states inside one forward)."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    from prefixlab.recurrent.patch import patch
+
     torch.manual_seed(0)
-    return patch(Qwen3_5ForCausalLM(config).eval())
+    return patch(Qwen3_5ForCausalLM(tiny_hybrid_config(vocab_size)).eval())
 
 
 def _timed_generate(model, input_ids, max_new_tokens: int, cache=None):

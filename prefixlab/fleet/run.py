@@ -133,6 +133,10 @@ def _summary(prompts, gathered: list[dict | None], written: int, missing: list, 
         "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
         "lost_ids": missing[:20], "routing": args.routing, "order": args.order, "processes": len(gathered),
         "token_hit_rate": 100.0 * total["reused_tokens"] / max(total["prompt_tokens"], 1),
+        # net of the primes: prompt tokens this run did not compute at all
+        "saved_tokens": total["prompt_tokens"] - total["prefilled_tokens"],
+        "prefill_saved_rate": 100.0 * (total["prompt_tokens"] - total["prefilled_tokens"]) /
+                              max(total["prompt_tokens"], 1),
         "load_imbalance": max(prefilled) / mean if mean else 1.0,
         "seconds": seconds, "requests_per_second": total["requests"] / seconds if seconds else 0.0,
         "generated_tokens_per_second": total["generated_tokens"] / seconds if seconds else 0.0,
@@ -146,7 +150,8 @@ def format_summary(summary: dict, out: str) -> str:
         f"{summary['written']} of {summary['prompts']} in {out}",
         f"prompt tokens: {summary['prompt_tokens']}, reused from the store: {summary['reused_tokens']} "
         f"({summary['token_hit_rate']:.1f}%), prefilled: {summary['prefilled_tokens']} "
-        f"(of which {summary['prime_tokens']} in shared-prefix primes)",
+        f"(of which {summary['prime_tokens']} in shared-prefix primes): prefill saved "
+        f"{summary['saved_tokens']} tokens ({summary['prefill_saved_rate']:.1f}%)",
         f"processes: {summary['processes']} ({summary['routing']} routing, {summary['order']} order), "
         f"load imbalance {summary['load_imbalance']:.3f} (max/mean prefilled tokens)",
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "

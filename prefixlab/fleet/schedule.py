@@ -70,7 +70,8 @@ def radix_schedule(prompts: Sequence[np.ndarray], min_prefix_tokens: int = 32) -
     for k, i in enumerate(order):
         above = lcp[k - 1] if k else 0  # nodes this deep or shallower were entered before this prompt
         depths, smallest = [], None
-        for depth in islice(lcp, k, None):  # nodes whose subtree starts here: the running minimum while it stays > above
+        # the nodes whose subtree starts here: the running minimum of the following lcps while it stays > above
+        for depth in islice(lcp, k, None):
             if depth <= above:
                 break
             if smallest is None or depth < smallest:

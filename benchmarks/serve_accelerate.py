@@ -1,0 +1,150 @@
+"""Batch serving over Accelerate processes: reuse, balance and exactness per routing and in-process order.
+
+    accelerate launch --multi_gpu --num_processes 2 benchmarks/serve_accelerate.py --cpu \
+        --routing affinity,round-robin,partition,random --order radix,input --json
+
+(on a machine without GPUs, `--multi_gpu` starts N CPU processes on gloo; accelerate 1.x's `--cpu` launch flag
+starts one.) A shuffled shared-system-prompt workload (real system prompts and LMSys questions, GPT-NeoX
+tokenizer, from ../shared/data when present; else built-in text, byte tokenizer) is served by `prefixlab run`'s
+code on the tiny random-init hybrid of `prefixlab demo` (3 GatedDeltaNet + 1 attention layers, fp32), once per
+(routing, order), each on fresh stores. Every output is checked against the same model without prefixlab. With
+--json, one JSON line per (routing, order); the last line is the last one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from prefixlab.demo import BUILTIN_QUESTIONS, BUILTIN_TEXT, tiny_hybrid_config
+
+SUMMARY_KEYS = ("processes", "requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens",
+                "saved_tokens", "token_hit_rate", "prefill_saved_rate", "load_imbalance", "seconds")
+
+
+def _texts(system_prompts: int, min_chars: int) -> tuple[list[str], list[str], str, object, int]:
+    """(system prompts, questions, source, encode(texts) -> ids lists, vocab size)."""
+    from prefixlab.data import shared_file
+
+    paths = [shared_file(p) for p in ("system_prompts/system_prompts.jsonl", "traces/lmsys_chat_1000.jsonl",
+                                      "tokenizers/gpt-neox-20b.json")]
+    if None not in paths:
+        from prefixlab.sim.build import TextEncoder
+
+        with open(paths[0]) as lines:
+            systems = [t for t in (json.loads(line)["text"] for line in lines) if len(t) > min_chars]
+        with open(paths[1]) as lines:
+            questions = [m["content"] for m in (json.loads(line)["conversation"][0] for line in lines)
+                         if m.get("role") == "user" and m.get("content")]
+        encode = TextEncoder(paths[2])
+        if len(systems) >= system_prompts:
+            return systems, questions, "../shared/data (system prompts, LMSys questions, GPT-NeoX)", encode, \
+                encode.vocab_size
+    systems = [f"[desk {k}] " + BUILTIN_TEXT * 40 for k in range(system_prompts)]
+    return systems, BUILTIN_QUESTIONS, "built-in text, byte tokenizer", \
+        (lambda texts: [list(t.encode()) for t in texts]), 256
+
+
+def workload(system_prompts: int, questions: int, prompt_tokens: int, question_tokens: int, seed: int):
+    """(vocab size, source, prompt records): every system prompt with `questions` questions, shuffled."""
+    systems, question_texts, source, encode, vocab_size = _texts(system_prompts, 8 * prompt_tokens)
+    rng = random.Random(seed)
+    system_ids = [ids[:prompt_tokens] for ids in encode(rng.sample(systems, system_prompts))]
+    question_ids = [ids[:question_tokens] for ids in encode(question_texts) if ids]
+    records = [{"id": f"s{s}q{q}", "input_ids": system_ids[s] + question_ids[rng.randrange(len(question_ids))]}
+               for s in range(system_prompts) for q in range(questions)]
+    rng.shuffle(records)
+    return vocab_size, source, records
+
+
+def main() -> int:
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list, gather_object
+
+    from prefixlab.fleet import serve
+    from prefixlab.fleet.prompts import read_prompts
+    from prefixlab.fleet.run import run_batch
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--routing", default="affinity", help="comma-separated: random, round-robin, affinity, "
+                                                                "partition")
+    parser.add_argument("--order", default="radix", help="comma-separated: radix, input")
+    parser.add_argument("--system-prompts", type=int, default=8)
+    parser.add_argument("--questions", type=int, default=4, help="questions per system prompt")
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--capacity", default="256MiB", help="each process's store capacity")
+    parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    state = PartialState(cpu=args.cpu)
+    shared = [None, None]
+    if state.is_main_process:
+        folder = Path(tempfile.mkdtemp(prefix="serve_accelerate_"))
+        vocab_size, source, records = workload(args.system_prompts, args.questions, args.prompt_tokens, 40, 0)
+        tiny_hybrid_config(vocab_size).to_json_file(folder / "config.json")
+        with open(folder / "prompts.jsonl", "w") as file:
+            file.writelines(json.dumps(r) + "\n" for r in records)
+        shared = [str(folder), source]
+    broadcast_object_list(shared)
+    folder, source = Path(shared[0]), shared[1]
+
+    # the reference: the same model without prefixlab, each process a slice of the prompts
+    model = serve.load_model(str(folder / "config.json"), 0, "cpu" if args.cpu else str(state.device))
+    prompts = read_prompts(folder / "prompts.jsonl", max_new_tokens=args.max_new_tokens)
+    import torch
+
+    with torch.inference_mode():
+        mine = {p.id: serve.generate_uncached(model, p.tokens, p.max_new_tokens)
+                for p in prompts[state.process_index::state.num_processes]}
+    reference = {}
+    for part in gather_object([mine]):
+        reference.update(part)
+    del model
+
+    rows = []
+    for routing in args.routing.split(","):
+        for order in args.order.split(","):
+            out = folder / f"out-{routing}-{order}.jsonl"
+            run_args = argparse.Namespace(
+                prompts=str(folder / "prompts.jsonl"), model=str(folder / "config.json"), out=str(out),
+                tokenizer=None, routing=routing, order=order, max_new_tokens=args.max_new_tokens,
+                capacity=args.capacity, policy="dp", balance_eps=0.15, seed=0, on_error="stop", cpu=args.cpu,
+                json=True)
+            summary = run_batch(run_args)
+            if not state.is_main_process:
+                continue
+            with open(out) as lines:
+                outputs = {r["id"]: r["output_ids"] for r in map(json.loads, lines)}
+            rows.append({
+                "routing": routing, "order": order, **{key: summary[key] for key in SUMMARY_KEYS},
+                "outputs_identical": outputs == reference, "in_input_order": list(outputs) == [p.id for p in prompts],
+                "per_process_prompt_tokens": [g["prompt_tokens"] for g in summary["per_process"]], "workload": source,
+            })
+    if not state.is_main_process:
+        return 0
+    for row in rows:
+        print(json.dumps(row) if args.json else
+              f"{row['routing']:12s} {row['order']:6s} reused {row['reused_tokens']:7d} saved {row['saved_tokens']:7d} "
+              f"prefilled {row['prefilled_tokens']:7d} hit {row['token_hit_rate']:5.1f}% imbalance "
+              f"{row['load_imbalance']:.3f} identical {row['outputs_identical']}")
+    by = {(r["routing"], r["order"]): r for r in rows}
+    # saved = prompt tokens never computed (store hits net of the shared-prefix primes that made them)
+    for a, b, key, what in ((("affinity", "radix"), ("round-robin", "radix"), "saved_tokens", "saved tokens"),
+                            (("partition", "radix"), ("round-robin", "radix"), "saved_tokens", "saved tokens"),
+                            (("affinity", "input"), ("round-robin", "input"), "saved_tokens", "saved tokens"),
+                            (("affinity", "input"), ("round-robin", "input"), "reused_tokens", "reused tokens"),
+                            (("affinity", "input"), ("affinity", "radix"), "prefilled_tokens", "prefilled tokens")):
+        if a in by and b in by:
+            print(f"{'/'.join(a)} vs {'/'.join(b)}: {what} x{by[a][key] / max(by[b][key], 1):.2f}",
+                  file=sys.stderr)
+    return 0 if all(r["outputs_identical"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
