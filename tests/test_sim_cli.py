@@ -371,3 +371,27 @@ def test_simulate_prints_dp_vs_best_other(capsys, stand_in_replay):
         "dp vs best other at 1 GB: token hit +0.00 pts (best other marconi), FLOPs saved +0.00 % "
         "(best other marconi)"
     )
+
+
+def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
+    plot = tmp_path / "fleet.png"
+    code, out, err = run(capsys, "simulate", "builtin", "--policy", "sglang+", "--capacity-gb", "1",
+                         "--replicas", "1,4", "--routing", "random,affinity", "--single-cache", "--json",
+                         "--plot", plot)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [(r["replicas"], r["routing"]) for r in rows] == [(1, "random"), (1, "affinity"),
+                                                                         (4, "random"), (4, "affinity")]
+    trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
+    one = simulate(trace, "sglang+", 10**9, spec)
+    for row in rows:
+        assert row["requests"] == len(trace) and row["load_imbalance"] >= 1.0
+        if row["replicas"] == 1:  # one replica is the plain replay, whatever the routing
+            assert row["token_hit_rate"] == one.token_hit_rate == row["single_cache_token_hit_rate"]
+    assert rows[3]["token_hit_rate"] > rows[2]["token_hit_rate"]
+    assert rows[3]["single_cache_token_hit_rate"] == simulate(trace, "sglang+", 4 * 10**9, spec).token_hit_rate
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {plot}" in err
+    code, out, _ = run(capsys, "simulate", "builtin", "--policy", "sglang+", "--capacity-gb", "1", "--replicas", "2",
+                       "--routing", "round-robin")
+    assert code == 0 and "imbalance" in out.splitlines()[0] and "round-robin" in out.splitlines()[1]
+    assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "4", "--routing", "sticky", match="round-robin")
+    assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "0", match="--replicas")

@@ -74,7 +74,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     if len(prompts) < processes:
         raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
                                 f"{len(prompts)} processes")
-    if state.device.type == "cpu":
+    if state.device.type == "cpu" and processes > 1:  # N processes share the cores (one process keeps its setting)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
     digests = gather_object([serve.weights_digest(model)])
     if len(set(digests)) > 1:

@@ -1,0 +1,108 @@
+"""prefixlab.fleet routers and schedules: balance bound, affinity vs random, determinism, radix order."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.errors import InvalidInputError
+from prefixlab.fleet.router import ROUTING_NAMES, AffinityRouter, make_router
+from prefixlab.fleet.schedule import assign, common_prefix, partition, radix_order, radix_schedule
+from prefixlab.sim.replay import load_imbalance, simulate_fleet
+from prefixlab.sim.trace import Request
+
+
+def shared_prompt_requests(prefixes=12, per_prefix=10, prefix_len=2000, question_len=50, seed=0):
+    """`prefixes` long system prompts, each asked `per_prefix` distinct questions, shuffled."""
+    rng = np.random.default_rng(seed)
+    systems = [rng.integers(1, 50_000, prefix_len) for _ in range(prefixes)]
+    requests = [Request(f"s{s}q{q}", 0, 0.0, np.concatenate([systems[s], rng.integers(1, 50_000, question_len)]),
+                        rng.integers(1, 50_000, 20))
+                for s in range(prefixes) for q in range(per_prefix)]
+    return [requests[i] for i in rng.permutation(len(requests))]
+
+
+def test_affinity_resumes_from_the_branch_checkpoint_it_expects():
+    router = AffinityRouter(3, balance_eps=10.0)  # no balance pressure here
+    a, b, c, d = (np.arange(100) + k * 1000 for k in range(4))
+    router.record(1, np.concatenate([a, b]), 200)
+    reusable, shared = router.reusable(np.concatenate([a, c]))
+    assert reusable.tolist() == [0, 0, 0] and shared.tolist() == [0, 100, 0]  # KV held, no checkpoint at 100
+    assert router.choose(np.concatenate([a, c])).replica == 1  # there, serving it checkpoints the branch
+    router.record(1, np.concatenate([a, c]), 100)
+    assert router.reusable(np.concatenate([a, d]))[0].tolist() == [0, 100, 0]
+    assert router.reusable(np.concatenate([a, b, d]))[0].tolist() == [0, 200, 0]  # end of a sequence it was sent
+    kv_only = AffinityRouter(3, checkpointed=False)
+    kv_only.record(2, np.concatenate([a, b]), 200)
+    assert kv_only.reusable(np.concatenate([a, c]))[0].tolist() == [0, 0, 100]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 8), st.floats(0.0, 0.5), st.lists(st.tuples(st.integers(0, 5), st.integers(1, 300)),
+                                                          min_size=1, max_size=60))
+def test_affinity_balance_bound(replicas, eps, shape):
+    """Every replica's predicted work stays within max((1 + eps) x mean, mean + the largest request)."""
+    prefixes = [np.arange(400) + 1000 * k for k in range(6)]
+    router = AffinityRouter(replicas, balance_eps=eps)
+    largest = 0
+    for prefix, suffix in shape:
+        tokens = np.concatenate([prefixes[prefix], np.arange(suffix) + 10_000])
+        largest = max(largest, len(tokens))
+        router.route(tokens)
+        mean = router.loads.mean()
+        assert router.loads.max() <= max((1 + eps) * mean, mean + largest) + 1e-9
+
+
+def test_affinity_beats_random_and_stays_balanced():
+    spec = ModelSpec.from_name("marconi-7b")
+    requests = shared_prompt_requests()
+    capacity = 2 * 10**9  # each replica holds a few of the 12 prompts
+    hit = {}
+    for routing in ROUTING_NAMES:
+        result, loads = simulate_fleet(requests, "sglang+", capacity, spec, 4, routing)
+        hit[routing] = result.token_hit_rate
+        assert result.requests == len(requests) and loads.sum() == result.input_tokens - result.reused_tokens
+        if routing == "affinity":
+            assert load_imbalance(loads) <= 1.25
+    assert hit["affinity"] >= 1.3 * hit["random"] and hit["affinity"] >= 1.3 * hit["round-robin"], hit
+
+
+def test_routing_is_deterministic_and_names_are_checked():
+    requests = shared_prompt_requests(prefixes=4, per_prefix=5)
+    for routing in ROUTING_NAMES:
+        runs = [[make_router(routing, 3, seed=7).route(r.input_tokens).replica for r in requests] for _ in range(2)]
+        assert runs[0] == runs[1]
+    with pytest.raises(InvalidInputError, match="round-robin"):
+        make_router("least-loaded", 3)
+    with pytest.raises(InvalidInputError, match="partition"):
+        assign([r.input_tokens for r in requests], 2, "sticky")
+    with pytest.raises(InvalidInputError, match="positive"):
+        make_router("affinity", 0)
+
+
+def test_radix_schedule_primes_each_shared_prefix_once_shallow_first():
+    a, b = np.arange(64), np.arange(64) + 500
+    prompts = [np.concatenate([a, b, [1]]), np.concatenate([a, [2, 3]]), np.concatenate([a, b, [4]]),
+               np.array([9, 9]), np.concatenate([a, [5, 6]])]
+    steps = radix_schedule(prompts, min_prefix_tokens=32)
+    served = [i for i, length in steps if length == 0]
+    assert sorted(served) == list(range(5)) and served == radix_order(prompts)
+    primes = [(i, length) for i, length in steps if length]
+    assert [length for _, length in primes] == [64, 128]  # the a-node, then the a+b node below it
+    assert steps.index(primes[0]) < steps.index(primes[1]) < steps.index((primes[1][0], 0))
+    assert radix_schedule(prompts, min_prefix_tokens=100) == [(i, length) for i, length in steps if length != 64]
+
+
+def test_partition_is_contiguous_in_radix_order_and_balanced():
+    requests = shared_prompt_requests(prefixes=8, per_prefix=4, prefix_len=500)
+    prompts = [r.input_tokens for r in requests]
+    parts = partition(prompts, 4)
+    in_order = [parts[i] for i in radix_order(prompts)]
+    assert in_order == sorted(in_order) and set(parts) == {0, 1, 2, 3}
+    work = np.zeros(4)
+    for k, i in enumerate(radix_order(prompts)):  # new tokens in radix order, the part's warm prefill work
+        previous = radix_order(prompts)[k - 1] if k else None
+        work[parts[i]] += len(prompts[i]) - (common_prefix(prompts[i], prompts[previous]) if k else 0)
+    assert work.max() / work.mean() <= 1.25
+    assert common_prefix(np.array([1, 2, 3]), np.array([1, 2])) == 2

@@ -1,0 +1,145 @@
+"""`prefixlab run`: exact outputs in input order, resume, radix-order scheduling, bad input, 2 launched processes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hf_models import config as tiny_config
+
+import prefixlab.fleet.serve
+from prefixlab.cli import main
+from prefixlab.fleet import serve
+from prefixlab.fleet.prompts import read_prompts
+from prefixlab.fleet.run import Stopped
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny hybrid's config.json and a shuffled file of 12 prompts over 3 shared 150-token prefixes."""
+    folder = tmp_path_factory.mktemp("fleet")
+    tiny_config("qwen3_5").to_json_file(folder / "config.json")
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(3, 128, 150).tolist() for _ in range(3)]
+    records = [{"id": f"p{k}" if k % 2 else k, "input_ids": prefixes[k % 3] + rng.integers(3, 128, 8).tolist(),
+                "max_new_tokens": 3} for k in range(12)]
+    with open(folder / "prompts.jsonl", "w") as file:
+        file.writelines(json.dumps(records[i]) + "\n" for i in rng.permutation(12))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+    """id -> greedy output of the same model without prefixlab."""
+    model = serve.load_model(str(files / "config.json"))
+    with torch.inference_mode():
+        return {p.id: serve.generate_uncached(model, p.tokens, p.max_new_tokens)
+                for p in read_prompts(files / "prompts.jsonl")}
+
+
+def run(capsys, files, out, *extra):
+    code = main(["run", str(files / "prompts.jsonl"), "--model", str(files / "config.json"), "--out", str(out),
+                 "--json", *map(str, extra)])
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    return code, (json.loads(lines[-1]) if lines and code != 2 else None), captured.err
+
+
+def read_out(path):
+    with open(path) as lines:
+        return [json.loads(line) for line in lines]
+
+
+def test_run_is_exact_in_input_order_and_resumes(capsys, files, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    code, summary, _ = run(capsys, files, out)
+    assert code == 0 and summary["requests"] == 12 and summary["lost"] == 0
+    records = read_out(out)
+    assert [r["id"] for r in records] == list(reference)  # the prompt file's order
+    assert {r["id"]: r["output_ids"] for r in records} == reference
+    assert summary["reused_tokens"] == sum(r["reused_tokens"] for r in records) > 0
+    assert summary["prompt_tokens"] == sum(len(p.tokens) for p in read_prompts(files / "prompts.jsonl"))
+    before = out.read_bytes()
+    code, summary, err = run(capsys, files, out)  # a rerun finds everything done and leaves OUT as it was
+    assert code == 0 and summary["resumed"] == 12 and summary["requests"] == 0 and "resuming" in err
+    assert out.read_bytes() == before
+
+
+def test_interrupted_run_keeps_what_finished_and_a_rerun_completes_it(capsys, files, reference, tmp_path,
+                                                                       monkeypatch):
+    real, calls = serve.generate, []
+
+    def dies_on_the_fourth(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise Stopped()  # what SIGTERM raises when the launcher stops the process group
+        return real(*args, **kwargs)
+
+    out = tmp_path / "out.jsonl"
+    monkeypatch.setattr(prefixlab.fleet.serve, "generate", dies_on_the_fourth)
+    code, summary, _ = run(capsys, files, out)
+    assert code == 1 and summary["lost"] == 9 and len(read_out(out)) == 3
+    monkeypatch.setattr(prefixlab.fleet.serve, "generate", real)
+    code, summary, _ = run(capsys, files, out)
+    assert code == 0 and summary["resumed"] == 3 and summary["requests"] == 9
+    assert [(r["id"], r["output_ids"]) for r in read_out(out)] == list(reference.items())
+
+
+def test_radix_order_prefills_fewer_tokens_than_input_order(capsys, files, tmp_path):
+    prefilled = {}
+    for order in ("radix", "input"):
+        code, summary, _ = run(capsys, files, tmp_path / f"{order}.jsonl", "--order", order, "--policy", "marconi")
+        assert code == 0
+        prefilled[order] = summary["prefilled_tokens"]
+    assert prefilled["input"] >= 1.5 * prefilled["radix"], prefilled
+
+
+def test_bad_input(capsys, files, tmp_path):
+    lines = (files / "prompts.jsonl").read_text().splitlines()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join([lines[0], "{not json", lines[1]]) + "\n")
+    args = ["--model", files / "config.json", "--out", tmp_path / "o.jsonl"]
+    assert main(["run", bad, *args]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err and not (tmp_path / "o.jsonl").exists()
+    assert main(["run", bad, *args, "--on-error", "skip", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["requests"] == 2
+    for content, message in (([lines[0], lines[0]], "duplicate id"), (['{"id": 1, "text": "hi"}'], "tokenizer"),
+                             (['{"id": 1, "input_ids": [1, 999]}'], "vocabulary"),
+                             (['{"id": 1, "input_ids": [1], "temperature": 1}'], "unknown keys")):
+        bad.write_text("\n".join(content) + "\n")
+        assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["run", files / "prompts.jsonl", *args, "--routing", "sticky"]) == 2
+    assert "round-robin" in capsys.readouterr().err
+    foreign = tmp_path / "notes.jsonl"
+    foreign.write_text("my notes\n")
+    assert main(["run", files / "prompts.jsonl", *args[:2], "--out", foreign]) == 2
+    assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
+
+
+@pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None,
+                    reason="accelerate (the dist extra) is not installed")
+def test_two_launched_processes(files, reference, tmp_path):
+    out = tmp_path / "out.jsonl"
+    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    # on a CPU-only machine --multi_gpu starts the processes on gloo (accelerate's --cpu launch starts only one)
+    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+               "no", "--dynamo_backend", "no", "--main_process_port", "29513", "-m", "prefixlab", "run",
+               files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["processes"] == 2 and summary["requests"] == 12 and summary["lost"] == 0
+    per_process = [g["prompt_tokens"] for g in summary["per_process"]]
+    assert all(per_process) and sum(per_process) == sum(len(p.tokens) for p in read_prompts(files / "prompts.jsonl"))
+    records = read_out(out)
+    assert [(r["id"], r["output_ids"]) for r in records] == list(reference.items())
+    assert {r["process"] for r in records} == {0, 1} and not list(tmp_path.glob("out.jsonl.part*"))
