@@ -159,5 +159,8 @@ def plot_fleet(rows: list[dict[str, Any]], path: str | Path) -> None:
         axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
     title = f"{setups[0][0]}, {setups[0][1]:g} GB per replica" if len(setups) == 1 else ""
     axes.set(xlabel="replicas", ylabel="token hit rate (%)", ylim=(0, 100), xscale="log", title=title)
+    replicas = sorted({row["replicas"] for row in rows})
+    axes.set_xticks(replicas, [str(n) for n in replicas])
+    axes.minorticks_off()
     axes.legend(fontsize="small")
     figure.savefig(path)
