@@ -101,37 +101,43 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     store = PrefixStore(model, capacity=args.capacity, policy=args.policy)
     writer = outputs.PartWriter(out, rank)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    started, stats, stopped = time.perf_counter(), None, False
+    started, stats, stopped = time.perf_counter(), serve.ProcessStats(process=rank), False
     try:
         from tqdm import tqdm
 
         with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
                   position=rank) as bar:
-            stats = serve.serve(model, store, prompts, steps, writer.write, process=rank, decode=decode,
-                                progress=bar.update)
+            serve.serve(model, store, prompts, steps, writer.write, process=rank, decode=decode, progress=bar.update,
+                        stats=stats)
     except (Stopped, KeyboardInterrupt):
         stopped = True
     finally:
         writer.close()
-        signal.signal(signal.SIGTERM, previous)
         store.close()
-    gathered = gather_object([stats.as_dict()]) if not stopped else [None]
+    gathered = [stats.as_dict()]
+    try:
+        if not stopped:
+            gathered = gather_object(gathered)
+    except (Stopped, RuntimeError):  # stopped while waiting, or a peer died (torch.distributed's RuntimeError)
+        stopped = True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if not state.is_main_process:
         return None
     written, missing = outputs.merge(out, [p.id for p in prompts])
-    return _summary(prompts, gathered, written, missing, resumed, time.perf_counter() - started, args)
+    summary = _summary(prompts, gathered, written, missing, resumed, time.perf_counter() - started, args)
+    return {**summary, "processes": processes, "stopped": stopped}
 
 
-def _summary(prompts, gathered: list[dict | None], written: int, missing: list, resumed: int, seconds: float,
+def _summary(prompts, per_process: list[dict], written: int, missing: list, resumed: int, seconds: float,
              args) -> dict:
-    per_process = [g for g in gathered if g is not None]
     total = {key: sum(g[key] for g in per_process) for key in
              ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens")}
     prefilled = [g["prefilled_tokens"] for g in per_process]
     mean = sum(prefilled) / max(len(prefilled), 1)
     return {
         "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
-        "lost_ids": missing[:20], "routing": args.routing, "order": args.order, "processes": len(gathered),
+        "lost_ids": missing[:20], "routing": args.routing, "order": args.order,
         "token_hit_rate": 100.0 * total["reused_tokens"] / max(total["prompt_tokens"], 1),
         # net of the primes: prompt tokens this run did not compute at all
         "saved_tokens": total["prompt_tokens"] - total["prefilled_tokens"],
@@ -157,6 +163,8 @@ def format_summary(summary: dict, out: str) -> str:
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "
         f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
     ]
+    if summary["stopped"]:
+        lines.append("STOPPED (a process died or was stopped; the counts above are this process's)")
     if summary["lost"]:
         lines.append(f"NOT DONE: {summary['lost']} prompts (ids {summary['lost_ids']}"
                      f"{' ...' if summary['lost'] > len(summary['lost_ids']) else ''}); rerun the same command to "

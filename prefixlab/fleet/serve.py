@@ -111,12 +111,12 @@ def _pad_id(model) -> int:
 
 def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int, int]], write: Callable[[dict], None],
           *, process: int = 0, decode: Callable[[list[int]], str] | None = None,
-          progress: Callable[[int], object] | None = None) -> ProcessStats:
+          progress: Callable[[int], object] | None = None, stats: ProcessStats | None = None) -> ProcessStats:
     """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule) over `prompts`, writing one record
-    per finished prompt with `write`."""
+    per finished prompt with `write`. Counts go into `stats` as they happen (what a stopped run did is kept)."""
     import torch
 
-    stats = ProcessStats(process=process)
+    stats = stats if stats is not None else ProcessStats(process=process)
     started = time.perf_counter()
     with torch.inference_mode():
         for index, prime_length in steps:
@@ -137,7 +137,7 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int, in
             stats.reused_tokens += reused
             stats.prefilled_tokens += len(prompt.tokens) - reused
             stats.generated_tokens += len(output_ids)
+            stats.seconds = time.perf_counter() - started
             if progress is not None:
                 progress(1)
-    stats.seconds = time.perf_counter() - started
     return stats
