@@ -143,3 +143,22 @@ def test_two_launched_processes(files, reference, tmp_path):
     records = read_out(out)
     assert [(r["id"], r["output_ids"]) for r in records] == list(reference.items())
     assert {r["process"] for r in records} == {0, 1} and not list(tmp_path.glob("out.jsonl.part*"))
+
+
+def test_text_prompts_with_a_tokenizer_file(capsys, files, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[UNK]", *"the a library opens at nine closes late on sunday and monday ?".split()]
+    tokenizer = Tokenizer(models.WordLevel({w: i + 3 for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    prompts = tmp_path / "text.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "text": f"the library opens at nine on {day} ?"}) + "\n"
+                               for k, day in enumerate(["sunday", "monday"])))
+    out = tmp_path / "out.jsonl"
+    code = main(["run", prompts, "--model", files / "config.json", "--out", out, "--tokenizer",
+                 tmp_path / "tokenizer.json", "--max-new-tokens", "2"])
+    assert code == 0 and "2 of 2" in capsys.readouterr().out
+    records = read_out(out)
+    assert [r["prompt_tokens"] for r in records] == [8, 8]
+    assert [r["text"] for r in records] == [tokenizer.decode(r["output_ids"]) for r in records]
