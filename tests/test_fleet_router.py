@@ -106,3 +106,14 @@ def test_partition_is_contiguous_in_radix_order_and_balanced():
         work[parts[i]] += len(prompts[i]) - (common_prefix(prompts[i], prompts[previous]) if k else 0)
     assert work.max() / work.mean() <= 1.25
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2])) == 2
+
+
+def test_router_inputs_are_checked():
+    router = AffinityRouter(2)
+    assert router.route([5, 6, 7]).replica in (0, 1)  # a plain list of ids is fine
+    with pytest.raises(InvalidInputError, match="replica"):
+        router.record(2, np.arange(3), 3)
+    with pytest.raises(InvalidInputError, match="token ids"):
+        router.choose(np.array([[1, 2]]))
+    with pytest.raises(InvalidInputError, match="balance_eps"):
+        AffinityRouter(2, balance_eps=-1)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixlab.cache.core import as_tokens
 from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.errors import InvalidInputError
 
@@ -74,6 +75,8 @@ class Router:
 
     def record(self, replica: int, tokens: np.ndarray, prefill_tokens: int) -> None:
         """`replica` served `tokens` (input, or input + output when known), computing `prefill_tokens` of them."""
+        if isinstance(replica, bool) or not isinstance(replica, int | np.integer) or not 0 <= replica < self.replicas:
+            raise InvalidInputError(f"replica must be an int in [0, {self.replicas}), got {replica!r}")
         self.loads[replica] += prefill_tokens
 
     def route(self, tokens: np.ndarray) -> Choice:
@@ -120,7 +123,7 @@ class AffinityRouter(Router):
     def reusable(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per replica: the tokens of `tokens` it is expected to resume now (deepest checkpoint it holds on the
         path) and the tokens it holds the KV of (where serving the request there checkpoints the branch)."""
-        walk = self.tree.walk(tokens, "default")
+        walk = self.tree.walk(as_tokens(tokens), "default")
         reusable = np.zeros(self.replicas, dtype=np.int64)
         shared = np.zeros(self.replicas, dtype=np.int64)
         with_ckpt = with_kv = 0
@@ -134,6 +137,7 @@ class AffinityRouter(Router):
         return (reusable if self.checkpointed else shared), shared
 
     def choose(self, tokens: np.ndarray) -> Choice:
+        tokens = as_tokens(tokens)
         reusable, shared = self.reusable(tokens)
         after = self.loads + (len(tokens) - reusable)  # each replica's prefill work if it takes the request
         mean_after = (self.loads.sum() + len(tokens) - reusable) / self.replicas
@@ -149,6 +153,7 @@ class AffinityRouter(Router):
 
     def record(self, replica: int, tokens: np.ndarray, prefill_tokens: int) -> None:
         super().record(replica, tokens, prefill_tokens)
+        tokens = as_tokens(tokens)
         if len(tokens) == 0:
             return
         bit = 1 << replica
