@@ -86,7 +86,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         pending = [p.index for p in prompts if p.id not in done]
         plan = [len(prompts) - len(pending),
                 dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
-                                                  seed=args.seed, balance_eps=args.balance_eps), strict=True))]
+                                                  seed=args.seed, balance_eps=args.balance_eps,
+                                                  primed=args.order == "radix"), strict=True))]
         if plan[0]:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)

@@ -50,14 +50,15 @@ def partition(prompts: Sequence[np.ndarray], parts: int) -> list[int]:
 
 
 def assign(prompts: Sequence[np.ndarray], processes: int, routing: str, *, seed: int = 0,
-           balance_eps: float = 0.15) -> list[int]:
+           balance_eps: float = 0.15, primed: bool = True) -> list[int]:
     """The process of each prompt (file order) under `routing` (one of ASSIGNMENTS); the routers see the
-    prompts in file order, except affinity: radix order."""
+    prompts in file order, except affinity: radix order. `primed`: the processes run radix_schedule, which primes
+    every shared prefix, so affinity counts any prefix a process was sent as resumable (not only checkpoints)."""
     if routing not in ASSIGNMENTS:
         raise InvalidInputError(f"--routing {routing!r} is unknown; use one of {', '.join(ASSIGNMENTS)}")
     if routing == "partition":
         return partition(prompts, processes)
-    router = make_router(routing, processes, seed, balance_eps=balance_eps)
+    router = make_router(routing, processes, seed, balance_eps=balance_eps, checkpointed=not primed)
     out = [0] * len(prompts)
     # affinity sees the prompts in radix order, so a subtree's prompts arrive together (a batch is known up front)
     for i in radix_order(prompts) if routing == "affinity" else range(len(prompts)):
