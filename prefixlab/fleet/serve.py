@@ -94,11 +94,11 @@ def prime(model, store, tokens) -> int:
     import torch
 
     from prefixlab.cache.hf import HybridPrefixCache
-    from prefixlab.cache.store import _forward_parameters
+    from prefixlab.cache.hooks import forward_parameters
 
     cache = HybridPrefixCache(store)
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in _forward_parameters(model) else {}  # skip the LM head
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}  # skip the LM head
     model(input_ids=input_ids, past_key_values=cache, use_cache=True, **keep)
     store.flush()
     return len(tokens) - cache.reused_tokens
