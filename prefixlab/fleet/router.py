@@ -11,7 +11,8 @@ hybrid model the deepest recurrent checkpoint on the shared path, not the longes
 each replica as a Marconi-style cache (a checkpoint where a sequence branched off what the replica held, and one
 at its last token) that never evicts: an approximation, the replicas' own policies decide what they really keep.
 Balance is a constraint: a replica is eligible only if its prefill work after the request stays within
-(1 + balance_eps) x the fleet mean; when none is, the least-loaded one gets it.
+(1 + balance_eps) x the fleet mean plus the request's own length (slack, so that early requests can reuse at all);
+when none is, the least-loaded one gets it.
 """
 
 from __future__ import annotations
@@ -141,7 +142,8 @@ class AffinityRouter(Router):
         reusable, shared = self.reusable(tokens)
         after = self.loads + (len(tokens) - reusable)  # each replica's prefill work if it takes the request
         mean_after = (self.loads.sum() + len(tokens) - reusable) / self.replicas
-        eligible = np.flatnonzero(after <= (1.0 + self.balance_eps) * mean_after)
+        # The bound has one request of slack: early on (mean ~ one request) it would otherwise forbid any reuse.
+        eligible = np.flatnonzero(after <= (1.0 + self.balance_eps) * mean_after + len(tokens))
         if len(eligible) == 0:
             best = int(np.argmin(after))
             return Choice(best, int(reusable[best]))
