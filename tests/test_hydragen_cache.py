@@ -4,6 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
 from prefixlab.attention.hf_cache import SharedBatchKV, SharedPrefixLayer
@@ -35,6 +36,51 @@ def test_detection_is_bitwise():
     keys[1, 0, 2, 1] = 1e-30  # one bit of difference at token 2
     assert common_prefix_length(keys, keys.clone()) == 2
     assert len(identical_row_groups(keys, keys)) == 2
+
+
+class RowVariantFloatMath(TorchFunctionMode):
+    """What some BLAS builds do (the AMD CI failure): a product or reduction over a batch rounds each row by its place
+    in the batch, here odd rows one ulp up. Code that decides sharing on bits is unaffected."""
+
+    OPS = {torch.matmul, torch.mm, torch.mv, torch.bmm, torch.einsum, torch.sum, torch.mean, torch.dot,
+           torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.mm, torch.Tensor.mv, torch.Tensor.sum,
+           torch.Tensor.mean}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.OPS and isinstance(out, torch.Tensor) and out.is_floating_point() and out.dim():
+            odd = (torch.arange(out.shape[0], device=out.device) % 2 == 1).view(-1, *[1] * (out.dim() - 1))
+            out = torch.where(odd, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+        return out
+
+
+def test_detection_does_not_depend_on_row_invariant_float_math():
+    """Bit-identical rows are grouped together even when every float product of the batch rounds per row."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(2, 2, 5, 3, generator=g, dtype=torch.float64)
+    keys = rows[[0, 0, 1, 0, 1, 1]]
+    with RowVariantFloatMath():
+        groups = identical_row_groups(keys, keys * 2)
+        found = common_prefix_length(keys[[0, 0, 3]], keys[[0, 0, 3]])
+    assert [rows.tolist() for rows in groups] == [[0, 1, 3], [2, 4, 5]] and found == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_detection_compares_bits_not_float_values(dtype):
+    """-0.0 and 0.0 compare equal as floats but are different KV bits; NaN never equals itself as a float, yet two
+    copies of one NaN are the same bits, and NaNs with different payloads are not."""
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}[dtype]
+    quiet_nan = torch.tensor(float("nan"), dtype=dtype)
+    other_nan = (quiet_nan.view(bits) + 1).view(dtype)  # another payload, still a NaN
+    assert other_nan.isnan() and not torch.equal(quiet_nan.view(bits), other_nan.view(bits))
+    keys = torch.ones(5, 1, 3, 2, dtype=dtype)
+    keys[:, 0, 1, 0] = torch.stack([torch.tensor(0.0, dtype=dtype), torch.tensor(-0.0, dtype=dtype), quiet_nan,
+                                    quiet_nan, other_nan])
+    groups = identical_row_groups(keys, keys.clone())
+    assert [rows.tolist() for rows in groups] == [[0], [1], [2, 3], [4]]
+    assert common_prefix_length(keys[:2], keys[:2]) == 1  # 0.0 vs -0.0 at token 1
+    assert common_prefix_length(keys[2:4], keys[2:4].clone()) == 3  # the same NaN bits: all shared
+    assert common_prefix_length(keys[3:], keys[3:]) == 1
 
 
 def _layer_with_tree():
