@@ -3,10 +3,11 @@ column (rows without one start fresh), exact against the same batched generate w
 
 import pytest
 import torch
-from hf_models import build
+from hf_models import FAMILIES, build, cache_argument
 from test_hf_cache import generate, new_store, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 
 
 def left_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +127,60 @@ def test_left_padded_direct_forward_reuses_only_with_real_position_ids(family):
         assert cache.rows_reused[0] >= 11
         expected = model(input_ids=batch, attention_mask=mask, position_ids=positions).logits[:, -logits.shape[1]:]
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+UNPATCHED = [f for f in FAMILIES if f not in STATE_DROPPING_MODEL_TYPES and f not in ("llama", "qwen3")]
+
+
+def with_trained_pad_embedding(model):
+    """The random init zeroes the pad token's embedding (nn.Embedding padding_idx), which hides pads that reach a
+    recurrent state; a trained model's pad embedding is not zero."""
+    with torch.no_grad():
+        model.get_input_embeddings().weight[0].normal_(generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@pytest.mark.parametrize("family", UNPATCHED)
+def test_left_padded_batch_with_transformers_layers_is_exact(family):
+    """patch=False splits the prefill at every planned capture (vllm+ with 2-token blocks: nearly every column).
+    Splits that would leave a one-token segment at a row's pad column (transformers does not mask pads out of a
+    one-token forward) are skipped: the batch matches the uncached batched generate, and what it admits serves a
+    later single-row request exactly."""
+    model = with_trained_pad_embedding(build(family))
+
+    def run(input_ids, cache=None, **options):
+        served = {cache_argument(model): cache} if cache is not None else {}
+        return model.generate(input_ids, do_sample=False, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True, **served, **options)
+
+    store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=2, patch=False)
+    rows = [tokens(12, seed=1), tokens(4, seed=2), tokens(11, seed=3)]  # pads 0, 8, 1: columns 2-7 pad row 1
+    batch, mask = left_pad(rows)
+    options = dict(attention_mask=mask, eos_token_id=None, max_new_tokens=3)
+    got, expected = run(batch, HybridPrefixCache(store), **options), run(batch, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    follow = torch.cat([rows[1], expected.sequences[1, batch.shape[1]:-1], tokens(3, seed=4)])[None]
+    cache = HybridPrefixCache(store)
+    single, reference = run(follow, cache, max_new_tokens=3), run(follow, max_new_tokens=3)
+    assert cache.reused_tokens >= 4 and torch.equal(single.sequences, reference.sequences)
+    for mine, theirs in zip(single.logits, reference.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+def test_a_row_of_pads_only_runs_the_batch_uncached():
+    """A row without a real token would be fed unmasked by the one-token forward after a hit (transformers masks
+    pads only in longer forwards): the batch runs uncached, exactly, and admits nothing."""
+    model = with_trained_pad_embedding(build("qwen3_5"))
+    store = new_store(model)
+    prompt = tokens(9, seed=1)
+    generate(model, prompt[None], HybridPrefixCache(store))
+    batch = torch.stack([torch.cat([prompt, tokens(1, seed=3)]), torch.zeros(10, dtype=torch.long)])
+    mask = torch.stack([torch.ones(10, dtype=torch.long), torch.zeros(10, dtype=torch.long)])
+    options = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    cache = HybridPrefixCache(store)
+    got, expected = generate(model, batch, cache, **options), generate(model, batch, **options)
+    assert cache.rows_reused == [0, 0] and cache.commit() == 0 and torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)

@@ -145,3 +145,29 @@ def test_the_family_table_names_the_layers_patch_serves(family):
     expected = MODEL_FAMILIES[model.config.model_type.removesuffix("_text")].layer_family
     found = {type(layer_family).__name__ for _, layer_family in linear_attention_layers(model)}
     assert found == ({expected} if expected else set())
+
+
+@pytest.mark.parametrize(("family", "patched"), [("bamba", True), ("bamba", False), ("qwen3_5", False),
+                                                 ("nemotron_h", True), ("llama", True)])
+def test_direct_forwards_without_position_ids_run_at_the_sequences_positions(family, patched):
+    """model(input_ids=..., past_key_values=HybridPrefixCache(store)) without position_ids, as a prefix hit, split
+    prefill (patch=False) and continuation calls: each call's logits are those of one uncached forward over the
+    whole sequence at the same positions (Bamba counts positions from 0 on every call unless told otherwise)."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
+    rng = torch.Generator().manual_seed(3)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    more = torch.randint(3, 128, (1, 3), generator=rng)
+    with torch.no_grad():
+        for prompt in (first, second, first):
+            model(input_ids=prompt, past_key_values=HybridPrefixCache(store))
+        cache = HybridPrefixCache(store)
+        whole = torch.cat([second, more], dim=1)
+        expected = model(input_ids=whole).logits
+        got = model(input_ids=second, past_key_values=cache).logits
+        assert cache.reused_tokens >= 16
+        torch.testing.assert_close(got, expected[:, cache.reused_tokens:second.shape[1]], rtol=0, atol=TOLERANCE)
+        for column in range(second.shape[1], whole.shape[1]):  # continuation calls, one token each
+            got = model(input_ids=whole[:, column:column + 1], past_key_values=cache).logits
+            torch.testing.assert_close(got[:, -1], expected[:, column], rtol=0, atol=TOLERANCE)

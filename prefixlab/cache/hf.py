@@ -15,7 +15,9 @@ model's forward hooks (cache/hooks.py, put there by `prefixlab.patch` or a Prefi
   model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
   hook which tokens remain; the hook then runs the model on those only;
 - every forward (`record`): remember the tokens fed, so the cache knows what sequence its tensors describe;
-- `capture`: snapshot the recurrent states at positions the store's policy planned (the hook splits the prefill there);
+- `capture`: snapshot the recurrent states at positions the store's policy planned (patched layers record them within
+  the one pass; with transformers' layers the hook splits the prefill there, except where a one-token segment would
+  hold a pad column: transformers masks pads out of recurrent layers only in multi-token forwards);
 - `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
   cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
   its final state is the one a following chat turn resumes from.
@@ -51,7 +53,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hooks import ModelDrivenCache
-from prefixlab.cache.rows import left_pads, real_positions, stack_rows, stack_states
+from prefixlab.cache.rows import left_pads, pad_safe_splits, real_positions, stack_rows, stack_states
 from prefixlab.cache.sharing import check_open, under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import TensorKV, TensorState
@@ -212,8 +214,11 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
                 common = 0
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)}
-            # length - 1: an identical prompt later reuses all but its last token
-            self._plan = sorted(p for p in planned | {length - 1} if p > common)
+            # length - 1: an identical prompt later reuses all but its last token. Patched layers record it within
+            # the one pass; transformers' layers would need a split there, which changes the rounding of a request
+            # that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
+            planned |= {length - 1} if self.store.records_in_kernel else set()
+            self._plan = sorted(p for p in planned if p > common)
             if common:
                 self._load(common, [source for _, source in found])
         finally:
@@ -250,7 +255,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         recurrent states there can be captured (a patched model records them in one pass instead)."""
         if not self.store.layout.state_layers or self.store.records_in_kernel:
             return []
-        return [p for p in self._plan if start < p < stop]
+        return pad_safe_splits([p for p in self._plan if start < p < stop], start, stop, max(self._pads, default=0))
 
     @under_store_lock
     def record(self, input_ids: torch.Tensor) -> None:

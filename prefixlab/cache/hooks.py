@@ -47,6 +47,9 @@ class ModelDrivenCache:
     def capture_splits(self, start: int, stop: int) -> list[int]:
         raise NotImplementedError
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # tokens the cache holds (continuing forwards start there)
+        raise NotImplementedError
+
     def record(self, input_ids: torch.Tensor) -> None:
         raise NotImplementedError
 
@@ -119,6 +122,8 @@ class _ModelHooks:
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if not cache.started:
             kwargs = _start(module, cache, kwargs)
+        elif "position_ids" in forward_parameters(module):
+            kwargs = with_column_positions(kwargs, cache.get_seq_length())
         cache.record(kwargs["input_ids"])
         return (), kwargs
 
@@ -184,6 +189,8 @@ def _start(module, cache: ModelDrivenCache, kwargs: dict) -> dict:
     """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
     length = kwargs["input_ids"].shape[1]
     start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    if "position_ids" in forward_parameters(module):  # the segments below run at their columns, not from 0
+        kwargs = with_column_positions(kwargs, 0)
     for stop in cache.capture_splits(start, length):
         segment = _slice_inputs(kwargs, start, stop, length)
         if "logits_to_keep" in forward_parameters(module):
@@ -209,3 +216,14 @@ def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         out["attention_mask"] = mask[:, :stop]
     return out
+
+
+def with_column_positions(kwargs: dict, first: int) -> dict:
+    """`kwargs` with position_ids = first, first + 1, ... for its input_ids when the caller passed none: what the
+    model counts for a forward after `first` cached tokens. Some models (Bamba) count from 0 on every call instead,
+    so the forwards the hook shortens, splits or continues get the positions of the whole sequence."""
+    if kwargs.get("position_ids") is not None:
+        return kwargs
+    input_ids = kwargs["input_ids"]
+    positions = torch.arange(first, first + input_ids.shape[1], device=input_ids.device)
+    return kwargs | {"position_ids": positions.unsqueeze(0)}

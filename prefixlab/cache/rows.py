@@ -10,7 +10,7 @@ from prefixlab.cache.tensors import TOKEN_AXIS
 
 def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
     """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
-    anything else (zeros after ones, non-binary, another shape)."""
+    anything else (zeros after ones, non-binary, another shape, a row without a real token)."""
     if attention_mask is None:
         return [0] * batch
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
@@ -19,6 +19,8 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
     pads = (mask == 0).long().cumprod(dim=1).sum(dim=1)
     expected = torch.arange(length)[None, :] >= pads[:, None]
     if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
+        return None
+    if bool((pads == length).any()):  # a row of pads only: a forward shorter than the prompt would not mask it
         return None
     return pads.tolist()
 
@@ -36,6 +38,20 @@ def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: i
     return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
                for row, pad in enumerate(pads))
 
+
+
+def pad_safe_splits(splits: list[int], start: int, stop: int, max_pads: int) -> list[int]:
+    """The sorted `splits` of a forward over columns [start, stop), less those that would cut a one-token segment
+    at a column some row still pads (column < max_pads). transformers masks pads out of recurrent layers only in
+    forwards of more than one token (it takes a one-token forward for a decode step), so such a segment would feed
+    a pad into the row's state. A dropped split only loses that capture."""
+    kept: list[int] = []
+    for split in splits:
+        if not (split - (kept[-1] if kept else start) == 1 and split - 1 < max_pads):
+            kept.append(split)
+    if kept and stop - kept[-1] == 1 and kept[-1] < max_pads:
+        kept.pop()
+    return kept
 
 def stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device) -> torch.Tensor:
     """One fresh [batch, heads, common, dim] tensor on `device`: each row's pieces joined along the token axis and
