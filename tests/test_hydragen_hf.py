@@ -29,11 +29,22 @@ def _qwen35():
 MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _qwen35)}
 
 
-def _rows_bitwise_batch_invariant(model) -> bool:
-    """Sharing is found by BITWISE equality of rows' KV. transformers' CPU fallback for Gated DeltaNet can round
-    identical rows differently depending on their batch position, so for Qwen3.5 some groups of identical prompts
-    are (correctly) not merged; exactness holds either way, the exact tree shape is only asserted for Llama."""
-    return isinstance(model, LlamaForCausalLM)
+def _rows_share_bits(standard, ids, seed, groups, **kwargs) -> bool:
+    """Whether the standard model's own run of the same generate call (DynamicCache) gives the rows of each group
+    bit-identical keys and values over its columns in every attention layer. Sharing is found by bits, and whether
+    identical inputs come out bit-identical in different batch rows depends on the kernels (the BLAS, transformers'
+    CPU fallback for Gated DeltaNet), so the exact sharing is asserted only where the model's own run shows it;
+    exactness is asserted everywhere."""
+    cache = DynamicCache(config=standard.config)
+    _generate(standard, ids, seed, cache, **kwargs)
+    for layer in cache.layers:
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if tensor is None:
+                continue
+            for rows, columns in groups:
+                if len({tensor[row, :, columns].numpy().tobytes() for row in rows}) > 1:
+                    return False
+    return True
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -70,8 +81,9 @@ def test_sampled_completions_share_the_prompt_once(pair):
     cache = HydragenCache(hydragen.config)
     out = _generate(hydragen, prompt, 7, cache, do_sample=True, num_return_sequences=n)
     _assert_same(_generate(standard, prompt, 7, do_sample=True, num_return_sequences=n), out)
-    assert cache.shared_bytes() == _kv_bytes(hydragen, 24)  # the prompt, once (not n times)
-    assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, MAX_NEW_TOKENS - 1)  # fed-back tokens
+    if _rows_share_bits(standard, prompt, 7, [(range(n), slice(0, 24))], do_sample=True, num_return_sequences=n):
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 24)  # the prompt, once (not n times)
+        assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, MAX_NEW_TOKENS - 1)  # fed-back tokens
     standard_cache = DynamicCache(config=standard.config)
     _generate(standard, prompt, 7, standard_cache, do_sample=True, num_return_sequences=n)
     standard_bytes = sum(t.numel() * 4 for layer in standard_cache.layers if getattr(layer, "keys", None) is not None
@@ -86,8 +98,9 @@ def test_greedy_batch_of_prompts_sharing_a_prefix(pair):
     ids = torch.cat([system.repeat(4, 1), torch.randint(1, VOCAB, (4, 6), generator=g)], dim=1)
     cache = HydragenCache(hydragen.config)
     _assert_same(_generate(standard, ids, 0, do_sample=False), _generate(hydragen, ids, 0, cache, do_sample=False))
-    assert cache.shared_bytes() == _kv_bytes(hydragen, 20)
-    assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + MAX_NEW_TOKENS - 1)
+    if _rows_share_bits(standard, ids, 0, [(range(4), slice(0, 20))], do_sample=False):
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 20)
+        assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + MAX_NEW_TOKENS - 1)
 
 
 def test_prompts_times_samples_make_a_two_level_tree(pair):
@@ -99,8 +112,10 @@ def test_prompts_times_samples_make_a_two_level_tree(pair):
     out = _generate(hydragen, ids, 4, cache, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 4, do_sample=True, num_return_sequences=3), out)
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
-    assert layer.levels[0].length == 10 and cache.shared_bytes() >= _kv_bytes(hydragen, 10)
-    if _rows_bitwise_batch_invariant(hydragen):
+    groups = [(range(6), slice(0, 10)), (range(3), slice(10, 18)), (range(3, 6), slice(10, 18))]
+    if _rows_share_bits(standard, ids, 4, groups[:1], do_sample=True, num_return_sequences=3):
+        assert layer.levels[0].length == 10 and cache.shared_bytes() >= _kv_bytes(hydragen, 10)
+    if _rows_share_bits(standard, ids, 4, groups, do_sample=True, num_return_sequences=3):
         assert [(level.length, level.parent) for level in layer.levels] == [(10, None), (8, 0), (8, 0)]
         assert cache.shared_bytes() == _kv_bytes(hydragen, 10 + 8 + 8)
 
@@ -113,7 +128,9 @@ def test_left_padding_stays_exact(pair):
     cache = HydragenCache(hydragen.config)
     out = _generate(hydragen, ids, 5, cache, attention_mask=mask, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 5, attention_mask=mask, do_sample=True, num_return_sequences=3), out)
-    assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 12)  # each prompt once, its padding included
+    groups = [(range(3), slice(0, 12)), (range(3, 6), slice(0, 12))]
+    if _rows_share_bits(standard, ids, 5, groups, attention_mask=mask, do_sample=True, num_return_sequences=3):
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 12)  # each prompt once, its padding included
 
 
 def _prefix_tensors(model, prefix):
@@ -138,7 +155,8 @@ def test_prefix_fed_from_outside(pair):
     cache.load_shared_prefix(**_prefix_tensors(standard, prompt[:, :14]), batch_size=4)
     out = _generate(hydragen, prompt, 8, cache, do_sample=True, num_return_sequences=4)
     _assert_same(_generate(standard, prompt, 8, do_sample=True, num_return_sequences=4), out)
-    assert cache.shared_bytes() == _kv_bytes(hydragen, 18)  # fed 14 + the 4 prompt tokens generate ran, once
+    if _rows_share_bits(standard, prompt, 8, [(range(4), slice(0, 18))], do_sample=True, num_return_sequences=4):
+        assert cache.shared_bytes() == _kv_bytes(hydragen, 18)  # fed 14 + the 4 prompt tokens generate ran, once
 
 
 def test_prefix_fed_then_prompts_branch(pair):
@@ -152,8 +170,9 @@ def test_prefix_fed_then_prompts_branch(pair):
     out = _generate(hydragen, ids, 10, cache, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 10, do_sample=True, num_return_sequences=3), out)
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
-    assert layer.levels[0].length == 12 and cache.shared_bytes() >= _kv_bytes(hydragen, 12)
-    if _rows_bitwise_batch_invariant(hydragen):
+    assert layer.levels[0].length == 12 and cache.shared_bytes() >= _kv_bytes(hydragen, 12)  # loaded: one copy
+    groups = [(range(3), slice(12, 17)), (range(3, 6), slice(12, 17))]
+    if _rows_share_bits(standard, ids, 10, groups, do_sample=True, num_return_sequences=3):
         assert [(level.length, level.parent) for level in layer.levels] == [(12, None), (5, 0), (5, 0)]
         assert layer.seq_levels.tolist() == [1, 1, 1, 2, 2, 2]
 
@@ -165,7 +184,8 @@ def test_beam_search(pair):
     cache = HydragenCache(hydragen.config)
     out = _generate(hydragen, ids, 0, cache, do_sample=False, num_beams=3)
     assert torch.equal(_generate(standard, ids, 0, do_sample=False, num_beams=3).sequences, out.sequences)
-    if _rows_bitwise_batch_invariant(hydragen):
+    groups = [(range(3), slice(0, 10)), (range(3, 6), slice(0, 10))]
+    if _rows_share_bits(standard, ids, 0, groups, do_sample=False, num_beams=3):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 10)  # each prompt once for its 3 beams
 
 
