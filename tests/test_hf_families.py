@@ -13,7 +13,7 @@ from hf_models import FAMILIES, build, cache_argument, config
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
-from prefixlab.errors import UnsupportedModelError
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
 from prefixlab.recurrent.families import SUPPORTED_CLASSES
 from prefixlab.recurrent.patch import patch
 
@@ -171,3 +171,33 @@ def test_direct_forwards_without_position_ids_run_at_the_sequences_positions(fam
         for column in range(second.shape[1], whole.shape[1]):  # continuation calls, one token each
             got = model(input_ids=whole[:, column:column + 1], past_key_values=cache).logits
             torch.testing.assert_close(got[:, -1], expected[:, column], rtol=0, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_a_split_direct_forward_returns_the_logits_of_every_token_it_ran(family):
+    """patch=False captures a planned state by splitting the prefill; a direct forward still returns logits for every
+    token after the reused prefix (not only the last segment's), equal to one uncached forward's."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        cache = HybridPrefixCache(store)
+        got = model(input_ids=second, past_key_values=cache).logits  # the branch point at 16 splits this prefill
+        expected = model(input_ids=second).logits
+    assert got.shape[1] == second.shape[1] - cache.reused_tokens
+    torch.testing.assert_close(got, expected[:, cache.reused_tokens:], rtol=0, atol=TOLERANCE)
+    with torch.no_grad():
+        kept = model(input_ids=second[:, :20], past_key_values=HybridPrefixCache(store), logits_to_keep=3).logits
+    torch.testing.assert_close(kept, expected[:, 17:20], rtol=0, atol=TOLERANCE)
+
+
+def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(InvalidInputError, match="labels"):
+        model(input_ids=prompt, labels=prompt, past_key_values=HybridPrefixCache(store))
+    assert store.stats()["requests"] == 0 and store.stats()["used_bytes"] == 0

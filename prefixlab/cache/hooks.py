@@ -67,6 +67,7 @@ class _ModelHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.cache_arg = "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
         self.owners: set[int] = set()
+        self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.handles = [
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
@@ -120,8 +121,16 @@ class _ModelHooks:
         if not cache.started:  # every row, before any row is looked up or a default store is created
             check_token_ids(kwargs["input_ids"], module)
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
+        if kwargs.get("labels") is not None:
+            raise InvalidInputError(
+                "HybridPrefixCache serves inference: the forward runs only the tokens after the reused prefix, so "
+                "labels cannot line up; compute the loss without the cache"
+            )
         if not cache.started:
-            kwargs = _start(module, cache, kwargs)
+            kwargs, segments = _start(module, cache, kwargs)
+            self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
+            if segments is not None:
+                self.segment_logits[cache] = segments
         elif "position_ids" in forward_parameters(module):
             kwargs = with_column_positions(kwargs, cache.get_seq_length())
         cache.record(kwargs["input_ids"])
@@ -131,10 +140,12 @@ class _ModelHooks:
         cache = self._cache(kwargs)
         if cache is None or not cache.started:
             return
+        segments = self.segment_logits.pop(cache, None)
         if output is None:  # the forward raised an Exception (the guard resets on the others)
             cache.forward_failed()
-        else:
-            cache.forward_done()
+            return None
+        cache.forward_done()
+        return _join_logits(output, segments) if segments is not None else None
 
 
 def _guarded(forward):
@@ -185,19 +196,42 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _start(module, cache: ModelDrivenCache, kwargs: dict) -> dict:
-    """Begin the request, run the prefill up to each planned capture split, return the last segment's kwargs."""
+def _start(module, cache: ModelDrivenCache, kwargs: dict) -> tuple[dict, tuple | None]:
+    """Begin the request, run the prefill up to each planned capture split; return the last segment's kwargs and,
+    when the caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
     length = kwargs["input_ids"].shape[1]
     start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
-    if "position_ids" in forward_parameters(module):  # the segments below run at their columns, not from 0
+    params = forward_parameters(module)
+    if "position_ids" in params:  # the segments below run at their columns, not from 0
         kwargs = with_column_positions(kwargs, 0)
-    for stop in cache.capture_splits(start, length):
+    splits = cache.capture_splits(start, length)
+    keep = kwargs.get("logits_to_keep", 0)
+    # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
+    collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
+    if collect and not isinstance(keep, int):
+        raise InvalidInputError("with HybridPrefixCache(store) on patch=False, logits_to_keep must be an int")
+    logits = []
+    for stop in splits:
         segment = _slice_inputs(kwargs, start, stop, length)
-        if "logits_to_keep" in forward_parameters(module):
-            segment["logits_to_keep"] = 1  # only the states matter here
-        module(**segment)
+        if "logits_to_keep" in params:
+            segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
+        output = module(**segment)
+        if collect:
+            logits.append(output.logits)
         start = stop
-    return _slice_inputs(kwargs, start, length, length)
+    last = _slice_inputs(kwargs, start, length, length)
+    if collect and "logits_to_keep" in params:
+        last["logits_to_keep"] = 0
+    return last, (logits, keep) if collect else None
+
+
+def _join_logits(output, segments: tuple):
+    """The output of a split prefill with the logits of every segment, cut to the caller's logits_to_keep."""
+    logits, keep = segments
+    if getattr(output, "logits", None) is not None:
+        joined = torch.cat([*logits, output.logits], dim=-2)
+        output.logits = joined[..., -keep:, :] if keep else joined
+    return output
 
 
 def forward_parameters(module: torch.nn.Module) -> frozenset[str]:
