@@ -65,6 +65,9 @@ def test_run_is_exact_in_input_order_and_resumes(capsys, files, reference, tmp_p
     assert [r["id"] for r in records] == list(reference)  # the prompt file's order
     assert {r["id"]: r["output_ids"] for r in records} == reference
     assert summary["reused_tokens"] == sum(r["reused_tokens"] for r in records) > 0
+    # every request has its reason; requests that reused tokens are hits (radix order primes every shared prefix)
+    assert sum(summary["reasons"].values()) == 12
+    assert summary["reasons"].get("hit", 0) == sum(r["reused_tokens"] > 0 for r in records) > 0
     assert summary["prompt_tokens"] == sum(len(p.tokens) for p in read_prompts(files / "prompts.jsonl"))
     before = out.read_bytes()
     code, summary, err = run(capsys, files, out)  # a rerun finds everything done and leaves OUT as it was

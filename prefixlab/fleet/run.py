@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from prefixlab.cache.explain import format_reasons
 from prefixlab.errors import InvalidInputError
 
 
@@ -136,6 +137,10 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
              ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens")}
     prefilled = [g["prefilled_tokens"] for g in per_process]
     mean = sum(prefilled) / max(len(prefilled), 1)
+    reasons = {}
+    for process in per_process:
+        for reason, count in process["reasons"].items():
+            reasons[reason] = reasons.get(reason, 0) + count
     return {
         "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
         "lost_ids": missing[:20], "routing": args.routing, "order": args.order,
@@ -147,7 +152,7 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
         "load_imbalance": max(prefilled) / mean if mean else 1.0,
         "seconds": seconds, "requests_per_second": total["requests"] / seconds if seconds else 0.0,
         "generated_tokens_per_second": total["generated_tokens"] / seconds if seconds else 0.0,
-        "per_process": per_process,
+        "reasons": reasons, "per_process": per_process,
     }
 
 
@@ -161,6 +166,7 @@ def format_summary(summary: dict, out: str) -> str:
         f"{summary['saved_tokens']} tokens ({summary['prefill_saved_rate']:.1f}%)",
         f"processes: {summary['processes']} ({summary['routing']} routing, {summary['order']} order), "
         f"load imbalance {summary['load_imbalance']:.3f} (max/mean prefilled tokens)",
+        f"why requests reused what they did: {format_reasons(summary['reasons'])}",
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "
         f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefixlab.errors import InvalidInputError
@@ -25,6 +25,7 @@ class ProcessStats:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     seconds: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)  # why each request reused what it did (cache/explain.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -65,8 +66,9 @@ def weights_digest(model) -> str:
     return digest.hexdigest()[:16]
 
 
-def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int]:
-    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused)."""
+def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int, str]:
+    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
+    cache.report() for that reuse)."""
     import torch
 
     from prefixlab.cache.hf import HybridPrefixCache
@@ -75,8 +77,8 @@ def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int]
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(model))
-    store.flush()  # admit now, so the next step can reuse this one
-    return out[0, input_ids.shape[1]:].tolist(), cache.reused_tokens
+    reason = cache.report().rows[0].reason  # report() admits now, so the next step can reuse this one
+    return out[0, input_ids.shape[1]:].tolist(), cache.reused_tokens, reason
 
 
 def generate_uncached(model, tokens, max_new_tokens: int) -> list[int]:
@@ -126,7 +128,8 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int, in
                 stats.prime_tokens += computed
                 stats.prefilled_tokens += computed
                 continue
-            output_ids, reused = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+            output_ids, reused, reason = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+            stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
             record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
                       "reused_tokens": reused, "process": process}
             if decode is not None:
