@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, naive_match, request, tiny_spec
+from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, tiny_spec
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
@@ -54,6 +54,33 @@ def test_vllm_states_every_block_and_supersedes_a_partial_last_block():
     assert _checkpoints(core) == [4, 6]
     request(core, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert _checkpoints(core) == [4, 8, 10]
+
+
+def _offer(core, tokens, positions):
+    """Admit `tokens` with exact payloads for the states at `positions` (no match: as load and offload do)."""
+    kv = lambda a, b: TokenKV(tuple(tokens[a:b]))  # noqa: E731
+    return core.admit(tokens, kv, {p: PrefixState(tuple(tokens[:p])) for p in positions})
+
+
+def test_vllm_keeps_a_partial_block_state_when_the_extension_is_cut():
+    # Room for one more state but not for the KV and state of the next block: only the state at 5 is stored, so
+    # nothing supersedes the old end state at 6 (it was dropped, and 5 with it, when the cut was not looked at).
+    core = _core("vllm+", capacity_bytes=24 + 3 * STATE_BYTES + 50)
+    request(core, [1, 2, 3, 4, 5, 6])
+    assert _offer(core, list(range(1, 21)), [5, 8, 12, 16, 20])
+    assert _checkpoints(core) == [4, 5, 6]
+    assert naive_match(core, [1, 2, 3, 4, 5, 6, 99]) == (6, 6)
+    core.check_invariants()
+
+
+def test_vllm_does_not_supersede_a_state_a_live_match_holds():
+    core = _core("vllm+")
+    request(core, [1, 2, 3, 4, 5, 6])
+    held = core.match([1, 2, 3, 4, 5, 6, 7])
+    request(core, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # would supersede the state at 6, which `held` locks
+    assert _checkpoints(core) == [4, 6, 8, 10] and naive_match(core, [1, 2, 3, 4, 5, 6, 99])[0] == 6
+    core.check_invariants()
+    core.release(held)
 
 
 def test_sglang_evicts_the_least_recently_used_leaf():

@@ -1,7 +1,8 @@
 """Admission policies: which recurrent-state checkpoints a request should capture and the cache keep.
 
 - `BlockAdmission` (vllm+): a state every `block_size` tokens and at the end of the sequence; when a later
-  sequence extends a partial last block, the old end state is superseded (vLLM+ fills the block in place).
+  sequence extends a partial last block, the old end state is superseded once the state that fills the block is
+  held (vLLM+ fills the block in place).
 - `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
   the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
 - `PlacedAdmission` (marconi+balanced|block|log): Marconi's positions plus checkpoints placed inside the part of
@@ -39,8 +40,9 @@ class MarconiAdmission:
     def observe(self, walk: Walk, reused_length: int) -> None:
         """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
-        """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted."""
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
+        """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted; states whose id() is in
+        `locked` are held by live matches and must stay."""
 
 
 class SGLangAdmission(MarconiAdmission):
@@ -62,13 +64,17 @@ class BlockAdmission(MarconiAdmission):
         positions = list(range(first, length + 1, self.block_size))
         return positions + [length] if length > reused and length % self.block_size else positions
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
-        node = deepest
-        while not node.is_root:
-            stale = [i for i, p in enumerate(node.ckpt_pos) if p < length and p % self.block_size]
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
+        # A state inside a block is superseded by the one where the sequence leaves that block (the block's end,
+        # or the sequence's end inside it), but only if that one is held: an entry cut to fit may not reach it.
+        path = deepest.ancestors()[:-1]
+        held = {p for node in path for p in node.ckpt_pos}
+        for node in path:
+            stale = [i for i, (p, state) in enumerate(zip(node.ckpt_pos, node.ckpt_state, strict=True))
+                     if p < length and p % self.block_size and id(state) not in locked
+                     and min(length, (p // self.block_size + 1) * self.block_size) in held]
             for i in reversed(stale):
                 tree.drop_checkpoints(node, i, i + 1)
-            node = node.parent
 
 
 class PlacedAdmission(MarconiAdmission):

@@ -213,6 +213,7 @@ class PrefixCacheCore:
             new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
+                self._compact(walk.path[-1])  # evicting its children may have left it a useless leaf
                 return Admission(0, 0, refused=True)
         admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
         deepest = walk.path[-1]
@@ -232,7 +233,11 @@ class PrefixCacheCore:
             self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
-        self.admission.after_admit(self.tree, deepest, len(tokens))
+        # states other live matches hold stay (the admitting request's own may be superseded by its extension)
+        locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
+        self.admission.after_admit(self.tree, deepest, len(tokens), locked)
+        # the walk's last node was locked while evicting: if that took its children, it may be useless now
+        self._compact(walk.path[-1])
         return admitted
 
     def release(self, match: Match) -> None:
