@@ -41,6 +41,17 @@ def test_kv_only_model_reuses_every_shared_token():
     core.check_invariants()
 
 
+def test_kv_only_model_keeps_no_states():
+    # the HF path offers a (0-byte) snapshot of a KV-only model's empty recurrent states; kept, they would pin
+    # nodes that should merge
+    core = _core(hybrid=False)
+    for tokens in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]):
+        core.admit(tokens, lambda a, b, t=tokens: TokenKV(tuple(t[a:b])), {3: PrefixState((1, 2, 3), nbytes=0)})
+    assert core.tree.num_checkpoints == 0 and core.stats()["nodes"] == 2  # the root and one merged edge
+    assert naive_match(core, [1, 2, 3, 4, 5, 9]) == (5, 5)
+    core.check_invariants()
+
+
 def test_hybrid_kv_alone_is_not_reusable():
     core = _core()
     request(core, [1, 2, 3, 4, 5])

@@ -218,7 +218,7 @@ class CoreMachine(RuleBasedStateMachine):
 
         shared = before.shared(namespace, tokens)
         keep_end = (positions[-1] if positions else 0) if self.hybrid else len(tokens)
-        new = [p for p in positions if (namespace, tokens[:p]) not in before.checkpoints]
+        new = [p for p in positions if (namespace, tokens[:p]) not in before.checkpoints] if self.hybrid else []
         entry_bytes = max(0, keep_end - shared) * KV_BYTES_PER_TOKEN + len(new) * STATE_BYTES
         # vllm+ supersedes a state inside a block once a longer sequence goes through it
         superseded = {(namespace, tokens[:p]) for p in range(len(tokens)) if p % BLOCK} if self.policy == "vllm+" \
@@ -301,7 +301,7 @@ class CoreMachine(RuleBasedStateMachine):
         """A path and its states offered directly (what load and the offload tier do)."""
         tokens = self._tokens(*prompt)
         if tokens:
-            positions = [len(tokens)] + [1 + c % len(tokens) for c in cuts] if self.hybrid else []
+            positions = [len(tokens)] + [1 + c % len(tokens) for c in cuts]  # a KV-only model must ignore them
             self._admit(namespace, tokens, positions)
 
     @precondition(lambda self: self.sized)
@@ -377,6 +377,7 @@ class CoreMachine(RuleBasedStateMachine):
         # exact bytes, recomputed from the tree and the spec
         assert core.tree.kv_bytes == now.kv_tokens * KV_BYTES_PER_TOKEN
         assert core.tree.state_bytes == len(now.checkpoints) * STATE_BYTES == core.tree.num_checkpoints * STATE_BYTES
+        assert self.hybrid or not now.checkpoints, "a KV-only model holds states"
         # nothing that was never offered (in that namespace) appears
         assert now.checkpoints <= self.offered, f"never offered: {now.checkpoints - self.offered}"
         for namespace, leaves in now.leaves.items():

@@ -177,7 +177,8 @@ class PrefixCacheCore:
     ) -> Admission:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
-        last kept checkpoint is useless and not stored. Returns what was stored (falsy if no part of it fits)."""
+        last kept checkpoint is useless and not stored; a KV-only model stores no states. Returns what was stored
+        (falsy if no part of it fits)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -202,7 +203,9 @@ class PrefixCacheCore:
         new_kv = kv(shared, keep_end) if keep_end > shared else None
         if new_kv is not None and getattr(new_kv, "ntokens", None) != keep_end - shared:
             raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
-        new_states = sorted((p, s) for p, s in states.items() if p > shared or not walk.has_checkpoint(p))
+        # a KV-only model's matches never use a state: keeping one would only cost a node its compaction
+        new_states = sorted((p, s) for p, s in states.items()
+                            if p > shared or not walk.has_checkpoint(p)) if self.hybrid else []
 
         if self.bootstrap is not None:
             self._record(tokens, match)
