@@ -136,6 +136,15 @@ def content(core: PrefixCacheCore, sized: bool) -> Content:
     return Content({ns: sorted(paths) for ns, paths in leaves.items()}, checkpoints, kv_tokens)
 
 
+def superseded(policy: str, namespace: str, tokens: bytes, after: Content) -> set[tuple[str, bytes]]:
+    """What admitting `tokens` may drop without evicting: vllm+ supersedes a state inside a block once the state
+    where the sequence leaves that block is held."""
+    if policy != "vllm+":
+        return set()
+    return {(namespace, tokens[:p]) for p in range(len(tokens)) if p % BLOCK
+            and (namespace, tokens[:min(len(tokens), (p // BLOCK + 1) * BLOCK)]) in after.checkpoints}
+
+
 def trie_size(prefixes: set[tuple[str, bytes]]) -> int:
     """Tokens in the radix tree of these (namespace, prefix) paths: each shared token counted once."""
     total, previous = 0, (None, b"")
@@ -220,11 +229,9 @@ class CoreMachine(RuleBasedStateMachine):
         keep_end = (positions[-1] if positions else 0) if self.hybrid else len(tokens)
         new = [p for p in positions if (namespace, tokens[:p]) not in before.checkpoints] if self.hybrid else []
         entry_bytes = max(0, keep_end - shared) * KV_BYTES_PER_TOKEN + len(new) * STATE_BYTES
-        # vllm+ supersedes a state inside a block once a longer sequence goes through it
-        superseded = {(namespace, tokens[:p]) for p in range(len(tokens)) if p % BLOCK} if self.policy == "vllm+" \
-            else set()
+        dropped = superseded(self.policy, namespace, tokens, after)
         present = [p for p in new if (namespace, tokens[:p]) in after.checkpoints]
-        missing = [p for p in new if p not in present and (namespace, tokens[:p]) not in superseded]
+        missing = [p for p in new if p not in present and (namespace, tokens[:p]) not in dropped]
         assert all(p > max(present, default=0) for p in missing), f"stored {present} of {new}: not a prefix"
         stored_any = present or after.shared(namespace, tokens) > shared
         assert admitted or not stored_any, "admit returned False but stored part of the entry"
@@ -233,7 +240,7 @@ class CoreMachine(RuleBasedStateMachine):
         if entry_bytes <= self.capacity - used:  # it fits without evicting: all of it is there
             assert not missing, f"an entry of {entry_bytes} bytes fitting in {self.capacity - used} was cut"
             assert after.holds_path(namespace, tokens[:keep_end]) and self.core.evictions == evictions
-        self.may_vanish = superseded
+        self.may_vanish = dropped
 
     def _release(self, match) -> None:
         OPERATIONS["count"] += 1
@@ -262,8 +269,8 @@ class CoreMachine(RuleBasedStateMachine):
         self._admit(namespace, tokens, self._plan(match, tokens), match)
         if hold:  # vllm+: the request's own extension may supersede the partial-block state it reused
             state = (namespace, prompt[: match.length])
-            superseded = state in self.may_vanish and state not in content(self.core, self.sized).checkpoints
-            self.held.append((match, namespace, prompt, superseded))
+            gone = state in self.may_vanish and state not in content(self.core, self.sized).checkpoints
+            self.held.append((match, namespace, prompt, gone))
         else:
             self._release(match)
 
@@ -319,8 +326,7 @@ class CoreMachine(RuleBasedStateMachine):
         # the states it offered are the policy's plan: record them as offered (the reference's superset)
         self.reference.append((namespace, tokens, frozenset(range(1, len(tokens) + 1))))
         self.offered.update((namespace, tokens[:p]) for p in range(1, len(tokens) + 1))
-        self.may_vanish = {(namespace, tokens[:p]) for p in range(len(tokens)) if p % BLOCK} \
-            if self.policy == "vllm+" else set()
+        self.may_vanish = superseded(self.policy, namespace, tokens, content(self.core, self.sized))
 
     @precondition(lambda self: not self.held and not self.pending)
     @rule(namespace=st.sampled_from(NAMESPACES), prompt=prompts, keep_twin=st.booleans())
@@ -352,12 +358,11 @@ class CoreMachine(RuleBasedStateMachine):
                 assert fresh.admit(np.frombuffer(leaf, dtype=np.uint8), kv, states, namespace=namespace)
         restored = content(fresh, self.sized)
         lost = held.checkpoints - restored.checkpoints
-        if self.policy == "vllm+":
-            # Known loss: a state inside a block, held because a shorter sequence ended there after a longer one
-            # went through it, is superseded again when the longer path is re-admitted with it.
-            lost = {(ns, p) for ns, p in lost if not len(p) % BLOCK or not any(
-                leaf.startswith(p) and (ns, leaf[:min(len(leaf), (len(p) // BLOCK + 1) * BLOCK)]) in held.checkpoints
-                for leaf in held.leaves[ns])}
+        # Known loss (vllm+): a state inside a block, held because a shorter sequence ended there after a longer one
+        # went through it, is superseded again when the longer path is re-admitted with it.
+        for namespace, leaves in held.leaves.items():
+            for leaf in leaves:
+                lost -= superseded(self.policy, namespace, leaf, restored)
         assert not lost and restored.checkpoints <= held.checkpoints, "re-admitting every path lost or added states"
         if self.hybrid:  # KV after a leaf's last checkpoint is not re-admitted (it is never reusable)
             assert restored.kv_tokens == trie_size(restored.checkpoints) <= held.kv_tokens
@@ -385,9 +390,9 @@ class CoreMachine(RuleBasedStateMachine):
                 assert any(ns == namespace and tokens.startswith(leaf) for ns, tokens, _ in self.reference), (
                     f"{leaf!r} held in {namespace!r} but never admitted there")
         # locked entries stay: every live match's state and KV are still held
-        for match, namespace, prompt, superseded in self.held + [(m, ns, t, False) for m, ns, t, _ in self.pending]:
+        for match, namespace, prompt, gone in self.held + [(m, ns, t, False) for m, ns, t, _ in self.pending]:
             assert now.holds_path(namespace, prompt[: match.length]), "a locked match's KV was evicted"
-            assert not self.hybrid or not match.length or superseded or (
+            assert not self.hybrid or not match.length or gone or (
                 (namespace, prompt[: match.length]) in now.checkpoints), "a locked match's state was evicted"
         # without an eviction nothing disappears (bar what the step's admission superseded)
         if core.evictions == self.evictions:
