@@ -360,9 +360,9 @@ class CoreMachine(RuleBasedStateMachine):
         lost = held.checkpoints - restored.checkpoints
         # Known loss (vllm+): a state inside a block, held because a shorter sequence ended there after a longer one
         # went through it, is superseded again when the longer path is re-admitted with it.
-        for namespace, leaves in held.leaves.items():
-            for leaf in leaves:
-                lost -= superseded(self.policy, namespace, leaf, restored)
+        self.may_vanish = {state for namespace, leaves in held.leaves.items() for leaf in leaves
+                           for state in superseded(self.policy, namespace, leaf, restored)}
+        lost -= self.may_vanish
         assert not lost and restored.checkpoints <= held.checkpoints, "re-admitting every path lost or added states"
         if self.hybrid:  # KV after a leaf's last checkpoint is not re-admitted (it is never reusable)
             assert restored.kv_tokens == trie_size(restored.checkpoints) <= held.kv_tokens
