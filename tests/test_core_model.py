@@ -138,11 +138,12 @@ def content(core: PrefixCacheCore, sized: bool) -> Content:
 
 def superseded(policy: str, namespace: str, tokens: bytes, after: Content) -> set[tuple[str, bytes]]:
     """What admitting `tokens` may drop without evicting: vllm+ supersedes a state inside a block once the state
-    where the sequence leaves that block is held."""
+    where the sequence's held part (`after` holds its first `length` tokens) leaves that block is held."""
     if policy != "vllm+":
         return set()
-    return {(namespace, tokens[:p]) for p in range(len(tokens)) if p % BLOCK
-            and (namespace, tokens[:min(len(tokens), (p // BLOCK + 1) * BLOCK)]) in after.checkpoints}
+    length = after.shared(namespace, tokens)
+    return {(namespace, tokens[:p]) for p in range(length) if p % BLOCK
+            and (namespace, tokens[:min(length, (p // BLOCK + 1) * BLOCK)]) in after.checkpoints}
 
 
 def trie_size(prefixes: set[tuple[str, bytes]]) -> int:

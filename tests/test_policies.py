@@ -63,13 +63,24 @@ def _offer(core, tokens, positions):
 
 
 def test_vllm_keeps_a_partial_block_state_when_the_extension_is_cut():
-    # Room for one more state but not for the KV and state of the next block: only the state at 5 is stored, so
-    # nothing supersedes the old end state at 6 (it was dropped, and 5 with it, when the cut was not looked at).
+    # Room for one more state but not for the KV and state of the next block: the entry is cut to its state at 5,
+    # so nothing fills the block past the old end state at 6, which stays (it went, and 5 with it, when the cut was
+    # not looked at); 5 is superseded by 6, the deepest state of the block on its path.
     core = _core("vllm+", capacity_bytes=24 + 3 * STATE_BYTES + 50)
     request(core, [1, 2, 3, 4, 5, 6])
     assert _offer(core, list(range(1, 21)), [5, 8, 12, 16, 20])
-    assert _checkpoints(core) == [4, 5, 6]
+    assert _checkpoints(core) == [4, 6]
     assert naive_match(core, [1, 2, 3, 4, 5, 6, 99]) == (6, 6)
+    core.check_invariants()
+
+
+def test_vllm_supersedes_only_on_the_admitted_sequences_own_path():
+    # [1, 9, ...] leaves [1, 2, 3, 4] after one token and is cut to its state at 1: the state at 4 on the same edge
+    # belongs to the other sequence and supersedes nothing of this one
+    core = _core("vllm+", capacity_bytes=16 + 2 * STATE_BYTES + 50)
+    request(core, [1, 2, 3, 4])
+    assert _offer(core, [1, 9, 9, 9, 9, 9], [1, 6])
+    assert _checkpoints(core) == [1, 4] and naive_match(core, [1, 9])[0] == 1
     core.check_invariants()
 
 

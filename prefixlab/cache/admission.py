@@ -41,8 +41,8 @@ class MarconiAdmission:
         """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
-        """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted; states whose id() is in
-        `locked` are held by live matches and must stay."""
+        """Housekeeping once a sequence was admitted: the tree holds its first `length` tokens, the last of them on
+        `deepest`'s edge; states whose id() is in `locked` are held by live matches and must stay."""
 
 
 class SGLangAdmission(MarconiAdmission):
@@ -68,7 +68,7 @@ class BlockAdmission(MarconiAdmission):
         # A state inside a block is superseded by the one where the sequence leaves that block (the block's end,
         # or the sequence's end inside it), but only if that one is held: an entry cut to fit may not reach it.
         path = deepest.ancestors()[:-1]
-        held = {p for node in path for p in node.ckpt_pos}
+        held = {p for node in path for p in node.ckpt_pos if p <= length}  # on this sequence's path
         for node in path:
             stale = [i for i, (p, state) in enumerate(zip(node.ckpt_pos, node.ckpt_state, strict=True))
                      if p < length and p % self.block_size and id(state) not in locked

@@ -238,7 +238,10 @@ class PrefixCacheCore:
             self._refresh(deepest.ancestors())
         # states other live matches hold stay (the admitting request's own may be superseded by its extension)
         locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
-        self.admission.after_admit(self.tree, deepest, len(tokens), locked)
+        # the sequence's first `held` tokens are in the tree now (past `shared` only if its KV was stored): the
+        # policy's housekeeping must not reach into another sequence's part of `deepest`'s edge
+        held = keep_end if new_kv is not None else shared
+        self.admission.after_admit(self.tree, deepest, held, locked)
         # the walk's last node was locked while evicting: if that took its children, it may be useless now
         self._compact(walk.path[-1])
         return admitted
