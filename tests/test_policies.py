@@ -84,6 +84,21 @@ def test_vllm_supersedes_only_on_the_admitted_sequences_own_path():
     core.check_invariants()
 
 
+def test_vllm_restore_keeps_a_partial_block_state_inside_a_longer_path():
+    # [1..6] served after [1..8] keeps its end state at 6 inside the longer path; re-admitting that path as load and
+    # the offload tier do (restore=True) must keep it, a new request through it would supersede it
+    core = _core("vllm+")
+    request(core, list(range(1, 9)))
+    request(core, list(range(1, 7)))
+    assert _checkpoints(core) == [4, 6, 8]
+    path = list(range(1, 9))
+    for restore, kept in ((True, [4, 6, 8]), (False, [4, 8])):
+        fresh = _core("vllm+")
+        fresh.admit(path, lambda a, b: TokenKV(tuple(path[a:b])), {p: PrefixState(tuple(path[:p])) for p in (4, 6, 8)},
+                    restore=restore)
+        assert _checkpoints(fresh) == kept
+
+
 def test_vllm_does_not_supersede_a_state_a_live_match_holds():
     core = _core("vllm+")
     request(core, [1, 2, 3, 4, 5, 6])

@@ -1,7 +1,7 @@
 """Admission policies: which recurrent-state checkpoints a request should capture and the cache keep.
 
 - `BlockAdmission` (vllm+): a state every `block_size` tokens and at the end of the sequence; when a later
-  sequence extends a partial last block, the old end state is superseded once the state that fills the block is
+  sequence extends a partial last block, the old end state is superseded once a deeper state of that sequence is
   held (vLLM+ fills the block in place).
 - `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
   the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
@@ -65,14 +65,13 @@ class BlockAdmission(MarconiAdmission):
         return positions + [length] if length > reused and length % self.block_size else positions
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
-        # A state inside a block is superseded by the one where the sequence leaves that block (the block's end,
-        # or the sequence's end inside it), but only if that one is held: an entry cut to fit may not reach it.
+        # A state inside a block is superseded once the sequence goes on past it with a deeper state held on its own
+        # path: an entry cut to fit (or stored without its extension) supersedes nothing it did not store.
         path = deepest.ancestors()[:-1]
-        held = {p for node in path for p in node.ckpt_pos if p <= length}  # on this sequence's path
+        deepest_held = max((p for node in path for p in node.ckpt_pos if p <= length), default=0)
         for node in path:
             stale = [i for i, (p, state) in enumerate(zip(node.ckpt_pos, node.ckpt_state, strict=True))
-                     if p < length and p % self.block_size and id(state) not in locked
-                     and min(length, (p // self.block_size + 1) * self.block_size) in held]
+                     if p < deepest_held and p % self.block_size and id(state) not in locked]
             for i in reversed(stale):
                 tree.drop_checkpoints(node, i, i + 1)
 

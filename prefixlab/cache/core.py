@@ -174,11 +174,14 @@ class PrefixCacheCore:
         states: Mapping[int, Payload] | None = None,
         match: Match | None = None,
         namespace: str = "default",
+        *,
+        restore: bool = False,
     ) -> Admission:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
         last kept checkpoint is useless and not stored; a KV-only model stores no states. Returns what was stored
-        (falsy if no part of it fits)."""
+        (falsy if no part of it fits). `restore=True` (a saved or moved entry: load, the offload tier) stores the
+        states as they are, without the policy's housekeeping for a new sequence (vllm+ superseding)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -193,10 +196,10 @@ class PrefixCacheCore:
             if namespace not in ("default", match.namespace):
                 raise InvalidInputError(f"namespace={namespace!r} differs from the match's {match.namespace!r}")
         walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
-        return self._admit(tokens, walk, kv, states, match)
+        return self._admit(tokens, walk, kv, states, match, restore)
 
     def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
-               states: dict[int, Payload], match: Match | None) -> Admission:
+               states: dict[int, Payload], match: Match | None, restore: bool = False) -> Admission:
         """`admit` of validated arguments, `walk` being `tokens`' walk of the current tree (the replay path)."""
         shared = walk.shared_length
         keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
@@ -241,7 +244,8 @@ class PrefixCacheCore:
         # the sequence's first `held` tokens are in the tree now (past `shared` only if its KV was stored): the
         # policy's housekeeping must not reach into another sequence's part of `deepest`'s edge
         held = keep_end if new_kv is not None else shared
-        self.admission.after_admit(self.tree, deepest, held, locked)
+        if not restore:
+            self.admission.after_admit(self.tree, deepest, held, locked)
         # the walk's last node was locked while evicting: if that took its children, it may be useless now
         self._compact(walk.path[-1])
         return admitted
