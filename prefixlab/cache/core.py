@@ -206,8 +206,7 @@ class PrefixCacheCore:
         new_kv = kv(shared, keep_end) if keep_end > shared else None
         if new_kv is not None and getattr(new_kv, "ntokens", None) != keep_end - shared:
             raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
-        # a KV-only model's matches never use a state: keeping one would only cost a node its compaction
-        new_states = sorted((p, s) for p, s in states.items()
+        new_states = sorted((p, s) for p, s in states.items()  # a KV-only model's matches never use a state
                             if p > shared or not walk.has_checkpoint(p)) if self.hybrid else []
 
         if self.bootstrap is not None:
@@ -239,15 +238,11 @@ class PrefixCacheCore:
             self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
-        # states other live matches hold stay (the admitting request's own may be superseded by its extension)
-        locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
-        # the sequence's first `held` tokens are in the tree now (past `shared` only if its KV was stored): the
-        # policy's housekeeping must not reach into another sequence's part of `deepest`'s edge
-        held = keep_end if new_kv is not None else shared
-        if not restore:
+        if not restore:  # the tree holds the sequence up to `held` only; other live matches' states stay
+            locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
+            held = keep_end if new_kv is not None else shared
             self.admission.after_admit(self.tree, deepest, held, locked)
-        # the walk's last node was locked while evicting: if that took its children, it may be useless now
-        self._compact(walk.path[-1])
+        self._compact(walk.path[-1])  # locked while evicting: its children may have gone, and its use with them
         return admitted
 
     def release(self, match: Match) -> None:
