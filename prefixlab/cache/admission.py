@@ -40,9 +40,11 @@ class MarconiAdmission:
     def observe(self, walk: Walk, reused_length: int) -> None:
         """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
+                    restore: bool = False) -> None:
         """Housekeeping once a sequence was admitted: the tree holds its first `length` tokens, the last of them on
-        `deepest`'s edge; states whose id() is in `locked` are held by live matches and must stay."""
+        `deepest`'s edge; states whose id() is in `locked` are held by live matches and must stay; `restore`: a
+        saved or moved entry, not a new sequence (it supersedes nothing)."""
 
 
 class SGLangAdmission(MarconiAdmission):
@@ -64,7 +66,10 @@ class BlockAdmission(MarconiAdmission):
         positions = list(range(first, length + 1, self.block_size))
         return positions + [length] if length > reused and length % self.block_size else positions
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset()) -> None:
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
+                    restore: bool = False) -> None:
+        if restore:
+            return
         # A state inside a block is superseded once the sequence goes on past it with a deeper state held on its own
         # path: an entry cut to fit (or stored without its extension) supersedes nothing it did not store.
         path = deepest.ancestors()[:-1]

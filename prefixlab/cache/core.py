@@ -181,7 +181,7 @@ class PrefixCacheCore:
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
         last kept checkpoint is useless and not stored; a KV-only model stores no states. Returns what was stored
         (falsy if no part of it fits). `restore=True` (a saved or moved entry: load, the offload tier) stores the
-        states as they are, without the policy's housekeeping for a new sequence (vllm+ superseding)."""
+        states as they are: nothing is superseded as for a new sequence (vllm+)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -238,10 +238,10 @@ class PrefixCacheCore:
             self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
-        if not restore:  # the tree holds the sequence up to `held` only; other live matches' states stay
-            locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
-            held = keep_end if new_kv is not None else shared
-            self.admission.after_admit(self.tree, deepest, held, locked)
+        # the tree holds the sequence up to `held` only; states other live matches hold stay
+        locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
+        held = keep_end if new_kv is not None else shared
+        self.admission.after_admit(self.tree, deepest, held, locked, restore)
         self._compact(walk.path[-1])  # locked while evicting: its children may have gone, and its use with them
         return admitted
 
@@ -300,7 +300,8 @@ class PrefixCacheCore:
                     self.evicted.record(victim.namespace, path_tokens(victim), [*victim.ckpt_pos, victim.end])
                 self.eviction.free(victim, self.used_bytes + needed - self.capacity_bytes)
                 self.evictions += 1
-                self._compact(parent)
+                # a victim that stays (trimmed, thinned) may be useless now; a removed one may leave its parent so
+                self._compact(victim if parent.children.get(int(victim.tokens[0])) is victim else parent)
             return True
         finally:
             self.tree.lock(keep, -1)
