@@ -70,24 +70,17 @@ class Traffic:
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(3, self.vocab) for _ in range(n)]  # no pad / bos / eos ids
 
-    def prompt(self, question_length: int | None = None) -> list[int]:
+    def prompt(self) -> list[int]:
         kind = self.rng.choice(["question", "question", "question", "follow-up", "follow-up", "unrelated"])
-        if question_length is not None or kind == "question" or (kind == "follow-up" and not self.history):
-            return self.rng.choice(self.systems) + self.tokens(question_length or self.rng.randint(2, 8))
+        if kind == "question" or (kind == "follow-up" and not self.history):
+            return self.rng.choice(self.systems) + self.tokens(self.rng.randint(2, 8))
         if kind == "follow-up":
             return self.rng.choice(self.history[-6:]) + self.tokens(self.rng.randint(1, 5))
         return self.tokens(self.rng.randint(3, 12))
 
-    def batch(self, padded: bool) -> list[list[int]]:
-        rows = self.rng.randint(1, 3)
-        if padded:
-            return [self.prompt() for _ in range(rows)]
-        # TODO(issue 8, patch=False + left padding): widen to padded batches once that fix lands; until then an
-        # unpatched store gets one row, or rows of equal length (questions of one length: no pads).
-        if rows == 1:
-            return [self.prompt()]
-        length = self.rng.randint(2, 8)
-        return [self.prompt(question_length=length) for _ in range(rows)]
+    def batch(self) -> list[list[int]]:
+        """1-3 prompts, left-padded together (patched and unpatched stores alike)."""
+        return [self.prompt() for _ in range(self.rng.randint(1, 3))]
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +110,7 @@ def test_random_stream_is_exact(family, policy, capacity, patch):
     reused = []
     try:
         for request in range(REQUESTS):
-            rows = traffic.batch(padded=patch or not store.layout.state_layers)
+            rows = traffic.batch()
             ids, mask = left_pad(rows)
             cache = HybridPrefixCache(store)
             served, expected = generate(model, ids, mask, cache), generate(reference, ids, mask)
