@@ -2,7 +2,16 @@
 
 import numpy as np
 import pytest
-from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, snapshot, tiny_spec
+from prefix_helpers import (
+    KV_BYTES_PER_TOKEN,
+    STATE_BYTES,
+    PrefixState,
+    TokenKV,
+    naive_match,
+    request,
+    snapshot,
+    tiny_spec,
+)
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
@@ -32,6 +41,17 @@ def test_kv_only_model_reuses_every_shared_token():
     core.check_invariants()
 
 
+def test_kv_only_model_keeps_no_states():
+    # the HF path offers a (0-byte) snapshot of a KV-only model's empty recurrent states; kept, they would pin
+    # nodes that should merge
+    core = _core(hybrid=False)
+    for tokens in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6]):
+        core.admit(tokens, lambda a, b, t=tokens: TokenKV(tuple(t[a:b])), {3: PrefixState((1, 2, 3), nbytes=0)})
+    assert core.tree.num_checkpoints == 0 and core.stats()["nodes"] == 2  # the root and one merged edge
+    assert naive_match(core, [1, 2, 3, 4, 5, 9]) == (5, 5)
+    core.check_invariants()
+
+
 def test_hybrid_kv_alone_is_not_reusable():
     core = _core()
     request(core, [1, 2, 3, 4, 5])
@@ -57,6 +77,17 @@ def test_entry_too_big_is_cut_to_the_prefix_that_fits():
     request(core, list(range(1, 13)))  # states at 4, 8, 12: only two fit with 8 tokens of KV
     assert core.used_bytes == 2 * STATE_BYTES + 4 * 8
     assert naive_match(core, list(range(1, 13))) == (8, 8)
+    core.check_invariants()
+
+
+def test_evicting_every_child_of_the_admitted_path_leaves_no_useless_kv():
+    # [5, 6] holds no state, only the two branches below it; admitting [5, 9, 9] under pressure evicts both
+    # branches while [5, 6] is protected as the admission's path, and its KV, reusable by nothing, must go too.
+    core = _core(capacity_bytes=2 * STATE_BYTES + 17, policy="sglang+")  # both branches, not a third
+    for tokens in ([5, 6, 1], [5, 6, 2], [5, 9, 9]):
+        assert core.admit(tokens, lambda a, b, t=tokens: TokenKV(tuple(t[a:b])), {3: PrefixState(tuple(tokens))})
+    assert [(n.start, n.end, n.ckpt_pos) for n in core.tree.nodes() if not n.is_root] == [(0, 3, [3])]
+    assert core.used_bytes == 3 * KV_BYTES_PER_TOKEN + STATE_BYTES
     core.check_invariants()
 
 

@@ -96,6 +96,25 @@ def test_round_trip_restores_both_tiers_bit_for_bit_and_stays_exact(saved):
     loaded.close()
 
 
+def test_vllm_round_trip_keeps_a_partial_block_state_inside_a_longer_path(tmp_path):
+    # the second, shorter request of the same prompt ends inside a block of the first one's path; load re-admits
+    # that path whole, and must not let its deeper states supersede the shorter one's end state
+    model = build(FAMILY)
+    store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
+    prompt = PROMPTS[0][:, :10]
+    generate(model, prompt, store)  # prompt + 3 outputs: states at 4, 8, 12, 13
+    model.generate(prompt, past_key_values=HybridPrefixCache(store), max_new_tokens=1, do_sample=False,
+                   pad_token_id=0)  # the prompt alone: its end state at 10, inside the block [8, 12)
+    store.flush()
+    checkpoints = sorted(p for node in store.core.tree.nodes() for p in node.ckpt_pos)
+    assert 10 in checkpoints
+    store.save(tmp_path / "store.safetensors")
+    store.close()
+    loaded = PrefixStore.load(tmp_path / "store.safetensors", model)
+    assert sorted(p for node in loaded.core.tree.nodes() for p in node.ckpt_pos) == checkpoints
+    loaded.close()
+
+
 def test_host_entries_go_to_the_device_tier_of_a_store_without_one(saved):
     model, path, _, tiers = saved
     loaded = PrefixStore.load(path, model, capacity="1MB", offload_capacity=None)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, naive_match, request, tiny_spec
+from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, tiny_spec
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
@@ -54,6 +54,59 @@ def test_vllm_states_every_block_and_supersedes_a_partial_last_block():
     assert _checkpoints(core) == [4, 6]
     request(core, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
     assert _checkpoints(core) == [4, 8, 10]
+
+
+def _offer(core, tokens, positions):
+    """Admit `tokens` with exact payloads for the states at `positions` (no match: as load and offload do)."""
+    kv = lambda a, b: TokenKV(tuple(tokens[a:b]))  # noqa: E731
+    return core.admit(tokens, kv, {p: PrefixState(tuple(tokens[:p])) for p in positions})
+
+
+def test_vllm_keeps_a_partial_block_state_when_the_extension_is_cut():
+    # Room for one more state but not for the KV and state of the next block: the entry is cut to its state at 5,
+    # so nothing fills the block past the old end state at 6, which stays (it went, and 5 with it, when the cut was
+    # not looked at); 5 is superseded by 6, the deepest state of the block on its path.
+    core = _core("vllm+", capacity_bytes=24 + 3 * STATE_BYTES + 50)
+    request(core, [1, 2, 3, 4, 5, 6])
+    assert _offer(core, list(range(1, 21)), [5, 8, 12, 16, 20])
+    assert _checkpoints(core) == [4, 6]
+    assert naive_match(core, [1, 2, 3, 4, 5, 6, 99]) == (6, 6)
+    core.check_invariants()
+
+
+def test_vllm_supersedes_only_on_the_admitted_sequences_own_path():
+    # [1, 9, ...] leaves [1, 2, 3, 4] after one token and is cut to its state at 1: the state at 4 on the same edge
+    # belongs to the other sequence and supersedes nothing of this one
+    core = _core("vllm+", capacity_bytes=16 + 2 * STATE_BYTES + 50)
+    request(core, [1, 2, 3, 4])
+    assert _offer(core, [1, 9, 9, 9, 9, 9], [1, 6])
+    assert _checkpoints(core) == [1, 4] and naive_match(core, [1, 9])[0] == 1
+    core.check_invariants()
+
+
+def test_vllm_restore_keeps_a_partial_block_state_inside_a_longer_path():
+    # [1..6] served after [1..8] keeps its end state at 6 inside the longer path; re-admitting that path as load and
+    # the offload tier do (restore=True) must keep it, a new request through it would supersede it
+    core = _core("vllm+")
+    request(core, list(range(1, 9)))
+    request(core, list(range(1, 7)))
+    assert _checkpoints(core) == [4, 6, 8]
+    path = list(range(1, 9))
+    for restore, kept in ((True, [4, 6, 8]), (False, [4, 8])):
+        fresh = _core("vllm+")
+        fresh.admit(path, lambda a, b: TokenKV(tuple(path[a:b])), {p: PrefixState(tuple(path[:p])) for p in (4, 6, 8)},
+                    restore=restore)
+        assert _checkpoints(fresh) == kept
+
+
+def test_vllm_does_not_supersede_a_state_a_live_match_holds():
+    core = _core("vllm+")
+    request(core, [1, 2, 3, 4, 5, 6])
+    held = core.match([1, 2, 3, 4, 5, 6, 7])
+    request(core, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])  # would supersede the state at 6, which `held` locks
+    assert _checkpoints(core) == [4, 6, 8, 10] and naive_match(core, [1, 2, 3, 4, 5, 6, 99])[0] == 6
+    core.check_invariants()
+    core.release(held)
 
 
 def test_sglang_evicts_the_least_recently_used_leaf():

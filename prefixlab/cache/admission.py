@@ -1,7 +1,8 @@
 """Admission policies: which recurrent-state checkpoints a request should capture and the cache keep.
 
 - `BlockAdmission` (vllm+): a state every `block_size` tokens and at the end of the sequence; when a later
-  sequence extends a partial last block, the old end state is superseded (vLLM+ fills the block in place).
+  sequence extends a partial last block, the old end state is superseded once a deeper state of that sequence is
+  held (vLLM+ fills the block in place).
 - `MarconiAdmission` (sglang+, marconi): the state after the last token, plus the state at the branch point when
   the speculative insertion of the sequence would split an existing edge (Marconi section 4.1).
 - `PlacedAdmission` (marconi+balanced|block|log): Marconi's positions plus checkpoints placed inside the part of
@@ -39,8 +40,11 @@ class MarconiAdmission:
     def observe(self, walk: Walk, reused_length: int) -> None:
         """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
-        """Housekeeping once a sequence of `length` tokens ending at `deepest` was admitted."""
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
+                    restore: bool = False) -> None:
+        """Housekeeping once a sequence was admitted: the tree holds its first `length` tokens, the last of them on
+        `deepest`'s edge; states whose id() is in `locked` are held by live matches and must stay; `restore`: a
+        saved or moved entry, not a new sequence (it supersedes nothing)."""
 
 
 class SGLangAdmission(MarconiAdmission):
@@ -62,13 +66,19 @@ class BlockAdmission(MarconiAdmission):
         positions = list(range(first, length + 1, self.block_size))
         return positions + [length] if length > reused and length % self.block_size else positions
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
-        node = deepest
-        while not node.is_root:
-            stale = [i for i, p in enumerate(node.ckpt_pos) if p < length and p % self.block_size]
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
+                    restore: bool = False) -> None:
+        if restore:
+            return
+        # A state inside a block is superseded once the sequence goes on past it with a deeper state held on its own
+        # path: an entry cut to fit (or stored without its extension) supersedes nothing it did not store.
+        path = deepest.ancestors()[:-1]
+        deepest_held = max((p for node in path for p in node.ckpt_pos if p <= length), default=0)
+        for node in path:
+            stale = [i for i, (p, state) in enumerate(zip(node.ckpt_pos, node.ckpt_state, strict=True))
+                     if p < deepest_held and p % self.block_size and id(state) not in locked]
             for i in reversed(stale):
                 tree.drop_checkpoints(node, i, i + 1)
-            node = node.parent
 
 
 class PlacedAdmission(MarconiAdmission):

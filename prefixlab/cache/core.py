@@ -174,10 +174,14 @@ class PrefixCacheCore:
         states: Mapping[int, Payload] | None = None,
         match: Match | None = None,
         namespace: str = "default",
+        *,
+        restore: bool = False,
     ) -> Admission:
         """Store `tokens` (input + output) with KV from `kv(a, b)` (tokens[a:b]) for the part the cache lacks and
         the captured `states` {position: payload}; evicts unlocked entries to fit. For a hybrid model KV past the
-        last kept checkpoint is useless and not stored. Returns what was stored (falsy if no part of it fits)."""
+        last kept checkpoint is useless and not stored; a KV-only model stores no states. Returns what was stored
+        (falsy if no part of it fits). `restore=True` (a saved or moved entry: load, the offload tier) stores the
+        states as they are: nothing is superseded as for a new sequence (vllm+)."""
         tokens, states = as_tokens(tokens), dict(states or {})
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
@@ -192,17 +196,18 @@ class PrefixCacheCore:
             if namespace not in ("default", match.namespace):
                 raise InvalidInputError(f"namespace={namespace!r} differs from the match's {match.namespace!r}")
         walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
-        return self._admit(tokens, walk, kv, states, match)
+        return self._admit(tokens, walk, kv, states, match, restore)
 
     def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
-               states: dict[int, Payload], match: Match | None) -> Admission:
+               states: dict[int, Payload], match: Match | None, restore: bool = False) -> Admission:
         """`admit` of validated arguments, `walk` being `tokens`' walk of the current tree (the replay path)."""
         shared = walk.shared_length
         keep_end = (max(states) if states else 0) if self.hybrid else len(tokens)
         new_kv = kv(shared, keep_end) if keep_end > shared else None
         if new_kv is not None and getattr(new_kv, "ntokens", None) != keep_end - shared:
             raise InvalidInputError(f"kv({shared}, {keep_end}) must return a KVPayload of {keep_end - shared} tokens")
-        new_states = sorted((p, s) for p, s in states.items() if p > shared or not walk.has_checkpoint(p))
+        new_states = sorted((p, s) for p, s in states.items()  # a KV-only model's matches never use a state
+                            if p > shared or not walk.has_checkpoint(p)) if self.hybrid else []
 
         if self.bootstrap is not None:
             self._record(tokens, match)
@@ -213,6 +218,7 @@ class PrefixCacheCore:
             new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
+                self._compact(walk.path[-1])  # evicting its children may have left it a useless leaf
                 return Admission(0, 0, refused=True)
         admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
         deepest = walk.path[-1]
@@ -232,7 +238,11 @@ class PrefixCacheCore:
             self.tree.add_checkpoints(node, on_node)
         if self.admission.refresh_path:
             self._refresh(deepest.ancestors())
-        self.admission.after_admit(self.tree, deepest, len(tokens))
+        # the tree holds the sequence up to `held` only; states other live matches hold stay
+        locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
+        held = keep_end if new_kv is not None else shared
+        self.admission.after_admit(self.tree, deepest, held, locked, restore)
+        self._compact(walk.path[-1])  # locked while evicting: its children may have gone, and its use with them
         return admitted
 
     def release(self, match: Match) -> None:
@@ -290,7 +300,8 @@ class PrefixCacheCore:
                     self.evicted.record(victim.namespace, path_tokens(victim), [*victim.ckpt_pos, victim.end])
                 self.eviction.free(victim, self.used_bytes + needed - self.capacity_bytes)
                 self.evictions += 1
-                self._compact(parent)
+                # a victim that stays (trimmed, thinned) may be useless now; a removed one may leave its parent so
+                self._compact(victim if parent.children.get(int(victim.tokens[0])) is victim else parent)
             return True
         finally:
             self.tree.lock(keep, -1)

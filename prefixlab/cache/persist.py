@@ -315,7 +315,7 @@ def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
         device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
         for tokens, kv, states, namespace in tier_entries:
             core.admit(tokens, kv=_moved(kv, device, pin), states={p: s.to(device, pin) for p, s in states.items()},
-                       namespace=namespace)
+                       namespace=namespace, restore=True)
     return lost() - before
 
 

@@ -240,5 +240,6 @@ class PricedAdmission(MarconiAdmission):
         law = self.laws[self.kind_of(node)]
         return law.interior_mass((node.ckpt_pos[i] - node.start) // law.block, (above - node.start) // law.block)
 
-    def after_admit(self, tree: RadixTree, deepest: Node, length: int) -> None:
+    def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
+                    restore: bool = False) -> None:
         self._kinds.setdefault(deepest.id, self._planned_kind)

@@ -206,7 +206,7 @@ class PrefixStore:
             states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
             kv_on_device = path_kv([n.kv for n in path])
             self.offload.admit(tokens, kv=lambda a, b: kv_on_device(a, b).to("cpu", pin), states=states,
-                               namespace=path[-1].namespace)
+                               namespace=path[-1].namespace, restore=True)
             return free_on_device(path[-1], want_bytes)
 
         eviction.free = free
