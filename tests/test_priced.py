@@ -141,3 +141,30 @@ def test_dp_on_a_kv_only_model_is_marconi():
     requests = [Request(str(i), 0, float(i), np.arange(i % 4, 60 + i % 4)) for i in range(10)]
     dp, marconi = (simulate(requests, p, 400, spec, alpha=0.5) for p in ("dp", "marconi"))
     assert dp.token_hit_rate == marconi.token_hit_rate
+
+
+def test_only_whole_entry_evictions_start_the_alpha_bootstrap():
+    core = PrefixCacheCore(10**6, "dp", tiny_spec(), block_size=4)  # alpha tuned: a bootstrap window
+    for tokens in _families(6):
+        request(core, tokens)
+    thin = next(n for n in core.tree.nodes() if n.ckpt_pos and n.ckpt_pos[0] < n.end)
+    whole = next(n for n in core.tree.nodes() if not n.children and not core.eviction.thins(n))
+    root = core.tree.root("default")
+    core.capacity_bytes = core.used_bytes
+    core.eviction.pick = lambda now: thin
+    assert core._make_room(1, root) and core.bootstrap.tune_at is None  # a thinning move: not an eviction
+    core.capacity_bytes = core.used_bytes
+    core.eviction.pick = lambda now: whole
+    assert core._make_room(1, root) and core.bootstrap.tune_at == 5 * core.requests  # Marconi's 5 x N0
+
+
+def test_alpha_replays_start_from_the_live_law():
+    live = _core()
+    for tokens in _families(6):
+        request(live, tokens)
+    fresh = _core()
+    fresh.admission.seed(live.admission)
+    for kind, law in live.admission.laws.items():
+        np.testing.assert_array_equal(_law_arrays(fresh.admission.laws[kind])[0], _law_arrays(law)[0])
+    fresh.admission.laws["branch"].add_interior(3)  # a copy: the replays leave the live law alone
+    assert not np.array_equal(fresh.admission.laws["branch"]._interior, live.admission.laws["branch"]._interior)

@@ -46,6 +46,10 @@ class MarconiAdmission:
         `deepest`'s edge; states whose id() is in `locked` are held by live matches and must stay; `restore`: a
         saved or moved entry, not a new sequence (it supersedes nothing)."""
 
+    def seed(self, other: MarconiAdmission) -> None:
+        """Start from what `other` (a live cache's admission) learned about the workload (the alpha tuner's
+        replays: a fresh cache that places states as the live one does now)."""
+
 
 class SGLangAdmission(MarconiAdmission):
     """SGLang+ = Marconi's admission with SGLang's LRU bookkeeping (every node on a hit path is refreshed)."""

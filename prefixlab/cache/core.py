@@ -72,8 +72,9 @@ class PrefixCacheCore:
     """Radix-tree prefix cache under a byte budget with a named policy (see prefixlab.cache.policies).
 
     `alpha=None` (FLOP-aware policies) starts at 0 and tunes Marconi's FLOP-efficiency weight once, as the paper
-    does: with N0 the requests seen when the first eviction happens, the first `bootstrap_multiplier` x N0
-    requests are replayed from an empty cache for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
+    does: with N0 the requests seen when the first eviction of an entry happens (dp's thinning moves do not
+    count), the first `bootstrap_multiplier` x N0 requests are replayed from an empty cache (whose admission
+    starts from what the live one learned: `seed`) for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
     FLOPs is kept (alpha stays 0 if the trace ends first; eviction.py AlphaBootstrap). A number fixes alpha. The
     recorded window is bounded by `history_tokens` (tokens of input + output): past it the oldest requests are
     dropped, so a cache that evicts late replays its most recent `history_tokens` tokens of requests instead.
@@ -293,8 +294,8 @@ class PrefixCacheCore:
                 victim = self.eviction.pick(self.clock)
                 if victim is None:
                     return False
-                if self.bootstrap is not None:
-                    self.bootstrap.first_eviction(self.requests)
+                if self.bootstrap is not None and not self.eviction.thins(victim):
+                    self.bootstrap.first_eviction(self.requests)  # Marconi's: a whole entry (thinning is not one)
                 parent = victim.parent
                 if self.evicted is not None:
                     self.evicted.record(victim.namespace, path_tokens(victim), [*victim.ckpt_pos, victim.end])
@@ -332,6 +333,7 @@ class PrefixCacheCore:
         if self.bootstrap.due(self.requests):
             fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
                                     checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
+            fresh.admission.seed(self.admission)
             self.eviction.alpha, self.bootstrap = self.bootstrap.tune(fresh, _replay), None
 
     def fork(self) -> PrefixCacheCore:

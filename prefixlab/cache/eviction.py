@@ -110,6 +110,10 @@ class EvictionPolicy:
                 return self.nodes[node_id]
         return None
 
+    def thins(self, node: Node) -> bool:
+        """Whether `free(node)` would drop only some of its states and keep the entry (dp's thinning)."""
+        return False
+
     def free(self, node: Node, want_bytes: int) -> int:
         """Evict (part of) the picked `node`; `want_bytes` is how much is still needed. Returns bytes freed."""
         return self.tree.remove_leaf(node)
@@ -270,6 +274,9 @@ class ThinningFlopAware(FlopAware):
     def flop_efficiency(self, node: Node) -> float:
         values = self._interior_values(node) if self.admission is not None else []
         return min(values) / max(node.ckpt_state[0].nbytes, 1) if values else super().flop_efficiency(node)
+
+    def thins(self, node: Node) -> bool:
+        return self.admission is not None and bool(node.ckpt_pos) and node.ckpt_pos[0] < node.end
 
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:

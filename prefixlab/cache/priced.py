@@ -157,6 +157,9 @@ class PricedAdmission(MarconiAdmission):
                 setattr(twin, name, copy.deepcopy(value, memo))
         return twin
 
+    def seed(self, other: MarconiAdmission) -> None:
+        self.law, self.laws, self.end_laws = (copy.deepcopy(x) for x in (other.law, other.laws, other.end_laws))
+
     @property
     def fill(self) -> float:
         """Share of the byte budget in use (1 when unknown): free bytes displace nothing yet."""
