@@ -38,7 +38,7 @@ MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
 ENTRY_KINDS = ("extend", "branch")
 
 
-TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized")
+TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized", "interior")
 
 
 class EntryLaw:
@@ -53,6 +53,7 @@ class EntryLaw:
         # tokens placed states were predicted to save and did save
         self.requests = self.entries = self.repeats = self.reused = self.computed = 0.0
         self.predicted = self.realized = 0.0
+        self.interior = 0.0  # the histogram's sum, kept as a scalar: the plan's cheap bound
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
         self._cumulative: tuple[int, np.ndarray] | None = None
@@ -71,6 +72,7 @@ class EntryLaw:
 
     def add_interior(self, depth: int) -> None:
         self._interior[min(depth // self.block, self.bins - 1)] += self._scale
+        self.interior += self._scale
 
     def add(self, field: str, amount: float = 1.0) -> None:
         setattr(self, field, getattr(self, field) + amount * self._scale)
@@ -85,6 +87,11 @@ class EntryLaw:
         `prior_tokens` on both sides). A law that does not come true stops paying for states."""
         prior = prior_tokens * self._scale
         return (self.realized + prior) / (self.predicted + prior)
+
+    def bound(self, span: int) -> float:
+        """An upper bound on what any states placed in an entry of `span` tokens save per entry (every interior
+        overlap resuming at its own depth): states are not worth solving for when it is under the price."""
+        return self.interior / self.entries * span if self.entries > 0 else 0.0
 
     @property
     def repeat_rate(self) -> float:
@@ -216,7 +223,8 @@ class PricedAdmission(MarconiAdmission):
         price = self.state_tokens * self.law.pressure * self.fill
         price /= self.law.calibration(self.state_tokens)
         predicted = 0.0
-        table, blocks = law.table(), (length - start) // law.block
+        span = length - start
+        table, blocks = (law.table(), span // law.block) if law.bound(span) > price else (None, 0)
         if table is not None and blocks > 1:
             # the m-th state is kept while its saving beats the price (the longest such prefix of the curve)
             gains = (-np.diff(table.curve(blocks))).tolist()
@@ -224,7 +232,8 @@ class PricedAdmission(MarconiAdmission):
             positions.update(start + p * law.block for p in table.positions(count, blocks)
                              if reused < start + p * law.block < length)
             predicted += sum(gains[:count])
-        distance, saving = self.end_laws[kind].best_from_end(length - start)
+        end_law = self.end_laws[kind]
+        distance, saving = end_law.best_from_end(span) if end_law.bound(span) > price else (0, 0.0)
         if saving > price and reused < length - distance:
             positions.add(length - distance)
             predicted += saving
