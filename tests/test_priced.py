@@ -7,7 +7,7 @@ import pytest
 from prefix_helpers import STATE_BYTES, request, tiny_spec
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
-from prefixlab.cache.eviction import ThinningFlopAware
+from prefixlab.cache.eviction import FlopAware, ThinningFlopAware, tune_alpha
 from prefixlab.cache.priced import EntryLaw, PricedAdmission
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
@@ -90,7 +90,9 @@ def test_prompt_repeats_get_a_state_at_the_input_end():
     for policy in ("marconi", "dp"):  # the same question and answer again: nothing branches, the input is shared
         core = PrefixCacheCore(10**7, policy, tiny_spec(), block_size=4, alpha=0.0)
         hits[policy] = [replay_request(core, prompt, answer) for _ in range(4)]
-    assert hits == {"marconi": [0, 0, 0, 0], "dp": [0, 0, 90, 90]}
+    # dp: the first entry gets the uniform prior's 4 states (26, 52, 78, 104 of 130 tokens: nothing was reused
+    # yet, so they cost nothing), the second request resumes from 78, then the repeat law puts a state at 90
+    assert hits == {"marconi": [0, 0, 0, 0], "dp": [0, 78, 90, 90]}
 
 
 def test_thinning_drops_placed_states_before_whole_entries():
@@ -168,3 +170,24 @@ def test_alpha_replays_start_from_the_live_law():
         np.testing.assert_array_equal(_law_arrays(fresh.admission.laws[kind])[0], _law_arrays(law)[0])
     fresh.admission.laws["branch"].add_interior(3)  # a copy: the replays leave the live law alone
     assert not np.array_equal(fresh.admission.laws["branch"]._interior, live.admission.laws["branch"]._interior)
+
+
+def test_the_uniform_prior_is_placed_only_while_states_cost_nothing():
+    core = _core()
+    first = list(range(1, 101))
+    match = core.match(first)
+    assert core.plan(first, match) == [20, 40, 60, 80, 100]  # empty cache, empty law: 4 evenly spaced + the end
+    core.release(match)
+    request(core, first)
+    request(core, first[:50] + list(range(500, 550)))  # a reuse: stored tokens now earn something
+    later = list(range(1000, 1100))
+    match = core.match(later)
+    assert 20 not in core.plan(later, match)
+    core.release(match)
+
+
+def test_dp_tuner_keeps_the_middle_of_tied_alphas():
+    flat = {0.0: 1.0, 0.1: 2.0}
+    assert tune_alpha(lambda a: flat.get(a, 3.0)) == 0.2  # Marconi: the smallest of the best
+    assert tune_alpha(lambda a: flat.get(a, 3.0), ties="middle") == 1.1  # dp: the middle of 0.2 .. 2.0
+    assert ThinningFlopAware.alpha_ties == "middle" and FlopAware.alpha_ties == "smallest"

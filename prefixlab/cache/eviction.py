@@ -150,6 +150,8 @@ class FlopAware(EvictionPolicy):
     (the prefill of its edge up to its deepest checkpoint) per byte its eviction frees; both are min-max
     normalised over the candidates (all-equal values normalise to 1, as in Marconi)."""
 
+    alpha_ties = "smallest"  # Marconi's tuner keeps the smallest of the alphas whose replays tie
+
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size)
         self.alpha = alpha
@@ -244,6 +246,9 @@ class ThinningFlopAware(FlopAware):
     single-child node dissolved), so on a tree without placed states this is Marconi's eviction."""
 
     admission = None
+    # dp's window replays often tie over a wide range of alphas (the window is too short for all but the lowest
+    # to make a difference); the smallest of them is the closest to those that lost, the middle the farthest
+    alpha_ties = "middle"
 
     def link(self, admission: object) -> None:
         self.admission = admission
@@ -290,11 +295,14 @@ class ThinningFlopAware(FlopAware):
         return super().free(node, want_bytes)
 
 
-def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID) -> float:
-    """Marconi's retrospective tuning: the alpha (smallest on ties) whose replay of the bootstrap window saves the
-    most FLOPs. `replay_flops_saved(alpha)` replays the window into a fresh cache using that alpha."""
+def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID,
+               ties: str = "smallest") -> float:
+    """Marconi's retrospective tuning: the alpha whose replay of the bootstrap window saves the most FLOPs
+    (`ties`: the smallest of equal ones, as Marconi, or the middle one). `replay_flops_saved(alpha)` replays the
+    window into a fresh cache using that alpha."""
     saved = [replay_flops_saved(alpha) for alpha in grid]
-    return grid[saved.index(max(saved))]
+    best = [alpha for alpha, flops in zip(grid, saved, strict=True) if flops == max(saved)]
+    return best[(len(best) - 1) // 2] if ties == "middle" else best[0]
 
 
 class AlphaBootstrap:
@@ -337,7 +345,7 @@ class AlphaBootstrap:
             hits = warm_hits + [replay(core, tokens, n) for tokens, n in window[warm:]]
             return float(np.sum(fresh.spec.flops_saved(np.array(hits, dtype=np.int64))))
 
-        return tune_alpha(flops_saved)
+        return tune_alpha(flops_saved, ties=fresh.eviction.alpha_ties)
 
     def copy(self) -> AlphaBootstrap:
         """An independent record sharing the (immutable) token arrays."""

@@ -73,7 +73,8 @@ def build_policy(
         from prefixlab.cache.priced import PricedAdmission
 
         admission = PricedAdmission(options.law_block, options.histogram_decay, options.resolve_every,
-                                    spec.state_bytes / max(spec.kv_bytes_per_token, 1), tree, options.capacity_bytes)
+                                    spec.state_bytes / max(spec.kv_bytes_per_token, 1), tree, options.capacity_bytes,
+                                    prior_states=options.checkpoint_budget)
         eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
         eviction.link(admission)
         return admission, eviction

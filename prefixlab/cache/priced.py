@@ -15,7 +15,9 @@ and everything is normalised per admitted entry of the kind.
   `F_{m-1} - F_m`, and states are kept while that beats the price;
 - the one state at a distance from the end that saves the most (prompt + question entries are left at the
   prompt's end, a near-constant distance from the entry's end), if its saving beats the price;
-- a state at the input's end when prompts repeat, if its saving beats the price.
+- a state at the input's end when prompts repeat, if its saving beats the price;
+- while states cost nothing (nothing stored reused yet) and no overlap was seen, `prior_states` evenly spaced
+  states (a uniform prior: a long document's second question is caught before any law exists).
 The price of a state is the KV tokens its bytes would hold times what a stored token yields (reused / (reused +
 computed) tokens, decayed), divided by how well placed states' predicted savings came true so far. So dp places
 states while they pay and none when every byte earns more as KV. `ThinningFlopAware` (eviction.py) drops an
@@ -29,7 +31,7 @@ import copy
 import numpy as np
 
 from prefixlab.cache.admission import MarconiAdmission
-from prefixlab.cache.placement import PlacementTable
+from prefixlab.cache.placement import PlacementTable, balanced_positions
 from prefixlab.cache.tree import Node, RadixTree, Walk
 
 MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
@@ -146,8 +148,9 @@ class PricedAdmission(MarconiAdmission):
     expected saving beats its price, plus a state at the input end when prompts repeat."""
 
     def __init__(self, block: int, decay: float, resolve_every: int, state_tokens: float,
-                 tree: RadixTree | None = None, capacity_bytes: int = 0, max_len: int = 1 << 15) -> None:
-        self.tree, self.capacity_bytes = tree, capacity_bytes
+                 tree: RadixTree | None = None, capacity_bytes: int = 0, max_len: int = 1 << 15,
+                 prior_states: int = 4) -> None:
+        self.tree, self.capacity_bytes, self.prior_states = tree, capacity_bytes, max(int(prior_states), 1)
         self.law = EntryLaw(max_len, block, decay, resolve_every)  # all requests: pressure, prompt repeats
         self.laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
@@ -232,6 +235,11 @@ class PricedAdmission(MarconiAdmission):
             positions.update(start + p * law.block for p in table.positions(count, blocks)
                              if reused < start + p * law.block < length)
             predicted += sum(gains[:count])
+        elif price <= 0 and law.interior <= 0 and span > 1:
+            # states cost nothing yet (an empty cache, or nothing stored has been reused) and the law has seen no
+            # overlap: a uniform prior, `prior_states` evenly spaced states (the first divergences, before any
+            # was seen, are caught; thinning drops them first once the law says they serve nothing)
+            positions.update(start + p for p in balanced_positions(span - 1, self.prior_states) if reused < start + p)
         end_law = self.end_laws[kind]
         distance, saving = end_law.best_from_end(span) if end_law.bound(span) > price else (0, 0.0)
         if saving > price and reused < length - distance:
