@@ -301,7 +301,8 @@ def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[floa
     (`ties`: the smallest of equal ones, as Marconi, or the middle one). `replay_flops_saved(alpha)` replays the
     window into a fresh cache using that alpha."""
     saved = [replay_flops_saved(alpha) for alpha in grid]
-    best = [alpha for alpha, flops in zip(grid, saved, strict=True) if flops == max(saved)]
+    top = max(saved)
+    best = [alpha for alpha, flops in zip(grid, saved, strict=True) if flops == top]
     return best[(len(best) - 1) // 2] if ties == "middle" else best[0]
 
 
