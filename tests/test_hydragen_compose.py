@@ -178,13 +178,16 @@ def test_bad_input_raises_and_leaves_the_store_alone(pair, store):
 def test_prefix_served_from_the_host_tier(pair):
     standard, hydragen = pair
     first, second = _tokens(11, PREFIX), _tokens(12, PREFIX)
-    sizing = PrefixStore(hydragen, capacity="64MB", block_size=8)
+    # policy="marconi": the second fill must evict the first entry whole (dp would thin the prior states it placed
+    # in the first entry, while nothing had been reused, and keep both entries on the device)
+    sizing = PrefixStore(hydragen, capacity="64MB", block_size=8, policy="marconi")
     try:
         _fill(sizing, first)
         entry_bytes = sizing.core.used_bytes
     finally:
         sizing.close()
-    store = PrefixStore(hydragen, capacity=entry_bytes * 3 // 2, offload_capacity="64MB", block_size=8)
+    store = PrefixStore(hydragen, capacity=entry_bytes * 3 // 2, offload_capacity="64MB", block_size=8,
+                        policy="marconi")
     try:
         _fill(store, first)
         _fill(store, second)  # evicts the first prefix to the host tier
