@@ -6,9 +6,10 @@
 (on a machine without GPUs, `--multi_gpu` starts N CPU processes on gloo; accelerate 1.x's `--cpu` launch flag
 starts one.) A shuffled shared-system-prompt workload (real system prompts and LMSys questions, GPT-NeoX
 tokenizer, from ../shared/data when present; else built-in text, byte tokenizer) is served by `prefixlab run`'s
-code on the tiny random-init hybrid of `prefixlab demo` (3 GatedDeltaNet + 1 attention layers, fp32), once per
-(routing, order), each on fresh stores. Every output is checked against the same model without prefixlab. With
---json, one JSON line per (routing, order); the last line is the last one.
+code on the tiny random-init hybrid of `prefixlab demo` (3 GatedDeltaNet + 1 attention layers, fp32; with
+--attention-only its 4 layers are full attention), once per (routing, order), each on fresh stores. Every output is
+checked against the same model without prefixlab. With --json, one JSON line per (routing, order); the last line is
+the last one. `--order hydragen` is radix order with `prefixlab run --hydragen` (siblings batched).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 from prefixlab.demo import BUILTIN_QUESTIONS, BUILTIN_TEXT, tiny_hybrid_config
 
 SUMMARY_KEYS = ("processes", "requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens",
-                "saved_tokens", "token_hit_rate", "prefill_saved_rate", "load_imbalance", "seconds")
+                "saved_tokens", "token_hit_rate", "prefill_saved_rate", "load_imbalance", "generated_tokens", "batches",
+                "batched_requests", "padding_tokens", "kv_bytes_read", "kv_bytes_held_peak", "seconds")
 
 
 def _texts(system_prompts: int, min_chars: int) -> tuple[list[str], list[str], str, object, int]:
@@ -72,12 +74,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--routing", default="affinity", help="comma-separated: random, round-robin, affinity, "
                                                                 "partition")
-    parser.add_argument("--order", default="radix", help="comma-separated: radix, input")
+    parser.add_argument("--order", default="radix", help="comma-separated: radix, input, hydragen (radix order with "
+                                                         "the siblings of each prime batched: `run --hydragen`)")
+    parser.add_argument("--max-batch", type=int, default=16, help="hydragen order: most prompts in one batch")
     parser.add_argument("--system-prompts", type=int, default=8)
     parser.add_argument("--questions", type=int, default=4, help="questions per system prompt")
     parser.add_argument("--prompt-tokens", type=int, default=1024)
     parser.add_argument("--max-new-tokens", type=int, default=4)
     parser.add_argument("--capacity", default="256MiB", help="each process's store capacity")
+    parser.add_argument("--attention-only", action="store_true", help="every layer full attention (no recurrent "
+                                                                       "layer): siblings prefill as one padded batch")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -87,7 +93,10 @@ def main() -> int:
     if state.is_main_process:
         folder = Path(tempfile.mkdtemp(prefix="serve_accelerate_"))
         vocab_size, source, records = workload(args.system_prompts, args.questions, args.prompt_tokens, 40, 0)
-        tiny_hybrid_config(vocab_size).to_json_file(folder / "config.json")
+        config = tiny_hybrid_config(vocab_size)
+        if args.attention_only:  # the same model with every layer full attention (no recurrent state)
+            config.layer_types = ["full_attention"] * config.num_hidden_layers
+        config.to_json_file(folder / "config.json")
         with open(folder / "prompts.jsonl", "w") as file:
             file.writelines(json.dumps(r) + "\n" for r in records)
         shared = [str(folder), source]
@@ -113,7 +122,8 @@ def main() -> int:
             out = folder / f"out-{routing}-{order}.jsonl"
             run_args = argparse.Namespace(
                 prompts=str(folder / "prompts.jsonl"), model=str(folder / "config.json"), out=str(out),
-                tokenizer=None, routing=routing, order=order, max_new_tokens=args.max_new_tokens,
+                tokenizer=None, routing=routing, order="radix" if order == "hydragen" else order,
+                hydragen=order == "hydragen", max_batch=args.max_batch, max_new_tokens=args.max_new_tokens,
                 capacity=args.capacity, policy="dp", balance_eps=0.15, seed=0, on_error="stop", cpu=args.cpu,
                 json=True)
             summary = run_batch(run_args)
@@ -139,7 +149,13 @@ def main() -> int:
                             (("partition", "radix"), ("round-robin", "radix"), "saved_tokens", "saved tokens"),
                             (("affinity", "input"), ("round-robin", "input"), "saved_tokens", "saved tokens"),
                             (("affinity", "input"), ("round-robin", "input"), "reused_tokens", "reused tokens"),
-                            (("affinity", "input"), ("affinity", "radix"), "prefilled_tokens", "prefilled tokens")):
+                            (("affinity", "input"), ("affinity", "radix"), "prefilled_tokens", "prefilled tokens")) + \
+            tuple(((routing, "input"), (routing, order), key, what) for routing in args.routing.split(",")
+                  for order in ("radix", "hydragen") for key, what in (("prefilled_tokens", "prefilled tokens"),
+                                                                      ("kv_bytes_read", "decode KV bytes read"),
+                                                                      ("seconds", "wall time"))) + \
+            tuple(((routing, "radix"), (routing, "hydragen"), key, what) for routing in args.routing.split(",")
+                  for key, what in (("kv_bytes_read", "decode KV bytes read"), ("seconds", "wall time"))):
         if a in by and b in by:
             print(f"{'/'.join(a)} vs {'/'.join(b)}: {what} x{by[a][key] / max(by[b][key], 1):.2f}",
                   file=sys.stderr)

@@ -104,6 +104,34 @@ def test_radix_order_prefills_fewer_tokens_than_input_order(capsys, files, tmp_p
     assert prefilled["input"] >= 1.5 * prefilled["radix"], prefilled
 
 
+def test_hydragen_batches_the_siblings_of_each_prime_exactly(capsys, files, tmp_path):
+    """A hybrid's siblings of different lengths and max_new_tokens: each row prefilled alone, decoded in one batch."""
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(3, 128, 150).tolist() for _ in range(3)]
+    records = [{"id": k, "input_ids": prefixes[k % 3] + rng.integers(3, 128, 1 + k).tolist(),
+                "max_new_tokens": 1 + k % 4} for k in range(12)]
+    ragged = tmp_path / "ragged"
+    ragged.mkdir()
+    shutil.copy(files / "config.json", ragged / "config.json")
+    with open(ragged / "prompts.jsonl", "w") as file:
+        file.writelines(json.dumps(records[i]) + "\n" for i in rng.permutation(12))
+    model = serve.load_model(str(ragged / "config.json"))
+    with torch.inference_mode():
+        reference = {r["id"]: serve.generate_uncached(model, r["input_ids"], r["max_new_tokens"]) for r in records}
+    plain = run(capsys, ragged, tmp_path / "radix.jsonl")[1]
+    code, summary, _ = run(capsys, ragged, tmp_path / "out.jsonl", "--hydragen", "--max-batch", "3")
+    assert code == 0
+    assert {r["id"]: r["output_ids"] for r in read_out(tmp_path / "out.jsonl")} == reference
+    # 3 primes of 150 tokens, each with 4 siblings: batches of 3 + 1 left to the plain path
+    assert summary["batches"] == 3 and summary["batched_requests"] == 9 and summary["padding_tokens"] == 0
+    for key in ("reused_tokens", "prefilled_tokens", "prime_tokens", "generated_tokens"):
+        assert summary[key] == plain[key], key  # the same tokens computed, in fewer forward calls
+    assert summary["kv_bytes_read"] < plain["kv_bytes_read"]
+    assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", tmp_path / "x.jsonl",
+                 "--hydragen", "--order", "input"]) == 2
+    assert "--order radix" in capsys.readouterr().err
+
+
 def test_bad_input(capsys, files, tmp_path):
     lines = (files / "prompts.jsonl").read_text().splitlines()
     bad = tmp_path / "bad.jsonl"

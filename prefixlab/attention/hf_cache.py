@@ -23,6 +23,7 @@ from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
     LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
     get_layer_types_and_kwargs,
 )
 
@@ -133,6 +134,29 @@ class SharedPrefixLayer(CacheLayerMixin):
             rest_keys, rest_values = rest_keys[:, :, :0], rest_values[:, :, :0]
         self.prefix_length += key_states.shape[-2] - rest_keys.shape[-2]
         self.keys, self.values = rest_keys.contiguous(), rest_values.contiguous()
+
+    def join(self, rows: Sequence[SharedPrefixLayer]) -> None:
+        """Become the batch of batch-1 `rows` that hold the same levels: their suffixes left-padded with zeros."""
+        levels = rows[0].levels
+        if not levels or any(len(r.levels) != len(levels) or r.prefix_length != rows[0].prefix_length or
+                             any(a.keys is not b.keys or a.values is not b.values
+                                 for a, b in zip(r.levels, levels, strict=True)) for r in rows):
+            raise InvalidInputError("join_rows: the rows must share the same loaded levels (one load_shared_prefix "
+                                    "source)")
+        heads, _, dim = levels[0].keys.shape
+        empty = levels[0].keys.new_zeros(1, heads, 0, dim)
+        suffixes = [(r.keys, r.values) if r.is_initialized else (empty, empty) for r in rows]
+        width = max(k.shape[-2] for k, _ in suffixes)
+
+        def padded(side: int) -> torch.Tensor:
+            return torch.cat([torch.nn.functional.pad(kv[side], (0, 0, width - kv[side].shape[-2], 0))
+                              for kv in suffixes])
+
+        self.levels, self.prefix_length, self.expected_batch = list(levels), rows[0].prefix_length, len(rows)
+        self.dtype, self.device = empty.dtype, empty.device
+        self.keys, self.values = padded(0), padded(1)
+        self.seq_levels = torch.full((len(rows),), len(levels) - 1, dtype=torch.int64)
+        self.is_initialized = True
 
     # -- sizes -------------------------------------------------------------------------------------------------------
     def get_seq_length(self) -> int:
@@ -267,13 +291,39 @@ class HydragenCache(Cache):
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
         for i in recurrent if lengths != {0} else []:
-            layer = self.layers[i]
-            conv = _per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]")
-            rec = _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]")
-            layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
-            layer.conv_states[0].copy_(conv)
-            layer.update_recurrent_state(rec)
-            layer.has_previous_state[0] = True
+            _set_state(self.layers[i], _per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]"),
+                       _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]"))
+
+    @classmethod
+    def join_rows(cls, config, rows: Sequence[HydragenCache]) -> HydragenCache:
+        """One cache for the batch of `rows`: batch-1 caches loaded with the SAME shared levels (load_shared_prefix
+        with the same tensors), then each fed its own tokens. The levels are kept once; each row's suffix KV is
+        left-padded with zeros to the longest (generate must mask it: attention_mask [prefix | 0.. | row's tokens])
+        and its recurrent + conv states are its own, computed without padding. Attention and linear-attention layers
+        only; every recurrent layer must hold a state."""
+        joined = cls(config)
+        if not rows or any(not isinstance(row, HydragenCache) or row.expected_batch not in (None, 1) for row in rows):
+            raise InvalidInputError("join_rows takes batch-1 HydragenCaches (load_shared_prefix(batch_size=1))")
+        for i, layer in enumerate(joined.layers):
+            parts = [row.layers[i] for row in rows]
+            if isinstance(layer, SharedPrefixLayer):
+                layer.join(parts)
+            elif type(layer) is LinearAttentionLayer and all(p.has_previous_state[0] for p in parts):
+                _set_state(layer, torch.cat([p.conv_states[0] for p in parts]),
+                           torch.cat([p.recurrent_states[0] for p in parts]))
+            else:
+                raise InvalidInputError(f"join_rows: layer {i} ({type(layer).__name__}) has no state in every row or "
+                                        "is a kind it cannot join")
+        joined.expected_batch = len(rows)
+        return joined
+
+
+def _set_state(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+    """Give a linear-attention cache layer (batch, ...) conv and recurrent states, as after a prefill."""
+    layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
+    layer.conv_states[0].copy_(conv)
+    layer.update_recurrent_state(recurrent)
+    layer.has_previous_state[0] = True
 
 
 def _check_batch(expected: int | None, batch: int) -> None:

@@ -55,7 +55,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import outputs, schedule, serve
+    from prefixlab.fleet import outputs, schedule, serve, siblings
     from prefixlab.fleet.prompts import read_prompts
 
     state = PartialState(cpu=args.cpu)
@@ -65,11 +65,14 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(schedule.ASSIGNMENTS)}")
     if args.order not in ("radix", "input"):
         raise InvalidInputError(f"--order {args.order!r}: use radix or input")
+    if args.hydragen and args.order != "radix":
+        raise InvalidInputError("--hydragen batches the siblings under radix-order primes: use it with --order radix")
     out = Path(args.out)
     if not out.parent.is_dir():
         raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     encode, decode = _encoder(args.tokenizer)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
+    batching = _hydragen_mode(model) if args.hydragen else None
     prompts = read_prompts(args.prompts, encode, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
                            vocab_size=model.config.get_text_config().vocab_size)
     if len(prompts) < processes:
@@ -97,6 +100,10 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     if args.order == "radix":
         local = schedule.radix_schedule([prompts[i].tokens for i in mine])
         steps = [(mine[k], length) for k, length in local]
+        if batching is not None:
+            steps = [(tuple(mine[k] for k in index) if isinstance(index, tuple) else mine[index], length)
+                     for index, length in siblings.group_siblings([prompts[i].tokens for i in mine], local, batching,
+                                                                  max_batch=args.max_batch)]
     else:
         steps = [(i, 0) for i in mine]
 
@@ -131,10 +138,32 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     return {**summary, "processes": processes, "stopped": stopped}
 
 
+def _hydragen_mode(model) -> str | None:
+    """Switch `model` to Hydragen attention and say how its siblings can batch (prefixlab.fleet.siblings)."""
+    import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
+    from prefixlab.fleet.siblings import batching_mode
+
+    try:  # without a HydragenCache it runs transformers' SDPA, bit for bit
+        model.set_attn_implementation("hydragen")
+        mode = batching_mode(model)
+    except (ValueError, NotImplementedError):  # e.g. a model with no attention implementation to set
+        mode = None
+    if mode is None:
+        print(f"prefixlab: note: --hydragen: {type(model).__name__} has no attention layer HydragenCache can share; "
+              "serving prompts one by one", file=sys.stderr)
+    elif mode == "equal":
+        print("prefixlab: note: --hydragen: this model has layers that would run over padding and cannot be joined "
+              "row by row: only siblings of equal prompt length are batched, the others are served one by one",
+              file=sys.stderr)
+    return mode
+
+
 def _summary(prompts, per_process: list[dict], written: int, missing: list, resumed: int, seconds: float,
              args) -> dict:
     total = {key: sum(g[key] for g in per_process) for key in
-             ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens")}
+             ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens",
+              "batches", "batched_requests", "padding_tokens", "kv_bytes_read")}
+    total["kv_bytes_held_peak"] = max(g["kv_bytes_held_peak"] for g in per_process)
     prefilled = [g["prefilled_tokens"] for g in per_process]
     mean = sum(prefilled) / max(len(prefilled), 1)
     reasons = {}
@@ -143,7 +172,7 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
             reasons[reason] = reasons.get(reason, 0) + count
     return {
         "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
-        "lost_ids": missing[:20], "routing": args.routing, "order": args.order,
+        "lost_ids": missing[:20], "routing": args.routing, "order": args.order, "hydragen": args.hydragen,
         "token_hit_rate": 100.0 * total["reused_tokens"] / max(total["prompt_tokens"], 1),
         # net of the primes: prompt tokens this run did not compute at all
         "saved_tokens": total["prompt_tokens"] - total["prefilled_tokens"],
@@ -167,6 +196,9 @@ def format_summary(summary: dict, out: str) -> str:
         f"processes: {summary['processes']} ({summary['routing']} routing, {summary['order']} order), "
         f"load imbalance {summary['load_imbalance']:.3f} (max/mean prefilled tokens)",
         f"why requests reused what they did: {format_reasons(summary['reasons'])}",
+        f"hydragen: {summary['batched_requests']} requests in {summary['batches']} sibling batches "
+        f"({summary['padding_tokens']} padding tokens); decode read {summary['kv_bytes_read'] / 2**20:.1f} MiB of "
+        f"attention KV, at most {summary['kv_bytes_held_peak'] / 2**20:.1f} MiB held by one generate call",
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "
         f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
     ]
@@ -197,6 +229,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--tokenizer", help="tokenizers JSON file, for text prompts and decoded outputs")
     cmd.add_argument("--routing", default="affinity", help=f"across processes: {', '.join(ASSIGNMENTS)}")
     cmd.add_argument("--order", default="radix", help="within a process: radix (shared prefixes once) or input")
+    cmd.add_argument("--hydragen", action="store_true",
+                     help="batch the prompts under one primed prefix as one generate batch with Hydragen's shared "
+                          "prefix (exact; see prefixlab/fleet/siblings.py; batches are not admitted to the store)")
+    cmd.add_argument("--max-batch", type=_positive, default=16, help="--hydragen: most prompts in one batch")
     cmd.add_argument("--max-new-tokens", type=_positive, default=16, help="default for prompts without one")
     cmd.add_argument("--capacity", default="1GB", help="each process's store capacity, e.g. 1GB or 256MiB")
     cmd.add_argument("--policy", default="dp", help="store admission policy (default dp)")

@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, PrefixlabError
 from prefixlab.fleet.prompts import Prompt
 
 
 @dataclass
 class ProcessStats:
     """What one process did in this run. `prefilled_tokens` counts every token its model computed in prefill
-    (prime steps included): the work routing balances and scheduling saves."""
+    (prime steps included, and the padding of batched siblings): the work routing balances and scheduling saves.
+    `kv_bytes_read`: attention KV the decode steps read (a Hydragen batch reads its shared prefix once per step);
+    `kv_bytes_held_peak`: the most attention KV one generate call held (a prompt alone, or a Hydragen batch)."""
 
     process: int = 0
     requests: int = 0
@@ -24,6 +27,11 @@ class ProcessStats:
     prime_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
+    batches: int = 0
+    batched_requests: int = 0
+    padding_tokens: int = 0
+    kv_bytes_read: int = 0
+    kv_bytes_held_peak: int = 0
     seconds: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)  # why each request reused what it did (cache/explain.py)
 
@@ -64,6 +72,14 @@ def weights_digest(model) -> str:
         # float() is exact for fp16/bf16 (numpy has no bf16), so equal bits give equal bytes
         digest.update((sample.float() if sample.dtype.is_floating_point else sample).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def decode_kv_bytes(model, prompt_tokens: int, generated_tokens: int) -> int:
+    """Attention KV read by one sequence's decode steps (step t reads prompt + t tokens)."""
+    from prefixlab.fleet.siblings import kv_bytes_per_token
+
+    steps = range(1, generated_tokens)
+    return sum(prompt_tokens + t for t in steps) * kv_bytes_per_token(model)
 
 
 def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int, str]:
@@ -111,36 +127,76 @@ def _pad_id(model) -> int:
     return pad if isinstance(pad, int) else 0
 
 
-def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int, int]], write: Callable[[dict], None],
+def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | tuple[int, ...], int]],
+          write: Callable[[dict], None],
           *, process: int = 0, decode: Callable[[list[int]], str] | None = None,
           progress: Callable[[int], object] | None = None, stats: ProcessStats | None = None) -> ProcessStats:
-    """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule) over `prompts`, writing one record
-    per finished prompt with `write`. Counts go into `stats` as they happen (what a stopped run did is kept)."""
+    """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule, or ((indices...), prime length):
+    siblings batched by prefixlab.fleet.siblings) over `prompts`, writing one record per finished prompt with
+    `write`. Counts go into `stats` as they happen (what a stopped run did is kept)."""
     import torch
+
+    from prefixlab.fleet.siblings import generate_group, kv_bytes_per_token
 
     stats = stats if stats is not None else ProcessStats(process=process)
     started = time.perf_counter()
+
+    def finish(prompt: Prompt, output_ids: list[int], reused: int) -> None:
+        record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
+                  "reused_tokens": reused, "process": process}
+        if decode is not None:
+            record["text"] = decode(output_ids)
+        write(record)
+        stats.requests += 1
+        stats.prompt_tokens += len(prompt.tokens)
+        stats.reused_tokens += reused
+        stats.prefilled_tokens += len(prompt.tokens) - reused
+        stats.generated_tokens += len(output_ids)
+        stats.seconds = time.perf_counter() - started
+        if progress is not None:
+            progress(1)
+
+    def serve_one(prompt: Prompt) -> None:
+        output_ids, reused, reason = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+        stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
+        stats.kv_bytes_read += decode_kv_bytes(model, len(prompt.tokens), len(output_ids))
+        held = (len(prompt.tokens) + max(len(output_ids) - 1, 0)) * kv_bytes_per_token(model)
+        stats.kv_bytes_held_peak = max(stats.kv_bytes_held_peak, held)
+        finish(prompt, output_ids, reused)
+
+    batching = True
     with torch.inference_mode():
-        for index, prime_length in steps:
+        for index, length in steps:
+            if isinstance(index, tuple):  # siblings under a prime of `length` tokens: one Hydragen batch
+                group, result = [prompts[i] for i in index], None
+                try:
+                    if batching:
+                        result = generate_group(model, store, [p.tokens for p in group], length,
+                                                [p.max_new_tokens for p in group], _pad_id(model))
+                except PrefixlabError as err:  # raised before any output, the store left as it was
+                    batching = False
+                    print(f"prefixlab: note: --hydragen: cannot batch this model's siblings ({err}); serving "
+                          "prompts one by one", file=sys.stderr)
+                if result is None:  # no batching, or the prime's prefix left the store: serve them one by one
+                    for prompt in group:
+                        serve_one(prompt)
+                    continue
+                stats.batches += 1
+                stats.batched_requests += len(group)
+                stats.padding_tokens += result.padding_tokens
+                stats.prefilled_tokens += result.padding_tokens
+                stats.kv_bytes_read += result.kv_bytes_read
+                stats.kv_bytes_held_peak = max(stats.kv_bytes_held_peak, result.kv_bytes_held)
+                # not a store report (the batch reads the prime's entry, nothing is admitted): its own reason
+                stats.reasons["hydragen_batch"] = stats.reasons.get("hydragen_batch", 0) + len(group)
+                for prompt, output_ids in zip(group, result.outputs, strict=True):
+                    finish(prompt, output_ids, result.reused_tokens)
+                continue
             prompt = prompts[index]
-            if prime_length:
-                computed = prime(model, store, prompt.tokens[:prime_length])
+            if length:
+                computed = prime(model, store, prompt.tokens[:length])
                 stats.prime_tokens += computed
                 stats.prefilled_tokens += computed
                 continue
-            output_ids, reused, reason = generate(model, store, prompt.tokens, prompt.max_new_tokens)
-            stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
-            record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
-                      "reused_tokens": reused, "process": process}
-            if decode is not None:
-                record["text"] = decode(output_ids)
-            write(record)
-            stats.requests += 1
-            stats.prompt_tokens += len(prompt.tokens)
-            stats.reused_tokens += reused
-            stats.prefilled_tokens += len(prompt.tokens) - reused
-            stats.generated_tokens += len(output_ids)
-            stats.seconds = time.perf_counter() - started
-            if progress is not None:
-                progress(1)
+            serve_one(prompt)
     return stats

@@ -1,0 +1,220 @@
+"""Sibling batching: prompts under the same primed prefix generate as the rows of ONE batch through Hydragen.
+
+`group_siblings` rewrites a radix schedule (prefixlab.fleet.schedule.radix_schedule): the consecutive prompts
+served under the same deepest prime become one group step `((index, ...), prime length)`. `generate_group` serves a
+group: the store's cached prefix (the prime's checkpoint) is loaded ONCE as Hydragen's shared level
+(prefixlab.attention.compose.hydragen_cache_from_store), each row's own tokens after it are prefilled and every row
+decodes in one `generate` call.
+
+Exactness (greedy tokens of each row = the uncached model's, tested per family in tests/test_fleet_siblings.py):
+- attention-only models ("ragged"): rows of different lengths are left-padded BETWEEN the shared prefix and their
+  own tokens and prefilled in one batch; the attention mask hides the padding and generate's position ids (the
+  mask's cumsum) keep every real token at its own position.
+- hybrids of attention + linear-attention layers ("rows"): a recurrent or conv layer would run over padding and
+  carry it in its state, so rows of different lengths are each prefilled ALONE (all but their last token) over the
+  shared level, then joined (`HydragenCache.join_rows`: the level once, suffix KV left-padded with zeros and masked,
+  each row's own states) and decoded as one batch. Equal-length rows need no padding: one batched prefill.
+- other layer kinds ("equal"): only rows of equal length are batched; the rest are served one by one.
+Per-row `max_new_tokens` are exact: greedy decoding is prefix-consistent, so each row keeps its first
+`max_new_tokens` tokens, cut after its first EOS as `generate` of that row alone would stop.
+
+Admission: a Hydragen batch is not admitted into the store (its KV sits in Hydragen's shared + suffix layout). The
+prime step before the group already left the store its checkpoint; the siblings' own tokens are not cached, so a
+later prompt that the plain path would resume from a sibling's end (it shares a node the radix schedule does not
+prime, e.g. shallower than its min_prefix_tokens) prefills more. The summary counts what really ran.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from prefixlab.fleet.schedule import common_prefix
+
+Step = tuple[int | tuple[int, ...], int]
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """What one batched group did: per-row outputs, prefix tokens served from the store (every row), padding."""
+
+    outputs: list[list[int]]
+    reused_tokens: int
+    padding_tokens: int
+    kv_bytes_read: int  # attention KV read by the decode steps (the shared level once per step)
+    kv_bytes_held: int  # attention KV the batch held at its end (the shared level once, padding slots included)
+
+
+def batching_mode(model) -> str | None:
+    """How siblings of `model` batch: "ragged" (every layer full attention: one padded prefill is exact), "rows"
+    (attention + linear-attention layers: each row prefilled alone, then joined for one batched decode), "equal"
+    (other layer kinds: equal lengths only), or None (no attention layer HydragenCache can share)."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
+    from prefixlab.errors import PrefixlabError
+
+    try:
+        layers = HydragenCache(model.config).layers
+    except (PrefixlabError, KeyError, ValueError):
+        return None
+    shared = [isinstance(layer, SharedPrefixLayer) for layer in layers]
+    if not any(shared):
+        return None
+    if all(shared):
+        return "ragged"
+    joinable = all(isinstance(layer, SharedPrefixLayer) or type(layer) is LinearAttentionLayer for layer in layers)
+    return "rows" if joinable else "equal"
+
+
+def group_siblings(prompts: Sequence[np.ndarray], steps: Sequence[tuple[int, int]], mode: str,
+                   max_batch: int = 16) -> list[Step]:
+    """`steps` with the serve steps under one prime merged into group steps ((indices...), prime length).
+
+    A prompt belongs to the deepest prime whose tokens it starts with and must have a token of its own after it.
+    mode "equal" groups only equal-length prompts (one group per length); "ragged" and "rows" group any (see
+    batching_mode). Groups of one stay plain serve steps (index, 0); prime steps stay as they are.
+    """
+    out: list[Step] = []
+    primes: list[tuple[int, int]] = []  # (prompt index, depth): the primes whose subtree we are in, shallow first
+    run: list[int] = []
+    run_key: tuple[int, int] | None = None  # the prime the run is under
+
+    def flush() -> None:
+        buckets: dict[int, list[int]] = {}
+        for i in run:
+            buckets.setdefault(len(prompts[i]) if mode == "equal" else 0, []).append(i)
+        for members in buckets.values():
+            for start in range(0, len(members), max_batch):
+                chunk = members[start:start + max_batch]
+                out.extend([(chunk[0], 0)] if len(chunk) == 1 else [(tuple(chunk), run_key[1])])
+        run.clear()
+
+    for index, length in steps:
+        if length:
+            flush()
+            out.append((index, length))
+            primes.append((index, length))
+            continue
+        tokens = prompts[index]
+        while primes and common_prefix(tokens, prompts[primes[-1][0]][:primes[-1][1]]) < primes[-1][1]:
+            primes.pop()
+        key = primes[-1] if primes and len(tokens) > primes[-1][1] else None
+        if key != run_key or key is None:
+            flush()
+            run_key = key
+        if key is not None:
+            run.append(index)
+        else:
+            out.append((index, 0))
+    flush()
+    return out
+
+
+def kv_bytes_per_token(model) -> int:
+    """Attention K + V bytes of one token over every full-attention layer."""
+    config = model.config.get_text_config()
+    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return sum(kind == "full_attention" for kind in kinds) * 2 * kv_heads * head_dim * model.dtype.itemsize
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def keep_row(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
+    """A row of a longer greedy batch as `generate` of that row alone returns it: `max_new_tokens`, cut after EOS."""
+    tokens = tokens[:max_new_tokens]
+    for k, token in enumerate(tokens):
+        if token in eos:
+            return tokens[:k + 1]
+    return tokens
+
+
+def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
+                   max_new_tokens: Sequence[int], pad_id: int = 0) -> GroupResult | None:
+    """Greedy generation of `rows` (prompts that share their first `shared_length` tokens) as one Hydragen batch
+    over the store's cached prefix; None where a hybrid's ragged rows find no prefix in the store (serve them one by
+    one). The model must use attn_implementation="hydragen"."""
+    import torch
+
+    from prefixlab.attention.compose import hydragen_cache_from_store
+    from prefixlab.errors import InvalidInputError
+
+    mode = batching_mode(model)
+    if mode is None:
+        raise InvalidInputError(f"{type(model).__name__} has no attention layer HydragenCache can share: serve its "
+                                "prompts one by one")
+    ragged = len({len(r) for r in rows}) > 1
+    if mode == "equal" and ragged:
+        raise InvalidInputError(f"{type(model).__name__} has layers that would run over the padding of rows of "
+                                "different lengths: batch equal lengths only (group_siblings mode 'equal')")
+    if any(len(r) <= shared_length or common_prefix(r, rows[0]) < shared_length for r in rows):
+        raise InvalidInputError(f"every row must start with the same {shared_length} tokens and have more")
+    head = torch.as_tensor(rows[0][:shared_length + 1], dtype=torch.long)[None]
+    if mode == "rows" and ragged:  # recurrent layers must not see padding: prefill each row alone, decode together
+        cache = _prefill_rows(model, store, head, rows)
+        if cache is None:
+            return None
+    else:  # one prefill of [served prefix | padding | each row's own tokens]
+        cache = hydragen_cache_from_store(store, head, batch_size=len(rows))
+    from prefixlab.attention.hf_cache import SharedPrefixLayer
+
+    # tokens served from the store: <= shared_length, 0 on a miss
+    reused = next(layer.prefix_length for layer in cache.layers if isinstance(layer, SharedPrefixLayer))
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, tokens in enumerate(rows):  # [served prefix | padding | the row's own tokens]
+        gap = width - len(tokens)
+        ids[b, :reused], ids[b, reused + gap:] = torch.as_tensor(tokens[:reused]), torch.as_tensor(tokens[reused:])
+        mask[b, :reused], mask[b, reused + gap:] = 1, 1
+    padding = 0 if mode == "rows" and ragged else int((width - mask.sum(1)).sum())  # joined rows: zeros, not computed
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache,
+                         max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=pad_id)
+    eos = _eos_ids(model)
+    outputs = [keep_row(out[b, width:].tolist(), n, eos) for b, n in enumerate(max_new_tokens)]
+    generated = out.shape[1] - width  # decode steps actually run (all rows stopped at EOS: fewer)
+    # decode step t (t = 1 .. generated - 1) reads the shared level once and each row's suffix of width - reused + t
+    per_token = kv_bytes_per_token(model)
+    read = sum(reused + len(rows) * (width - reused + t) for t in range(1, generated)) * per_token
+    held = (reused + len(rows) * (width - reused + max(generated - 1, 0))) * per_token
+    return GroupResult(outputs, reused, padding, read, held)
+
+
+def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
+    """A joined HydragenCache of `rows`, each prefilled alone (all but its last token) over the store's prefix of
+    `head[:-1]`; None on a store miss (a row without own tokens would then have no recurrent state to join)."""
+    import torch
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from prefixlab.attention.compose import hydragen_cache_from_store
+    from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
+    from prefixlab.cache.hooks import forward_parameters
+
+    first = hydragen_cache_from_store(store, head, batch_size=1)
+    reused = first.get_seq_length()
+    if not reused:
+        return None
+    attention = {i: layer.levels[0] for i, layer in enumerate(first.layers) if isinstance(layer, SharedPrefixLayer)}
+    recurrent = {i: layer for i, layer in enumerate(first.layers) if isinstance(layer, LinearAttentionLayer)}
+    # every row's cache is loaded (its states copied) BEFORE any forward, which updates `first`'s states in place
+    caches = [first]
+    for _ in rows[1:]:
+        cache = HydragenCache(model.config)
+        cache.load_shared_prefix({i: lv.keys for i, lv in attention.items()},
+                                 {i: lv.values for i, lv in attention.items()}, batch_size=1,
+                                 conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
+                                 recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()})
+        caches.append(cache)
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
+    for cache, tokens in zip(caches, rows, strict=True):
+        if len(tokens) - 1 > reused:
+            own = torch.as_tensor(tokens[reused:-1], dtype=torch.long, device=model.device)[None]
+            model(input_ids=own, past_key_values=cache, use_cache=True, **keep)
+    return HydragenCache.join_rows(model.config, caches)
