@@ -124,6 +124,7 @@ def test_hydragen_batches_the_siblings_of_each_prime_exactly(capsys, files, tmp_
     assert {r["id"]: r["output_ids"] for r in read_out(tmp_path / "out.jsonl")} == reference
     # 3 primes of 150 tokens, each with 4 siblings: batches of 3 + 1 left to the plain path
     assert summary["batches"] == 3 and summary["batched_requests"] == 9 and summary["padding_tokens"] == 0
+    assert summary["reasons"]["hydragen_batch"] == 9 and sum(summary["reasons"].values()) == 12
     for key in ("reused_tokens", "prefilled_tokens", "prime_tokens", "generated_tokens"):
         assert summary[key] == plain[key], key  # the same tokens computed, in fewer forward calls
     assert summary["kv_bytes_read"] < plain["kv_bytes_read"]
