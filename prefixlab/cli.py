@@ -27,6 +27,14 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with `command`'s subcommands, or with all of them when `command` is None or unknown."""
     parser = ArgumentParser(prog="prefixlab", description=__doc__)

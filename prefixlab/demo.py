@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixlab.cli import positive_int
 from prefixlab.data import shared_file
 
 SYSTEM_PROMPT_TOKENS = 2048  # each shared system prompt is cut to this many tokens
@@ -270,16 +271,9 @@ def run(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     demo = subparsers.add_parser("demo", help="serve a workload with and without prefixlab (the main job)")
-    demo.add_argument("--requests", type=_positive, default=40, help="number of requests (default 40)")
+    demo.add_argument("--requests", type=positive_int, default=40, help="number of requests (default 40)")
     demo.add_argument("--plot", metavar="FILE.png", help="write TTFT and reuse per request to a PNG")
-    demo.add_argument("--max-new-tokens", type=_positive, default=4, help="tokens generated per request")
+    demo.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens generated per request")
     demo.add_argument("--policy", default="dp", help="store admission policy (default dp)")
     demo.add_argument("--capacity", default="1GB", help="store capacity, e.g. 1GB or 256MiB")
     demo.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from prefixlab.cache.explain import format_reasons
+from prefixlab.cli import positive_int
 from prefixlab.errors import InvalidInputError
 
 
@@ -232,8 +233,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--hydragen", action="store_true",
                      help="batch the prompts under one primed prefix as one generate batch with Hydragen's shared "
                           "prefix (exact; see prefixlab/fleet/siblings.py; batches are not admitted to the store)")
-    cmd.add_argument("--max-batch", type=_positive, default=16, help="--hydragen: most prompts in one batch")
-    cmd.add_argument("--max-new-tokens", type=_positive, default=16, help="default for prompts without one")
+    cmd.add_argument("--max-batch", type=positive_int, default=16, help="--hydragen: most prompts in one batch")
+    cmd.add_argument("--max-new-tokens", type=positive_int, default=16, help="default for prompts without one")
     cmd.add_argument("--capacity", default="1GB", help="each process's store capacity, e.g. 1GB or 256MiB")
     cmd.add_argument("--policy", default="dp", help="store admission policy (default dp)")
     cmd.add_argument("--balance-eps", type=float, default=0.15, help="affinity: max work (1 + eps) x the mean")
@@ -242,10 +243,3 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
     cmd.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     cmd.set_defaults(func=run)
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
