@@ -3,6 +3,7 @@
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -158,12 +159,19 @@ def test_bad_input(capsys, files, tmp_path):
 
 @pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None,
                     reason="accelerate (the dist extra) is not installed")
+def _free_port() -> int:
+    """A loopback port free now (a fixed one may be taken on a CI machine)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def test_two_launched_processes(files, reference, tmp_path):
     out = tmp_path / "out.jsonl"
     launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
     # on a CPU-only machine --multi_gpu starts the processes on gloo (accelerate's --cpu launch starts only one)
     command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-               "no", "--dynamo_backend", "no", "--main_process_port", "29513", "-m", "prefixlab", "run",
+               "no", "--dynamo_backend", "no", "--main_process_port", _free_port(), "-m", "prefixlab", "run",
                files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=env)
