@@ -19,24 +19,9 @@ from prefixlab.cache.eviction import AlphaBootstrap
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
+from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError
-
-
-def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
-    """`tokens` as a 1-D int64 array of non-negative ids, or InvalidInputError naming `name`."""
-    try:
-        array = np.asarray(tokens)
-    except (ValueError, OverflowError) as err:
-        raise InvalidInputError(f"{name} must be a flat sequence of int token ids ({err})") from None
-    if array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
-        raise InvalidInputError(
-            f"{name} must be a flat sequence of int token ids, got a {array.ndim}-D array of dtype {array.dtype}; "
-            "pass a list or 1-D integer numpy array"
-        )
-    if array.size and array.min() < 0:
-        raise InvalidInputError(f"{name} has a negative token id ({array.min()}); token ids are >= 0")
-    return array.astype(np.int64, copy=False)
 
 
 @dataclass(eq=False)
@@ -140,7 +125,7 @@ class PrefixCacheCore:
     def match(self, tokens: object, namespace: str = "default") -> Match:
         """The deepest checkpoint at or before the prefix `tokens` share with the cache (every shared token for a
         KV-only model); its entries stay locked until `release`."""
-        return self._match(as_tokens(tokens), _check_namespace(namespace))
+        return self._match(as_tokens(tokens), check_namespace(namespace))
 
     def _match(self, tokens: np.ndarray, namespace: str, with_kv: bool = True) -> Match:
         """`match` of validated tokens; the replay path leaves `kv` empty (size-only payloads go unused)."""
@@ -196,7 +181,7 @@ class PrefixCacheCore:
             self._check_match(match)
             if namespace not in ("default", match.namespace):
                 raise InvalidInputError(f"namespace={namespace!r} differs from the match's {match.namespace!r}")
-        walk = self._walk_extending(tokens, match) if match else self._walk(tokens, _check_namespace(namespace))
+        walk = self._walk_extending(tokens, match) if match else self._walk(tokens, check_namespace(namespace))
         return self._admit(tokens, walk, kv, states, match, restore)
 
     def _admit(self, tokens: np.ndarray, walk: Walk, kv: Callable[[int, int], KVPayload],
@@ -376,19 +361,13 @@ class PrefixCacheCore:
             assert (node.id in self.eviction.nodes) == self.eviction.eligible(node), f"{node} eviction index stale"
 
 
-def _check_namespace(namespace: object) -> str:
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidInputError(f"namespace must be a non-empty str, got {namespace!r}")
-    return namespace
-
-
 def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_tokens: np.ndarray,
                    namespace: str = "default") -> int:
     """One simulated request with size-only payloads: match the input, admit input + output with the states the
     policy plans (the simulator's and the alpha tuner's step, as in Marconi's replay). Returns the hit length."""
     input_tokens, output_tokens = as_tokens(input_tokens, "input_tokens"), as_tokens(output_tokens, "output_tokens")
     tokens = np.concatenate([input_tokens, output_tokens]) if len(output_tokens) else input_tokens
-    return _replay(core, tokens, len(input_tokens), _check_namespace(namespace))
+    return _replay(core, tokens, len(input_tokens), check_namespace(namespace))
 
 
 def _replay(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namespace: str = "default") -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from prefixlab.cache.core import PrefixCacheCore, as_tokens
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import default_for, register, unregister
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
@@ -39,6 +39,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, path_kv
+from prefixlab.cache.tokens import as_tokens
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixlab.cache.core import as_tokens
+from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.errors import InvalidInputError
 
