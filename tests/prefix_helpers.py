@@ -98,3 +98,13 @@ def request(core: PrefixCacheCore, inp, out=(), namespace: str = "default", rele
 def snapshot(core: PrefixCacheCore) -> tuple:
     """Everything observable about the cache, to show a failed call changed nothing."""
     return core.stats(), sorted((path, tuple(node.ckpt_pos), node.lock_count) for node, path in node_paths(core))
+
+
+def version_families(families: int, shared: int = 200, tail: int = 56, seed: int = 1) -> list[list[int]]:
+    """Prompt families whose two versions share `shared` tokens and then diverge."""
+    rng = np.random.default_rng(seed)
+    stream = []
+    for _ in range(families):
+        common = list(rng.integers(1000, 2000, shared))
+        stream += [common + list(rng.integers(2000, 3000, tail)), common + list(rng.integers(3000, 4000, tail))]
+    return stream

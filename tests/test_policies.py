@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, tiny_spec
+from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, tiny_spec, version_families
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
@@ -234,18 +234,8 @@ def test_alpha_is_tuned_on_the_bootstrap_window_to_the_best_replay():
     assert core.alpha == max(ALPHA_GRID, key=lambda a: (saved[a], -a))
 
 
-def _version_families(families, shared=200, tail=56, seed=1):
-    """Prompt families whose two versions share `shared` tokens and then diverge."""
-    rng = np.random.default_rng(seed)
-    stream = []
-    for _ in range(families):
-        common = list(rng.integers(1000, 2000, shared))
-        stream += [common + list(rng.integers(2000, 3000, tail)), common + list(rng.integers(3000, 4000, tail))]
-    return stream
-
-
 def test_dp_learns_where_requests_diverge_and_beats_marconi():
-    stream = _version_families(6)
+    stream = version_families(6)
     hits = {}
     for policy in ("marconi", "dp"):
         core = _core(policy, capacity_bytes=10**7, alpha=0.0)

@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 import pytest
-from prefix_helpers import STATE_BYTES, request, tiny_spec
+from prefix_helpers import STATE_BYTES, request, tiny_spec, version_families
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.eviction import FlopAware, ThinningFlopAware, tune_alpha
@@ -48,18 +48,9 @@ def test_law_decays_per_request_and_survives_many_requests():
     assert np.isfinite(interior).all() and law.requests / law._scale == pytest.approx(2.0, rel=1e-6)
 
 
-def _families(count, shared=200, tail=56, seed=1):
-    rng = np.random.default_rng(seed)
-    stream = []
-    for _ in range(count):
-        common = list(rng.integers(1000, 2000, shared))
-        stream += [common + list(rng.integers(2000, 3000, tail)), common + list(rng.integers(3000, 4000, tail))]
-    return stream
-
-
 def test_the_law_counts_overlaps_whether_or_not_a_state_caught_them():
     core = _core()
-    hits = [request(core, tokens).length for tokens in _families(8)]
+    hits = [request(core, tokens).length for tokens in version_families(8)]
     assert hits[-1] > 0  # a placed state caught the last family's divergence ...
     interior, _ = _law_arrays(core.admission.laws["branch"])
     # ... and every second version still counted as an overlap at depth 200 (block 12 of 16 tokens)
@@ -71,7 +62,7 @@ def test_placement_is_free_while_stored_tokens_go_unused_and_priced_once_they_pa
     admission = PricedAdmission(block=16, decay=0.99, resolve_every=1, state_tokens=10_000.0)  # a costly state
     core = _core()
     core.admission = admission  # a fresh admission on a fresh core: plan through the core's tree
-    for tokens in _families(6):
+    for tokens in version_families(6):
         request(core, tokens)
     law = admission.laws["branch"]
     assert law.table() is not None
@@ -99,7 +90,7 @@ def test_thinning_drops_placed_states_before_whole_entries():
     spec = tiny_spec()
     core = _core(capacity_bytes=10**6)
     assert isinstance(core.eviction, ThinningFlopAware)
-    for tokens in _families(6):
+    for tokens in version_families(6):
         request(core, tokens)
     node = next(n for n in core.tree.nodes() if n.ckpt_pos and n.ckpt_pos[0] < n.end)
     before = len(node.ckpt_pos)
@@ -147,7 +138,7 @@ def test_dp_on_a_kv_only_model_is_marconi():
 
 def test_only_whole_entry_evictions_start_the_alpha_bootstrap():
     core = PrefixCacheCore(10**6, "dp", tiny_spec(), block_size=4)  # alpha tuned: a bootstrap window
-    for tokens in _families(6):
+    for tokens in version_families(6):
         request(core, tokens)
     thin = next(n for n in core.tree.nodes() if n.ckpt_pos and n.ckpt_pos[0] < n.end)
     whole = next(n for n in core.tree.nodes() if not n.children and not core.eviction.thins(n))
@@ -162,7 +153,7 @@ def test_only_whole_entry_evictions_start_the_alpha_bootstrap():
 
 def test_alpha_replays_start_from_the_live_law():
     live = _core()
-    for tokens in _families(6):
+    for tokens in version_families(6):
         request(live, tokens)
     fresh = _core()
     fresh.admission.seed(live.admission)
