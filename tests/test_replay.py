@@ -91,3 +91,12 @@ def test_dp_is_within_half_a_point_of_marconi_on_a_chat_and_prompt_versions_mix(
     trace, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
     marconi = simulate(trace, "marconi", int(gb * 1e9), spec).token_hit_rate
     assert simulate(trace, "dp", int(gb * 1e9), spec).token_hit_rate >= marconi - 0.5  # issue 9's bar
+
+
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
+def test_the_alpha_tuners_time_is_reported_as_part_of_the_replays(policy):
+    requests, spec = _conversations(12, 5), tiny_spec()
+    tuned = simulate(requests, policy, 700, spec)
+    assert tuned.alpha is not None and 0 < tuned.tuning_seconds <= tuned.replay_seconds
+    assert simulate(requests, policy, 700, spec, alpha=0.5).tuning_seconds == 0.0  # a fixed alpha is never tuned
+    assert simulate(requests, policy, 10**9, spec).tuning_seconds == 0.0  # nothing evicted: no window, no tuning

@@ -9,6 +9,7 @@ anything changes.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -105,6 +106,7 @@ class PrefixCacheCore:
         self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha or 0.0)
         self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
         self.clock = self.requests = self.evictions = self.rejected = 0
+        self.tuning_seconds = 0.0  # wall time of the alpha tuner's replays (a one-off cost; benchmarks report it)
         self._live: dict[int, Match] = {}
         # the requests admitted until alpha is tuned (None once tuned, or when alpha is fixed)
         self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens) if alpha is None and tunes_alpha(policy)
@@ -319,7 +321,9 @@ class PrefixCacheCore:
             fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
                                     checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
             fresh.admission.seed(self.admission)
+            started = time.perf_counter()
             self.eviction.alpha, self.bootstrap = self.bootstrap.tune(fresh, _replay), None
+            self.tuning_seconds += time.perf_counter() - started
 
     def fork(self) -> PrefixCacheCore:
         """An independent copy between requests (no live matches), sharing the immutable payloads (the tuner's)."""

@@ -51,7 +51,8 @@ def simulate(
     elapsed = time.perf_counter() - started
     lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
     return summarize(
-        policy, capacity_bytes, lengths, hits, spec, alpha=core.alpha, evictions=core.evictions, replay_seconds=elapsed
+        policy, capacity_bytes, lengths, hits, spec, alpha=core.alpha, evictions=core.evictions, replay_seconds=elapsed,
+        tuning_seconds=core.tuning_seconds,
     )
 
 
