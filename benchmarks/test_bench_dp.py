@@ -132,7 +132,7 @@ TIMING_HEAD = ("| trace | x knee | marconi s | dp s | dp / marconi | marconi tun
                "dp / marconi, tuning excluded |\n|---|---|---|---|---|---|---|---|")
 
 
-def replay_times(name: str, requests: list, baselines: dict, rounds: int = 2) -> list[str]:
+def replay_times(name: str, requests: list, baselines: dict, rounds: int = 3) -> list[str]:
     """dp's and marconi's replay seconds (the fastest of `rounds`, alternating, one process) at 1, 2 and 4x the knee,
     and the part of each spent tuning alpha (a one-off cost: the bootstrap window replayed once per alpha)."""
     spec = ModelSpec.from_name(MODEL)
