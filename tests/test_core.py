@@ -117,6 +117,20 @@ def test_plan_needs_tokens_that_extend_the_match():
     core.release(match)
 
 
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_peek_says_what_match_would_return_and_changes_nothing(hybrid):
+    core = _core(hybrid=hybrid)
+    request(core, [1, 2, 3, 4], [5, 6])
+    request(core, [1, 2, 3, 9, 9])
+    for tokens in ([1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 8], [1, 2], [7], []):
+        before = snapshot(core)
+        peeked = core.peek(tokens)
+        assert snapshot(core) == before  # no request counted, nothing locked or refreshed
+        match = core.match(tokens)
+        assert peeked == (match.length, match.shared_length)
+        core.release(match)
+
+
 BAD_TOKENS = [[1.5, 2.0], ["a", "b"], [[1, 2], [3, 4]], [[1], [2, 3]], "abc", [1, -2], [True, False], 7, [2**70]]
 
 
@@ -128,6 +142,8 @@ def test_bad_tokens_raise_and_change_nothing(tokens):
     before = snapshot(core)
     with pytest.raises(InvalidInputError, match="tokens"):
         core.match(tokens)
+    with pytest.raises(InvalidInputError, match="tokens"):
+        core.peek(tokens)
     with pytest.raises(InvalidInputError, match="tokens"):
         core.plan(tokens, held)
     with pytest.raises(InvalidInputError, match="tokens"):

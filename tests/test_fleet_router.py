@@ -5,10 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet.router import ROUTING_NAMES, AffinityRouter, make_router
-from prefixlab.fleet.schedule import assign, common_prefix, partition, radix_order, radix_schedule
+from prefixlab.fleet.router import ROUTING_NAMES, AffinityRouter, Choice, make_router
+from prefixlab.fleet.schedule import StoreModel, assign, common_prefix, partition, radix_order, radix_schedule
 from prefixlab.sim.replay import load_imbalance, simulate_fleet
 from prefixlab.sim.trace import Request
 
@@ -36,6 +37,89 @@ def test_affinity_resumes_from_the_branch_checkpoint_it_expects():
     kv_only = AffinityRouter(3, checkpointed=False)
     kv_only.record(2, np.concatenate([a, b]), 200)
     assert kv_only.reusable(np.concatenate([a, c]))[0].tolist() == [0, 0, 100]
+
+
+SPEC = ModelSpec.from_name("marconi-7b")  # 65,536 KV bytes per token, 26.8 MB per state
+
+
+def test_affinity_asks_the_replicas_and_stops_sending_where_a_prefix_was_evicted():
+    a, b, x, y, z = (np.arange(300) + k * 1000 for k in range(5))
+    caches = [PrefixCacheCore(100 * 10**6, "marconi", SPEC) for _ in range(2)]  # one 600-token prompt fits
+    router = AffinityRouter(2, balance_eps=10.0, caches=caches)
+    fallback = AffinityRouter(2, balance_eps=10.0)  # models what it sent, never evicted (main's router)
+
+    def serve(replica, tokens):
+        hit = replay_request(caches[replica], tokens, [])
+        for each in (router, fallback):
+            each.record(replica, tokens, len(tokens) - hit)
+        return hit
+
+    serve(0, np.concatenate([a, x]))
+    assert router.choose(np.concatenate([a, y])) == Choice(0, 0)  # KV of `a` held, no checkpoint at 300 yet
+    assert serve(0, np.concatenate([a, y])) == 0  # ...which serving it there captures
+    assert router.choose(np.concatenate([a, z])) == Choice(0, 300)
+    serve(0, np.concatenate([b, x]))  # replica 0 evicts `a` to make room for `b`
+    assert caches[0].peek(np.concatenate([a, z])) == (0, 0)
+    choice = router.choose(np.concatenate([a, z]))
+    assert choice == Choice(1, 0) and fallback.choose(np.concatenate([a, z])) == Choice(0, 300)
+    assert serve(choice.replica, np.concatenate([a, z])) == choice.reusable_tokens
+    assert router.sent(router.tree.walk(np.concatenate([a, z]), "default")).tolist() == [0, 600]  # 0 forgot `a`
+
+
+@pytest.mark.parametrize("policy", ["marconi", "sglang+", "dp"])
+def test_affinity_predicts_what_the_replicas_reuse(policy):
+    """Under evictions the router's expected reuse is exactly what the chosen replica resumes; the fallback (a
+    model of what was sent that never evicts) gets it wrong on the same stream."""
+    requests = shared_prompt_requests(prefixes=6, per_prefix=6, prefix_len=300, question_len=20)
+    caches = [PrefixCacheCore(150 * 10**6, policy, SPEC, overflow=True) for _ in range(3)]
+    router, fallback = AffinityRouter(3, caches=caches), AffinityRouter(3)
+    wrong_fallback = 0
+    for r in requests:
+        choice = router.choose(r.input_tokens)
+        wrong_fallback += int(fallback.reusable(r.input_tokens)[0][choice.replica]) != choice.reusable_tokens
+        hit = replay_request(caches[choice.replica], r.input_tokens, r.output_tokens)
+        assert choice.reusable_tokens == hit
+        for each in (router, fallback):
+            each.record(choice.replica, r.tokens, len(r.input_tokens) - hit)
+    assert sum(c.evictions for c in caches) > 0 and wrong_fallback > 0
+
+
+class AskEveryReplica(AffinityRouter):
+    """The reference: every replica asked for every request (no bound, no early stop)."""
+
+    def _ask_until_decided(self, tokens):
+        return (*self.reusable(tokens), np.ones(self.replicas, dtype=bool))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(2, 6), st.sampled_from(["marconi", "sglang+", "dp"]),
+       st.lists(st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(1, 60)), min_size=1, max_size=40))
+def test_asking_in_bound_order_chooses_as_asking_every_replica(replicas, policy, stream):
+    """The early stop and the forgotten bits never change a choice (caches that evict a lot)."""
+    prefixes = [np.arange(120) + 1000 * k for k in range(5)]
+    caches = [PrefixCacheCore(100 * 10**6, policy, SPEC, block_size=16) for _ in range(replicas)]
+    fast, every = AffinityRouter(replicas, caches=caches), AskEveryReplica(replicas, caches=caches)
+    for prefix, middle, suffix in stream:
+        tokens = np.concatenate([prefixes[prefix], np.arange(40 * middle) + 20_000, np.arange(suffix) + 50_000])
+        choice = fast.choose(tokens)
+        assert choice == every.choose(tokens)
+        hit = replay_request(caches[choice.replica], tokens, [])
+        assert hit == choice.reusable_tokens
+        for router in (fast, every):
+            router.record(choice.replica, tokens, len(tokens) - hit)
+
+
+def test_planning_against_store_models_sees_that_nothing_is_kept():
+    """Stores too small to keep a prompt: the store models say no process holds a prefix, so the plan balances
+    the prompt tokens; the fallback (processes keep all they were sent) keeps each prompt family together."""
+    requests = shared_prompt_requests(prefixes=2, per_prefix=8, prefix_len=300, question_len=20)
+    prompts = [r.input_tokens for r in requests]
+    tiny = StoreModel("dp", 10 * 10**6, SPEC)
+    planned, fallback = (assign(prompts, 4, "affinity", store=store) for store in (tiny, None))
+    tokens = np.bincount(planned, weights=[len(p) for p in prompts], minlength=4)
+    assert tokens.max() / tokens.mean() <= 1.25
+    assert len({(p[0], process) for p, process in zip(prompts, fallback, strict=True)}) < 4  # families stay put
+    assert len({(p[0], process) for p, process in zip(prompts, planned, strict=True)}) > 4
 
 
 @settings(max_examples=40, deadline=None)
@@ -117,3 +201,14 @@ def test_router_inputs_are_checked():
         router.choose(np.array([[1, 2]]))
     with pytest.raises(InvalidInputError, match="balance_eps"):
         AffinityRouter(2, balance_eps=-1)
+    core = PrefixCacheCore(10**9, "marconi", SPEC)
+    with pytest.raises(InvalidInputError, match="caches must be 2"):
+        AffinityRouter(2, caches=[core])
+    with pytest.raises(InvalidInputError, match="peek"):
+        AffinityRouter(2, caches=[core, object()])
+    with pytest.raises(InvalidInputError, match="policy"):
+        StoreModel("lru", 10**9, SPEC)
+    with pytest.raises(InvalidInputError, match="capacity_bytes"):
+        StoreModel("dp", 0, SPEC)
+    with pytest.raises(InvalidInputError, match="StoreModel"):
+        assign([np.arange(3)], 1, "affinity", store="dp")

@@ -134,10 +134,7 @@ class PrefixCacheCore:
         self.clock += 1
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
-        if self.hybrid:
-            node, length, state = self.tree.deepest_checkpoint(walk)
-        else:
-            node, length, state = walk.path[-1], walk.shared_length, None
+        node, length, state = self._resumable(walk)
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk, length)
         self.tree.lock(node, +1)
@@ -146,6 +143,18 @@ class PrefixCacheCore:
         match = Match(length, walk.shared_length, state, kv, namespace, len(tokens), node, walk)
         self._live[id(match)] = match
         return match
+
+    def peek(self, tokens: object, namespace: str = "default") -> tuple[int, int]:
+        """(length, shared_length) that `match` would return now, changing nothing (no lock, no timestamp, no
+        observation): what a router asks a replica (prefixlab.fleet.router)."""
+        walk = self.tree.walk(as_tokens(tokens), check_namespace(namespace))
+        return self._resumable(walk)[1], walk.shared_length
+
+    def _resumable(self, walk: Walk) -> tuple[Node, int, Payload | None]:
+        """The deepest checkpoint on `walk` (every shared token for a KV-only model): (node, length, state)."""
+        if self.hybrid:
+            return self.tree.deepest_checkpoint(walk)
+        return walk.path[-1], walk.shared_length, None
 
     def plan(self, tokens: object, match: Match) -> list[int]:
         """Sorted positions in (match.length, len(tokens)] whose recurrent states the request should capture

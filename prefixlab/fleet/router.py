@@ -1,15 +1,23 @@
 """Request routers for a fleet of replicas, each with its own prefix cache.
 
-    router = make_router("affinity", replicas=8)
+    router = make_router("affinity", replicas=8, caches=cores)   # cores: what each replica holds (optional)
     choice = router.choose(input_tokens)            # replica and the prefix it is expected to resume
     ...serve on choice.replica, reusing `hit` tokens...
     router.record(choice.replica, input_and_output_tokens, prefill_tokens=len(input_tokens) - hit)
 
-`random` and `round-robin` ignore prefixes. `affinity` keeps a radix tree of what each replica was sent (a bit
-mask of replicas per edge and per checkpoint) and sends a request where the longest prefix can be *resumed*: for a
-hybrid model the deepest recurrent checkpoint on the shared path, not the longest KV match. The router models
-each replica as a Marconi-style cache (a checkpoint where a sequence branched off what the replica held, and one
-at its last token) that never evicts: an approximation, the replicas' own policies decide what they really keep.
+`random` and `round-robin` ignore prefixes. `affinity` sends a request where the longest prefix can be *resumed*:
+for a hybrid model the deepest recurrent checkpoint on the shared path, not the longest KV match. It keeps a radix
+tree of what each replica was sent (a bit mask of replicas per edge): an upper bound of what each holds.
+
+With `caches` (one per replica, anything with `peek(tokens) -> (resumable, shared)`, e.g. PrefixCacheCore: the
+simulator's replica caches, or `prefixlab run`'s model-free copies of each process's store) the router asks the
+replicas what they still hold, so evictions are seen: replicas are asked in decreasing order of their bound, and
+asking stops once the best answer beats every remaining bound (the choice equals asking all of them). A replica
+found to hold less of the path than it was sent has its bit cleared below that depth (it evicted the rest), so it is
+not asked about that prefix again until it is sent it again. Without `caches` (the fallback) the router models each
+replica as a Marconi-style cache that never evicts (a checkpoint where a sequence branched off what the replica held,
+and one at its last token; `checkpointed=False`: every held token is resumable).
+
 Balance is a constraint: a replica is eligible only if its prefill work after the request stays within
 (1 + balance_eps) x the fleet mean plus the request's own length (slack, so that early requests can reuse at all);
 when none is, the least-loaded one gets it.
@@ -18,12 +26,14 @@ when none is, the least-loaded one gets it.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from prefixlab.cache.tokens import as_tokens
-from prefixlab.cache.tree import Node, RadixTree
+from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError
 
 ROUTING_NAMES = ("random", "round-robin", "affinity")
@@ -51,6 +61,12 @@ class Holders:
 
     def concat(self, other: Holders) -> Holders:
         return Holders(self.ntokens + other.ntokens, self.mask | other.mask)
+
+
+class ReplicaCache(Protocol):
+    """What the affinity router asks a replica: (resumable, shared) tokens of a request, changing nothing."""
+
+    def peek(self, tokens: np.ndarray) -> tuple[int, int]: ...
 
 
 def check_routing(name: str) -> str:
@@ -109,49 +125,120 @@ class RoundRobinRouter(Router):
 class AffinityRouter(Router):
     """Longest resumable prefix under a balance constraint (see the module docstring).
 
-    `checkpointed=False` models KV-only replicas (any shared token is reusable)."""
+    `caches`: per replica, what it holds (`peek`); `checkpointed=False`: any held token is resumable (KV-only
+    replicas, or processes that prime every shared prefix)."""
 
     name = "affinity"
 
-    def __init__(self, replicas: int, seed: int = 0, *, balance_eps: float = 0.15, checkpointed: bool = True) -> None:
+    def __init__(self, replicas: int, seed: int = 0, *, balance_eps: float = 0.15, checkpointed: bool = True,
+                 caches: Sequence[ReplicaCache] | None = None) -> None:
         super().__init__(replicas, seed)
         if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
             raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
-        self.balance_eps, self.checkpointed = float(balance_eps), checkpointed
+        if caches is not None and (len(caches) != replicas or not all(callable(getattr(c, "peek", None))
+                                                                       for c in caches)):
+            raise InvalidInputError(f"caches must be {replicas} objects with a peek(tokens) method (one per "
+                                    "replica, e.g. PrefixCacheCore), or None")
+        self.balance_eps, self.checkpointed, self.caches = float(balance_eps), checkpointed, caches
         self.tree = RadixTree()
         self.all_mask = (1 << replicas) - 1
 
+    def sent(self, walk: Walk) -> np.ndarray:
+        """Per replica: how many tokens of the walked path it was sent and is not known to have dropped (an edge
+        counts only below edges it holds): an upper bound of what it holds."""
+        sent = np.zeros(self.replicas, dtype=np.int64)
+        alive = self.all_mask
+        for node in walk.path[1:]:
+            _assign(sent, alive & ~node.kv.mask, node.start, 0)
+            alive &= node.kv.mask
+            if not alive:
+                return sent
+        _assign(sent, alive, walk.shared_length, 0)
+        return sent
+
     def reusable(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per replica: the tokens of `tokens` it is expected to resume now (deepest checkpoint it holds on the
-        path) and the tokens it holds the KV of (where serving the request there checkpoints the branch)."""
-        walk = self.tree.walk(as_tokens(tokens), "default")
-        reusable = np.zeros(self.replicas, dtype=np.int64)
-        shared = np.zeros(self.replicas, dtype=np.int64)
-        with_ckpt = with_kv = 0
-        for node in reversed(walk.path[1:]):
-            with_kv = _assign(shared, node.kv.mask & ~with_kv, min(node.end, walk.shared_length), with_kv)
-            if self.checkpointed:
-                for i in range(node.checkpoint_at_or_before(walk.shared_length), -1, -1):
-                    with_ckpt = _assign(reusable, node.ckpt_state[i].mask & ~with_ckpt, node.ckpt_pos[i], with_ckpt)
-            if with_kv == self.all_mask and (with_ckpt == self.all_mask or not self.checkpointed):
+        """Per replica: the tokens of `tokens` it is expected to resume now and the tokens it holds the KV of
+        (where serving the request there checkpoints the branch). With `caches`, every replica is asked."""
+        tokens = as_tokens(tokens)
+        walk = self.tree.walk(tokens, "default")
+        if self.caches is not None:
+            reusable, shared = np.zeros((2, self.replicas), dtype=np.int64)
+            for replica in range(self.replicas):
+                reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
+            return reusable, shared
+        shared = self.sent(walk)
+        if not self.checkpointed:
+            return shared, shared
+        reusable, with_ckpt = np.zeros(self.replicas, dtype=np.int64), 0
+        for node in reversed(walk.path[1:]):  # the deepest checkpoint each replica was modelled to keep
+            for i in range(node.checkpoint_at_or_before(walk.shared_length), -1, -1):
+                with_ckpt = _assign(reusable, node.ckpt_state[i].mask & ~with_ckpt, node.ckpt_pos[i], with_ckpt)
+            if with_ckpt == self.all_mask:
                 break
-        return (reusable if self.checkpointed else shared), shared
+        return reusable, shared
 
     def choose(self, tokens: np.ndarray) -> Choice:
         tokens = as_tokens(tokens)
-        reusable, shared = self.reusable(tokens)
-        after = self.loads + (len(tokens) - reusable)  # each replica's prefill work if it takes the request
-        mean_after = (self.loads.sum() + len(tokens) - reusable) / self.replicas
+        if self.caches is None:
+            reusable, shared = self.reusable(tokens)
+            known = np.ones(self.replicas, dtype=bool)
+        else:
+            reusable, shared, known = self._ask_until_decided(tokens)
+        best = self._best(len(tokens), reusable, shared, known)
+        if best is None:  # no replica is eligible: the least work after the request gets it
+            if self.caches is not None:
+                reusable, shared = self.reusable(tokens)
+            best = int(np.argmin(self.loads + (len(tokens) - reusable)))
+        return Choice(best, int(reusable[best]))
+
+    def _best(self, length: int, reusable: np.ndarray, shared: np.ndarray, known: np.ndarray) -> int | None:
+        """The best `known` eligible replica, or None."""
+        after = self.loads + (length - reusable)  # each replica's prefill work if it takes the request
+        mean_after = (self.loads.sum() + length - reusable) / self.replicas
         # The bound has one request of slack: early on (mean ~ one request) it would otherwise forbid any reuse.
-        eligible = np.flatnonzero(after <= (1.0 + self.balance_eps) * mean_after + len(tokens))
+        eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after + length))
         if len(eligible) == 0:
-            best = int(np.argmin(after))
-            return Choice(best, int(reusable[best]))
+            return None
         # Most reuse now, then the most held KV (the branch checkpoint it gets there serves the next such request),
         # then the least work after the request, then the lowest index (deterministic).
         order = np.lexsort((eligible, after[eligible], -shared[eligible], -reusable[eligible]))
-        best = int(eligible[order[0]])
-        return Choice(best, int(reusable[best]))
+        return int(eligible[order[0]])
+
+    def _ask_until_decided(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(reusable, shared, known): the replicas asked in decreasing order of what they were sent, until the best
+        eligible answer beats every bound left (a replica sent nothing of the path holds nothing of it)."""
+        walk = self.tree.walk(tokens, "default")
+        bound = self.sent(walk)
+        reusable, shared = np.zeros((2, self.replicas), dtype=np.int64)
+        known = bound == 0
+        for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
+            best = self._best(len(tokens), reusable, shared, known)
+            if best is not None and (reusable[best], shared[best]) > (bound[replica], bound[replica]):
+                break
+            reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
+            known[replica] = True
+        return reusable, shared, known
+
+    def _ask(self, tokens: np.ndarray, walk: Walk, replica: int) -> tuple[int, int]:
+        """What `replica`'s cache can resume of `tokens` (walked by `walk`) and how many it shares; what it was
+        sent deeper than that on the path it evicted: forgotten."""
+        length, shared = self.caches[replica].peek(tokens)
+        if shared < walk.shared_length:  # it lacks token `shared` of the path, so everything below it
+            self._forget(walk, replica, shared)
+        return (length if self.checkpointed else shared), shared
+
+    def _forget(self, walk: Walk, replica: int, depth: int) -> None:
+        """`replica` holds only `depth` tokens of the walked path: clear its bit below (the edge across `depth` is
+        split there, so that its bound becomes exact); `walk.path` stays the path in the changed tree."""
+        bit, path = 1 << replica, walk.path
+        for k in range(len(path) - 1, 0, -1):  # deepest first
+            node = path[k]
+            if node.end <= depth:
+                break
+            if node.kv.mask & bit:
+                if node.start < depth:  # split keeps `node` as the lower part
+                    path.insert(k, self.tree.split(node, depth, 0))
+                node.kv.mask &= ~bit
 
     def record(self, replica: int, tokens: np.ndarray, prefill_tokens: int) -> None:
         super().record(replica, tokens, prefill_tokens)
@@ -160,11 +247,8 @@ class AffinityRouter(Router):
             return
         bit = 1 << replica
         walk = self.tree.walk(tokens, "default")
-        held = 0  # how deep `replica` already held this path: where a Marconi cache checkpoints the branch
-        for node in walk.path[1:]:
-            if not node.kv.mask & bit:
-                break
-            held = min(node.end, walk.shared_length)
+        modelled = self.caches is None and self.checkpointed  # the fallback model places checkpoints
+        held = int(self.sent(walk)[replica]) if modelled else 0  # where a Marconi cache checkpoints the branch
         deepest = walk.path[-1]
         if walk.shared_length < len(tokens):
             parent = self.tree.split(deepest, walk.shared_length, 0) if walk.ends_inside_edge else deepest
@@ -174,7 +258,7 @@ class AffinityRouter(Router):
             deepest = self.tree.split(deepest, len(tokens), 0)
         for node in deepest.ancestors()[:-1]:
             node.kv.mask |= bit
-        for position in {held, len(tokens)} - {0}:
+        for position in {held, len(tokens)} - {0} if modelled else ():
             self._add_checkpoint(deepest, position, bit)
 
     def _add_checkpoint(self, deepest: Node, position: int, bit: int) -> None:
@@ -201,6 +285,7 @@ ROUTERS = {cls.name: cls for cls in (RandomRouter, RoundRobinRouter, AffinityRou
 
 
 def make_router(name: str, replicas: int, seed: int = 0, **options) -> Router:
-    """A router by name (one of ROUTING_NAMES); `options` go to AffinityRouter (balance_eps, checkpointed)."""
+    """A router by name (one of ROUTING_NAMES); `options` go to AffinityRouter (balance_eps, checkpointed,
+    caches)."""
     cls = ROUTERS[check_routing(name)]
     return cls(replicas, seed, **options) if cls is AffinityRouter else cls(replicas, seed)

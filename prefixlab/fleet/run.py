@@ -41,6 +41,16 @@ def _check_launch(state) -> None:
               "--multi_gpu --num_processes N -m prefixlab run --cpu ...` (torch.distributed on gloo)", file=sys.stderr)
 
 
+def _store_model(args: argparse.Namespace, model):
+    """Each process's store as affinity plans against it (same policy, capacity and cost spec, no tensors)."""
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.cache.model_info import parse_capacity
+    from prefixlab.fleet.schedule import StoreModel
+
+    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+    return StoreModel(args.policy, parse_capacity(args.capacity), spec)
+
+
 class Stopped(Exception):
     """SIGTERM (the launcher stops the group when a process dies): finish cleanly, keep what is written."""
 
@@ -85,6 +95,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     if len(set(digests)) > 1:
         raise InvalidInputError(f"the processes built different weights ({digests}); check --seed and --model")
 
+    store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
     if state.is_main_process:
         done = outputs.finished(out)
@@ -92,7 +103,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         plan = [len(prompts) - len(pending),
                 dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
                                                   seed=args.seed, balance_eps=args.balance_eps,
-                                                  primed=args.order == "radix"), strict=True))]
+                                                  primed=args.order == "radix", store=store_model), strict=True))]
         if plan[0]:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)

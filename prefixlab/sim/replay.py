@@ -71,13 +71,14 @@ def simulate_fleet(
     overflow: bool = True,
 ) -> tuple[SimResult, np.ndarray]:
     """Replay `requests` over `replicas` caches of `capacity_bytes` each, a `routing` router (prefixlab.fleet)
-    sending each request to one of them. Returns the fleet's result and each replica's prefill tokens (input
-    tokens not reused)."""
+    sending each request to one of them (affinity asks the caches what they hold). Returns the fleet's result and
+    each replica's prefill tokens (input tokens not reused)."""
     from prefixlab.fleet.router import make_router
 
     requests = _check_requests(requests)
-    router = make_router(routing, replicas, seed, balance_eps=balance_eps, checkpointed=spec.state_bytes > 0)
     cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow) for _ in range(replicas)]
+    # affinity asks the replica caches what they still hold (peek), so it sees their evictions
+    router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=cores)
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
