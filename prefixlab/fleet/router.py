@@ -158,7 +158,8 @@ class AffinityRouter(Router):
 
     def reusable(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per replica: the tokens of `tokens` it is expected to resume now and the tokens it holds the KV of
-        (where serving the request there checkpoints the branch). With `caches`, every replica is asked."""
+        (where serving the request there checkpoints the branch). With `caches`, every replica is asked (and what
+        they evicted is forgotten)."""
         tokens = as_tokens(tokens)
         walk = self.tree.walk(tokens, "default")
         if self.caches is not None:
