@@ -182,3 +182,42 @@ def test_dp_tuner_keeps_the_middle_of_tied_alphas():
     assert tune_alpha(lambda a: flat.get(a, 3.0)) == 0.2  # Marconi: the smallest of the best
     assert tune_alpha(lambda a: flat.get(a, 3.0), ties="middle") == 1.1  # dp: the middle of 0.2 .. 2.0
     assert ThinningFlopAware.alpha_ties == "middle" and FlopAware.alpha_ties == "smallest"
+
+
+def _stream(core, prompts):
+    for prompt in prompts:
+        replay_request(core, np.asarray(prompt), np.zeros(0, dtype=np.int64))
+
+
+def test_leaves_never_resumed_from_weigh_less_in_eviction():
+    rng = np.random.default_rng(0)
+    shared = [list(rng.integers(0, 500, 60)) for _ in range(3)]  # three instructions, each + a unique query
+    queries = [shared[i % 3] + list(rng.integers(1000, 5000, 40)) for i in range(60)]
+    turns = [list(range(1, 30 + 20 * i)) for i in range(60)]  # a chat: every request continues the last one
+    few_shot, chat = _core(capacity_bytes=6_000), _core(capacity_bytes=6_000)
+    _stream(few_shot, queries)
+    _stream(chat, turns)
+    assert chat.admission.law.leaf_weight() == 1.0  # leaves are resumed from: Marconi's efficiency as it is
+    weight = few_shot.admission.law.leaf_weight()
+    assert 0 < weight < 0.75  # the queries' leaves are resumed from less often than the instructions' states
+    eviction = few_shot.eviction
+    eviction.pick(few_shot.clock)  # the index is rebuilt with the law's current weight
+    leaves = [n for n in few_shot.tree.nodes() if n.id in eviction.nodes and few_shot.admission.shape_of(n) == 0]
+    assert leaves and eviction.leaf_weight == weight
+    for leaf in leaves:
+        assert eviction.efficiency[leaf.id] == pytest.approx(FlopAware.flop_efficiency(eviction, leaf) * weight)
+    few_shot.check_invariants()
+    # a stint ends when the node leaves the tree or changes shape; nothing is left over once the tree is empty
+    few_shot.capacity_bytes = 1
+    few_shot._make_room(0, few_shot.tree.root("default"))
+    assert not few_shot.admission._stint_shapes and not few_shot.admission._resumed
+
+
+def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.sim.workloads import few_shot_trace
+
+    requests, spec = few_shot_trace(), ModelSpec.from_name("marconi-7b")
+    for capacity_bytes in (1_150_000_000, 2_300_000_000):  # the knee of this trace and twice it
+        hits = {p: simulate(requests, p, capacity_bytes, spec).token_hit_rate for p in ("sglang+", "marconi", "dp")}
+        assert hits["dp"] >= max(hits["sglang+"], hits["marconi"]) + 3.0, hits

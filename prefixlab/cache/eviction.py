@@ -243,9 +243,13 @@ class ThinningFlopAware(FlopAware):
     valuable interior state: the FLOPs it saves over the state before it times the expected overlaps per entry
     that resume from it (the admission's law), per byte. Picked, it loses interior states, least valuable first,
     until enough bytes are free. A node without interior states is evicted as Marconi does (a leaf deleted, a
-    single-child node dissolved), so on a tree without placed states this is Marconi's eviction."""
+    single-child node dissolved), so on a tree without placed states this is Marconi's eviction, except that an
+    entry's leaf has its efficiency times the admission's `law.leaf_weight()` (1 unless leaves are resumed from
+    less often than stored nodes on the whole: then the long leaves of never-repeated queries go before the short
+    branch points many requests resume from)."""
 
     admission = None
+    leaf_weight = 1.0  # the admission's `law.leaf_weight` when the index was last built (see `pick`)
     # dp's window replays often tie over a wide range of alphas (the window is too short for all but the lowest
     # to make a difference); the smallest of them is the closest to those that lost, the middle the farthest
     alpha_ties = "middle"
@@ -253,6 +257,22 @@ class ThinningFlopAware(FlopAware):
     def link(self, admission: object) -> None:
         self.admission = admission
         admission.tree = self.tree  # the admission prices states by how full this tree is
+
+    def update(self, node: Node) -> None:
+        if self.admission is not None and self.admission.track(node):
+            self._shapes.pop(node.id, None)  # its shape changed: whether it is an entry's leaf (flop_efficiency)
+        super().update(node)
+
+    def pick(self, now: int) -> Node | None:
+        # an entry leaf's efficiency is weighted by how likely such leaves are resumed from; when that moved,
+        # every candidate's efficiency is recomputed (the index must rank by one weight)
+        weight = self.admission.law.leaf_weight() if self.admission is not None else 1.0
+        if weight != self.leaf_weight:
+            self.leaf_weight = weight
+            self._shapes.clear()
+            for node in list(self.nodes.values()):
+                super().update(node)
+        return super().pick(now)
 
     def eligible(self, node: Node) -> bool:
         if node.parent is None:
@@ -278,7 +298,10 @@ class ThinningFlopAware(FlopAware):
 
     def flop_efficiency(self, node: Node) -> float:
         values = self._interior_values(node) if self.admission is not None else []
-        return min(values) / max(node.ckpt_state[0].nbytes, 1) if values else super().flop_efficiency(node)
+        if values:
+            return min(values) / max(node.ckpt_state[0].nbytes, 1)
+        whole = super().flop_efficiency(node)
+        return whole * self.leaf_weight if self.admission is not None and self.admission.shape_of(node) == 0 else whole
 
     def thins(self, node: Node) -> bool:
         return self.admission is not None and bool(node.ckpt_pos) and node.ckpt_pos[0] < node.end

@@ -22,6 +22,12 @@ The price of a state is the KV tokens its bytes would hold times what a stored t
 computed) tokens, decayed), divided by how well placed states' predicted savings came true so far. So dp places
 states while they pay and none when every byte earns more as KV. `ThinningFlopAware` (eviction.py) drops an
 entry's least valuable in-edge states before whole entries.
+
+The law also counts stints (`track`): the time a state-holding node keeps one shape (an entry's leaf, an inner
+node, a split's upper part as leaf or inner), and whether a request resumed from its states meanwhile. Where
+entries' leaves are resumed from less often than stored nodes on the whole (few-shot prompts: each ends in a
+unique query; prompt + question entries), `leaf_weight` < 1 discounts a leaf's FLOP efficiency in eviction:
+Marconi's efficiency counts the FLOPs a hit would save, not how likely the hit is.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
 ENTRY_KINDS = ("extend", "branch")
 
 
-TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized", "interior")
+TOTALS = ("requests", "entries", "repeats", "reused", "computed", "predicted", "realized", "interior",
+          "stints", "stints_resumed", "leaf_stints", "leaf_stints_resumed")
 
 
 class EntryLaw:
@@ -55,6 +62,10 @@ class EntryLaw:
         # tokens placed states were predicted to save and did save
         self.requests = self.entries = self.repeats = self.reused = self.computed = 0.0
         self.predicted = self.realized = 0.0
+        # stints of stored nodes (see PricedAdmission.track), and those whose states were resumed from (leaf_: the
+        # stints of entries' leaves)
+        self.stints = self.stints_resumed = self.leaf_stints = self.leaf_stints_resumed = 0.0
+        self._leaf_weight = (None, 1.0)  # (epoch, weight): fixed within an epoch, as the DP's solutions are
         self.interior = 0.0  # the histogram's sum, kept as a scalar: the plan's cheap bound
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
@@ -94,6 +105,20 @@ class EntryLaw:
         """An upper bound on what any states placed in an entry of `span` tokens save per entry (every interior
         overlap resuming at its own depth): states are not worth solving for when it is under the price."""
         return self.interior / self.entries * span if self.entries > 0 else 0.0
+
+    def odds(self, resumed: float, stints: float) -> float:
+        """A decayed share of stints (with a prior of one half a stint on each side)."""
+        return (resumed + 0.5 * self._scale) / (stints + self._scale)
+
+    def leaf_weight(self) -> float:
+        """How likely an entry's leaf is resumed from before it changes shape or leaves the tree, relative to
+        any stored node (at most 1): Marconi's FLOP efficiency of a leaf counts FLOPs a hit would save, and
+        where an entry's end is rarely reused (few-shot prompts, prompt + question entries) a long leaf is
+        worth less than its FLOPs say."""
+        if self._leaf_weight[0] != self.epoch:
+            leaf = self.odds(self.leaf_stints_resumed, self.leaf_stints)
+            self._leaf_weight = (self.epoch, min(1.0, leaf / self.odds(self.stints_resumed, self.stints)))
+        return self._leaf_weight[1]
 
     @property
     def repeat_rate(self) -> float:
@@ -156,6 +181,10 @@ class PricedAdmission(MarconiAdmission):
         self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.state_tokens = max(float(state_tokens), 0.0)
         self._kinds: dict[int, str] = {}  # node id -> kind of the entry that created it
+        # a stint: the time a state-holding node keeps one shape (entry or split-made, leaf or inner); node id ->
+        # shape, and the nodes whose states were resumed from during their current stint
+        self._stint_shapes: dict[int, int] = {}
+        self._resumed: set[int] = set()
         self._input_length = 0
         self._planned_kind = "branch"
 
@@ -188,7 +217,33 @@ class PricedAdmission(MarconiAdmission):
 
     def forget(self, node: Node) -> None:
         """`node` left the tree (called by the paired eviction policy)."""
+        self._end_stint(node.id)
         self._kinds.pop(node.id, None)
+
+    def shape_of(self, node: Node) -> int:
+        """-1 without states, else 2 * (made by a split, not by an entry) + (inner); 0: an entry's leaf."""
+        return 2 * (node.id not in self._kinds) + bool(node.children) if node.ckpt_pos else -1
+
+    def track(self, node: Node) -> bool:
+        """`node` changed (called by the paired eviction policy): a new shape ends its stint and starts one. True
+        if it did. A stint counts when it starts, and once more when a request first resumes from it."""
+        shape = self.shape_of(node)
+        if self._stint_shapes.get(node.id, -1) == shape:
+            return False
+        self._end_stint(node.id)
+        if shape >= 0:
+            self._stint_shapes[node.id] = shape
+            self._count_stint(shape, "stints")
+        return True
+
+    def _count_stint(self, shape: int, field: str, amount: float = 1.0) -> None:
+        self.law.add(field, amount)
+        if shape == 0:
+            self.law.add(f"leaf_{field}", amount)
+
+    def _end_stint(self, node_id: int) -> int:
+        self._resumed.discard(node_id)
+        return self._stint_shapes.pop(node_id, -1)
 
     def observe(self, walk: Walk, reused_length: int) -> None:
         law, shared = self.law, walk.shared_length
@@ -202,6 +257,10 @@ class PricedAdmission(MarconiAdmission):
             return
         for node in reversed(walk.path[1:]):  # Marconi's states sit at edge ends: one inside an edge is placed
             if node.start < reused_length <= node.end:
+                shape = self._stint_shapes.get(node.id, -1)
+                if shape >= 0 and node.id not in self._resumed:
+                    self._resumed.add(node.id)
+                    self._count_stint(shape, "stints_resumed")
                 if reused_length < node.end:
                     law.add("realized", reused_length - node.start)
                 break
@@ -262,4 +321,9 @@ class PricedAdmission(MarconiAdmission):
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
                     restore: bool = False) -> None:
-        self._kinds.setdefault(deepest.id, self._planned_kind)
+        if deepest.id not in self._kinds:  # a new entry's leaf: tracked before its kind was known, restart its stint
+            shape = self._end_stint(deepest.id)
+            if shape >= 0:
+                self._count_stint(shape, "stints", -1.0)
+            self._kinds[deepest.id] = self._planned_kind
+            tree.on_change(deepest)
