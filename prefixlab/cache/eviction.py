@@ -259,19 +259,21 @@ class ThinningFlopAware(FlopAware):
         admission.tree = self.tree  # the admission prices states by how full this tree is
 
     def update(self, node: Node) -> None:
-        if self.admission is not None and self.admission.track(node):
-            self._shapes.pop(node.id, None)  # its shape changed: whether it is an entry's leaf (flop_efficiency)
+        if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
+            self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
 
     def pick(self, now: int) -> Node | None:
-        # an entry leaf's efficiency is weighted by how likely such leaves are resumed from; when that moved,
-        # every candidate's efficiency is recomputed (the index must rank by one weight)
+        # entries' leaves are weighed by how likely they are resumed from (flop_efficiency); when that moved, they
+        # are re-indexed (one weight for the whole index)
         weight = self.admission.law.leaf_weight() if self.admission is not None else 1.0
         if weight != self.leaf_weight:
-            self.leaf_weight = weight
-            self._shapes.clear()
-            for node in list(self.nodes.values()):
-                super().update(node)
+            scale, self.leaf_weight = weight / self.leaf_weight, weight
+            for node_id, node in self.nodes.items():
+                if self.admission.shape_of(node) == 0 and not self.thins(node):  # indexed with the old weight
+                    efficiency = self.efficiency[node_id] = self.efficiency[node_id] * scale
+                    self.by_efficiency.put(node_id, (efficiency,))
+                    self._shapes[node_id] = (self._shapes[node_id][0], efficiency)
         return super().pick(now)
 
     def eligible(self, node: Node) -> bool:

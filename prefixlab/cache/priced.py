@@ -186,7 +186,7 @@ class PricedAdmission(MarconiAdmission):
         self._stint_shapes: dict[int, int] = {}
         self._resumed: set[int] = set()
         self._input_length = 0
-        self._planned_kind = "branch"
+        self._planned_kind, self._leaf_pending = "branch", False  # the planned entry's leaf not yet added
 
     def __deepcopy__(self, memo: dict) -> PricedAdmission:
         """A copy without the tree (`core.fork` links the copy to the forked tree through the eviction)."""
@@ -217,7 +217,8 @@ class PricedAdmission(MarconiAdmission):
 
     def forget(self, node: Node) -> None:
         """`node` left the tree (called by the paired eviction policy)."""
-        self._end_stint(node.id)
+        self._stint_shapes.pop(node.id, None)
+        self._resumed.discard(node.id)
         self._kinds.pop(node.id, None)
 
     def shape_of(self, node: Node) -> int:
@@ -227,23 +228,29 @@ class PricedAdmission(MarconiAdmission):
     def track(self, node: Node) -> bool:
         """`node` changed (called by the paired eviction policy): a new shape ends its stint and starts one. True
         if it did. A stint counts when it starts, and once more when a request first resumes from it."""
-        shape = self.shape_of(node)
-        if self._stint_shapes.get(node.id, -1) == shape:
+        node_id, kinds, shapes = node.id, self._kinds, self._stint_shapes
+        if self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes:
+            kinds[node_id], self._leaf_pending = self._planned_kind, False  # the planned entry's new leaf
+        shape = 2 * (node_id not in kinds) + bool(node.children) if node.ckpt_pos else -1  # shape_of, inlined
+        if shapes.get(node_id, -1) == shape:
             return False
-        self._end_stint(node.id)
+        self._resumed.discard(node_id)
+        shapes.pop(node_id, None)
         if shape >= 0:
-            self._stint_shapes[node.id] = shape
-            self._count_stint(shape, "stints")
+            shapes[node_id] = shape
+            self._count_stint(shape, resumed=False)
         return True
 
-    def _count_stint(self, shape: int, field: str, amount: float = 1.0) -> None:
-        self.law.add(field, amount)
-        if shape == 0:
-            self.law.add(f"leaf_{field}", amount)
-
-    def _end_stint(self, node_id: int) -> int:
-        self._resumed.discard(node_id)
-        return self._stint_shapes.pop(node_id, -1)
+    def _count_stint(self, shape: int, resumed: bool) -> None:
+        law = self.law
+        if resumed:
+            law.stints_resumed += law._scale
+            if shape == 0:
+                law.leaf_stints_resumed += law._scale
+        else:
+            law.stints += law._scale
+            if shape == 0:
+                law.leaf_stints += law._scale
 
     def observe(self, walk: Walk, reused_length: int) -> None:
         law, shared = self.law, walk.shared_length
@@ -260,7 +267,7 @@ class PricedAdmission(MarconiAdmission):
                 shape = self._stint_shapes.get(node.id, -1)
                 if shape >= 0 and node.id not in self._resumed:
                     self._resumed.add(node.id)
-                    self._count_stint(shape, "stints_resumed")
+                    self._count_stint(shape, resumed=True)
                 if reused_length < node.end:
                     law.add("realized", reused_length - node.start)
                 break
@@ -276,7 +283,7 @@ class PricedAdmission(MarconiAdmission):
         positions = set(super().plan(walk, length, reused))
         start, last = walk.shared_length, walk.path[-1]
         kind = "extend" if start and start == last.end and not last.children else "branch"
-        self._planned_kind = kind
+        self._planned_kind, self._leaf_pending = kind, True
         law = self.laws[kind]
         if length > start:
             for counted in (self.law, law, self.end_laws[kind]):
@@ -321,9 +328,7 @@ class PricedAdmission(MarconiAdmission):
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
                     restore: bool = False) -> None:
-        if deepest.id not in self._kinds:  # a new entry's leaf: tracked before its kind was known, restart its stint
-            shape = self._end_stint(deepest.id)
-            if shape >= 0:
-                self._count_stint(shape, "stints", -1.0)
+        self._leaf_pending = False
+        if deepest.id not in self._kinds:  # no new leaf: an existing node (made by a split) ends the entry
             self._kinds[deepest.id] = self._planned_kind
             tree.on_change(deepest)
