@@ -200,9 +200,10 @@ class AffinityRouter(Router):
         eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after + length))
         if len(eligible) == 0:
             return None
-        # Most reuse now, then the most held KV (the branch checkpoint it gets there serves the next such request),
-        # then the least work after the request, then the lowest index (deterministic).
-        order = np.lexsort((eligible, after[eligible], -shared[eligible], -reusable[eligible]))
+        # Most reuse now, then the most resumable after it (the branch checkpoint it gets there serves the next such
+        # request), then the least work after the request, then the lowest index (deterministic).
+        resumable_after = _resumable_after(length, reusable, shared)
+        order = np.lexsort((eligible, after[eligible], -shared[eligible], -resumable_after[eligible], -reusable[eligible]))
         return int(eligible[order[0]])
 
     def _ask_until_decided(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -214,7 +215,8 @@ class AffinityRouter(Router):
         known = bound == 0
         for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
             best = self._best(len(tokens), reusable, shared, known)
-            if best is not None and (reusable[best], shared[best]) > (bound[replica], bound[replica]):
+            if best is not None and (reusable[best], _resumable_after(len(tokens), reusable[best], shared[best]),
+                                     shared[best]) > (bound[replica],) * 3:
                 break
             reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
             known[replica] = True
@@ -270,6 +272,13 @@ class AffinityRouter(Router):
         if i == len(node.ckpt_pos) or node.ckpt_pos[i] != position:
             self.tree.add_checkpoints(node, [(position, Holders(0, 0))])
         node.ckpt_state[i].mask |= bit
+
+
+def _resumable_after(length: int, reusable: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """What a later request with the same `length`-token input resumes on a replica once this one was served there:
+    the branch checkpoint at `shared` when the input leaves the held path inside it, else what it resumes now (the
+    input is held whole, so the branch, if any, lands in the output, past where such a request can resume)."""
+    return np.where(shared < length, shared, reusable)
 
 
 def _assign(out: np.ndarray, new: int, position: int, assigned: int) -> int:
