@@ -200,10 +200,9 @@ class AffinityRouter(Router):
         eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after + length))
         if len(eligible) == 0:
             return None
-        # Most reuse now, then the most resumable after it (the branch checkpoint it gets there serves the next such
-        # request), then the least work after the request, then the lowest index (deterministic).
-        resumable_after = _resumable_after(length, reusable, shared)
-        order = np.lexsort((eligible, after[eligible], -shared[eligible], -resumable_after[eligible], -reusable[eligible]))
+        # The most preferred (_preference), then the least work after the request, then the lowest index.
+        preference = [-key[eligible] for key in reversed(_preference(length, reusable, shared))]
+        order = np.lexsort((eligible, after[eligible], *preference))
         return int(eligible[order[0]])
 
     def _ask_until_decided(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -215,12 +214,16 @@ class AffinityRouter(Router):
         known = bound == 0
         for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
             best = self._best(len(tokens), reusable, shared, known)
-            if best is not None and (reusable[best], _resumable_after(len(tokens), reusable[best], shared[best]),
-                                     shared[best]) > (bound[replica],) * 3:
+            if best is not None and self._beats(len(tokens), reusable[best], shared[best], int(bound[replica])):
                 break
             reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
             known[replica] = True
         return reusable, shared, known
+
+    @staticmethod
+    def _beats(length: int, reusable: int, shared: int, bound: int) -> bool:
+        """Whether an answer is preferred to any of a replica sent `bound` tokens of the path (each key <= bound)."""
+        return tuple(int(key) for key in _preference(length, reusable, shared)) > (bound,) * 3
 
     def _ask(self, tokens: np.ndarray, walk: Walk, replica: int) -> tuple[int, int]:
         """What `replica`'s cache can resume of `tokens` (walked by `walk`) and how many it shares; what it was
@@ -274,11 +277,13 @@ class AffinityRouter(Router):
         node.ckpt_state[i].mask |= bit
 
 
-def _resumable_after(length: int, reusable: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """What a later request with the same `length`-token input resumes on a replica once this one was served there:
-    the branch checkpoint at `shared` when the input leaves the held path inside it, else what it resumes now (the
-    input is held whole, so the branch, if any, lands in the output, past where such a request can resume)."""
-    return np.where(shared < length, shared, reusable)
+def _preference(length: int, reusable: np.ndarray, shared: np.ndarray) -> tuple[np.ndarray, ...]:
+    """What ranks replicas for a `length`-token request, most first: its reuse now; then what a repeat of it would
+    resume there once it was served there: the branch checkpoint the request creates at `shared` where it leaves the
+    held path inside its input, else only what it resumes now (a replica holding the whole input checkpoints the
+    branch in the output, if at all, past where a request with this input can resume: a repeat with the same
+    output, as greedy decoding gives, never resumes more there); then the most held KV (the least new KV to store)."""
+    return reusable, np.where(shared < length, shared, reusable), shared
 
 
 def _assign(out: np.ndarray, new: int, position: int, assigned: int) -> int:
