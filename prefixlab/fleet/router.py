@@ -214,16 +214,12 @@ class AffinityRouter(Router):
         known = bound == 0
         for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
             best = self._best(len(tokens), reusable, shared, known)
-            if best is not None and self._beats(len(tokens), reusable[best], shared[best], int(bound[replica])):
+            if best is not None and _preference(len(tokens), int(reusable[best]), int(shared[best])) > (
+                    int(bound[replica]),) * 3:  # each key of a replica is at most its bound
                 break
             reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
             known[replica] = True
         return reusable, shared, known
-
-    @staticmethod
-    def _beats(length: int, reusable: int, shared: int, bound: int) -> bool:
-        """Whether an answer is preferred to any of a replica sent `bound` tokens of the path (each key <= bound)."""
-        return tuple(int(key) for key in _preference(length, reusable, shared)) > (bound,) * 3
 
     def _ask(self, tokens: np.ndarray, walk: Walk, replica: int) -> tuple[int, int]:
         """What `replica`'s cache can resume of `tokens` (walked by `walk`) and how many it shares; what it was
@@ -277,13 +273,13 @@ class AffinityRouter(Router):
         node.ckpt_state[i].mask |= bit
 
 
-def _preference(length: int, reusable: np.ndarray, shared: np.ndarray) -> tuple[np.ndarray, ...]:
+def _preference(length: int, reusable: np.ndarray | int, shared: np.ndarray | int) -> tuple:
     """What ranks replicas for a `length`-token request, most first: its reuse now; then what a repeat of it would
     resume there once it was served there: the branch checkpoint the request creates at `shared` where it leaves the
     held path inside its input, else only what it resumes now (a replica holding the whole input checkpoints the
     branch in the output, if at all, past where a request with this input can resume: a repeat with the same
     output, as greedy decoding gives, never resumes more there); then the most held KV (the least new KV to store)."""
-    return reusable, np.where(shared < length, shared, reusable), shared
+    return reusable, reusable + (shared < length) * (shared - reusable), shared  # arrays or ints
 
 
 def _assign(out: np.ndarray, new: int, position: int, assigned: int) -> int:
