@@ -200,9 +200,9 @@ class AffinityRouter(Router):
         eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after + length))
         if len(eligible) == 0:
             return None
-        # Most reuse now, then the most held KV (the branch checkpoint it gets there serves the next such request),
-        # then the least work after the request, then the lowest index (deterministic).
-        order = np.lexsort((eligible, after[eligible], -shared[eligible], -reusable[eligible]))
+        # The most preferred (_preference), then the least work after the request, then the lowest index.
+        preference = [-key[eligible] for key in reversed(_preference(length, reusable, shared))]
+        order = np.lexsort((eligible, after[eligible], *preference))
         return int(eligible[order[0]])
 
     def _ask_until_decided(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -214,7 +214,8 @@ class AffinityRouter(Router):
         known = bound == 0
         for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
             best = self._best(len(tokens), reusable, shared, known)
-            if best is not None and (reusable[best], shared[best]) > (bound[replica], bound[replica]):
+            if best is not None and _preference(len(tokens), int(reusable[best]), int(shared[best])) > (
+                    int(bound[replica]),) * 3:  # each key of a replica is at most its bound
                 break
             reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
             known[replica] = True
@@ -270,6 +271,15 @@ class AffinityRouter(Router):
         if i == len(node.ckpt_pos) or node.ckpt_pos[i] != position:
             self.tree.add_checkpoints(node, [(position, Holders(0, 0))])
         node.ckpt_state[i].mask |= bit
+
+
+def _preference(length: int, reusable: np.ndarray | int, shared: np.ndarray | int) -> tuple:
+    """What ranks replicas for a `length`-token request, most first: its reuse now; then what a repeat of it would
+    resume there once it was served there: the branch checkpoint the request creates at `shared` where it leaves the
+    held path inside its input, else only what it resumes now (a replica holding the whole input checkpoints the
+    branch in the output, if at all, past where a request with this input can resume: a repeat with the same
+    output, as greedy decoding gives, never resumes more there); then the most held KV (the least new KV to store)."""
+    return reusable, reusable + (shared < length) * (shared - reusable), shared  # arrays or ints
 
 
 def _assign(out: np.ndarray, new: int, position: int, assigned: int) -> int:
