@@ -1,9 +1,11 @@
 """Output files of `prefixlab run`: resumable, never silently overwritten.
 
-Each process appends one JSON line per finished prompt to its own part file `OUT.part<rank>` (flushed per line,
-so a process that dies keeps what it finished). At the end the main process merges OUT (a previous run's
-results) and every part file into OUT, in prompt-file order, and removes the parts. A rerun reads OUT and any
-leftover parts and skips the ids found there.
+Each process appends one JSON line per finished prompt to its own part file `OUT.part<rank>` (one write() of the
+whole line, so a process that dies keeps what it finished and leaves at most its last line cut short). At the end
+the main process merges OUT (a previous run's results) and every part file into OUT, in prompt-file order, and
+removes the parts. A rerun (or a restarted process group) reads OUT and any leftover parts and skips the ids found
+there. A process that dies at any point of a merge loses nothing: OUT is replaced atomically and the parts are
+removed only after it.
 """
 
 from __future__ import annotations
@@ -51,31 +53,56 @@ def finished(out: Path) -> dict[str | int, dict]:
     return done
 
 
+def _complete_last_line(path: Path) -> None:
+    """End `path` on a line break, as `_records` read it: a last line cut short (a process killed while writing it)
+    is cut off; a last line that is a whole record missing only its line break gets one. Appending after either
+    would otherwise glue two records into one line that is not JSON."""
+    with open(path, "rb+") as file:
+        data = file.read()
+        if not data or data.endswith(b"\n"):
+            return
+        start = data.rfind(b"\n") + 1
+        try:
+            whole = isinstance(json.loads(data[start:]), dict)
+        except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+            whole = False
+        if whole:
+            file.write(b"\n")
+        else:
+            file.truncate(start)
+
+
 class PartWriter:
-    """Appends finished records to one process's part file, one flushed line each."""
+    """Appends finished records to one process's part file: one unbuffered write() per line."""
 
     def __init__(self, out: Path, rank: int) -> None:
         self.path = part_path(out, rank)
-        self.file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if self.path.is_file():  # left by a process of a previous run or attempt with this rank
+            _complete_last_line(self.path)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        line = (json.dumps(record) + "\n").encode("utf-8")
+        while line:  # a regular file takes it in one call; loop only on a short write
+            line = line[os.write(self.fd, line):]
 
     def close(self) -> None:
-        self.file.close()
+        os.close(self.fd)
 
 
-def merge(out: Path, ids_in_order: list[str | int]) -> tuple[int, list[str | int]]:
+def merge(out: Path, ids_in_order: list[str | int], remove_parts: bool = True) -> tuple[int, list[str | int]]:
     """Rewrite `out` with every finished record in prompt-file order (records of ids no longer in the file go
-    last), remove the part files; returns (records written, ids of `ids_in_order` still missing)."""
+    last), then remove the part files (keep them with `remove_parts=False`: a stopped run whose other processes
+    may still append to theirs); returns (records written, ids of `ids_in_order` still missing)."""
     done = finished(out)
     order = {prompt_id: k for k, prompt_id in enumerate(ids_in_order)}
     records = sorted(done.values(), key=lambda r: order.get(r["id"], len(order)))
     temporary = out.with_name(out.name + ".merging")
     with open(temporary, "w", encoding="utf-8") as file:
         file.writelines(json.dumps(record) + "\n" for record in records)
+        file.flush()
+        os.fsync(file.fileno())  # on disk before it replaces OUT: the parts are removed next
     os.replace(temporary, out)  # atomic: a crash here leaves the old OUT and the parts, both still readable
-    for path in part_files(out):
-        path.unlink()
+    for path in part_files(out) if remove_parts else ():
+        path.unlink()  # a crash between two unlinks leaves records in OUT and a part: read once (by id)
     return len(records), [prompt_id for prompt_id in ids_in_order if prompt_id not in done]

@@ -5,13 +5,18 @@ Every process reads the prompt file and builds the same model with its own Prefi
 the prompts not yet finished (prefixlab.fleet.schedule.assign) and broadcasts the assignment with Accelerate's
 collectives; each process serves its share in radix-tree order (or file order with --order input) and appends
 results to its own part file; the main process merges them into OUT in file order and prints the summary.
+
+A process that dies: the launcher (torchrun, under `accelerate launch`) stops the others with SIGTERM; they stop
+at once and keep what they wrote. Under `accelerate launch --max_restarts K` the launcher then restarts the group:
+the restarted processes read the part files like a rerun, so the main process re-plans only the prompts left
+unfinished over the whole group and the command completes. Without restarts the main process merges what was
+written and lists the prompts lost; rerunning the same command completes them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -30,15 +35,6 @@ def _encoder(tokenizer: str | None):
 
     text_encoder = TextEncoder(tokenizer)
     return (lambda text: text_encoder([text])[0]), text_encoder.tokenizer.decode
-
-
-def _check_launch(state) -> None:
-    """accelerate 1.x's `launch --cpu --num_processes N` starts ONE process unless given an mpirun hostfile."""
-    if state.num_processes == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") and \
-            "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
-        print("prefixlab: note: `accelerate launch --cpu` started a single process (accelerate starts several CPU "
-              "processes only with an mpirun hostfile); for N CPU processes on one machine use `accelerate launch "
-              "--multi_gpu --num_processes N -m prefixlab run --cpu ...` (torch.distributed on gloo)", file=sys.stderr)
 
 
 def _store_model(args: argparse.Namespace, model):
@@ -61,17 +57,15 @@ def _on_sigterm(signum, frame):
 
 def run_batch(args: argparse.Namespace) -> dict | None:
     """The whole run; returns the summary on the main process (None elsewhere)."""
-    import torch
-    from accelerate import PartialState
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import outputs, schedule, serve, siblings
+    from prefixlab.fleet import launch, outputs, schedule, serve, siblings
     from prefixlab.fleet.prompts import read_prompts
 
-    state = PartialState(cpu=args.cpu)
-    _check_launch(state)
+    state = launch.start(args.cpu)
     rank, processes = state.process_index, state.num_processes
+    restart, max_restarts = launch.attempt()
     if args.routing not in schedule.ASSIGNMENTS:
         raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(schedule.ASSIGNMENTS)}")
     if args.order not in ("radix", "input"):
@@ -89,8 +83,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     if len(prompts) < processes:
         raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
                                 f"{len(prompts)} processes")
-    if state.device.type == "cpu" and processes > 1:  # N processes share the cores (one process keeps its setting)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+    launch.share_cores(state, processes)
     digests = gather_object([serve.weights_digest(model)])
     if len(set(digests)) > 1:
         raise InvalidInputError(f"the processes built different weights ({digests}); check --seed and --model")
@@ -103,8 +96,13 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         plan = [len(prompts) - len(pending),
                 dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
                                                   seed=args.seed, balance_eps=args.balance_eps,
-                                                  primed=args.order == "radix", store=store_model), strict=True))]
-        if plan[0]:
+                                                  primed=args.order == "radix", store=store_model), strict=True))
+                if pending else {}]
+        if restart:
+            print(f"prefixlab: restart {restart} (of at most {max_restarts}): {plan[0]} of {len(prompts)} prompts "
+                  f"were done before it; the {len(pending)} left unfinished by the failure are planned again over "
+                  f"{processes} processes", file=sys.stderr)
+        elif plan[0]:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)
     resumed, assignment = plan
@@ -121,6 +119,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
 
     store = PrefixStore(model, capacity=args.capacity, policy=args.policy)
     writer = outputs.PartWriter(out, rank)
+    write = launch.with_test_exit(writer.write, rank)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started, stats, stopped = time.perf_counter(), serve.ProcessStats(process=rank), False
     try:
@@ -128,10 +127,10 @@ def run_batch(args: argparse.Namespace) -> dict | None:
 
         with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
                   position=rank) as bar:
-            serve.serve(model, store, prompts, steps, writer.write, process=rank, decode=decode, progress=bar.update,
+            serve.serve(model, store, prompts, steps, write, process=rank, decode=decode, progress=bar.update,
                         stats=stats)
-    except (Stopped, KeyboardInterrupt):
-        stopped = True
+    except (Stopped, KeyboardInterrupt) as err:
+        stopped = "terminated" if isinstance(err, Stopped) else "interrupted"
     finally:
         writer.close()
         store.close()
@@ -140,14 +139,21 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         if not stopped:
             gathered = gather_object(gathered)
     except (Stopped, RuntimeError):  # stopped while waiting, or a peer died (torch.distributed's RuntimeError)
-        stopped = True
+        stopped = "terminated"
     finally:
         signal.signal(signal.SIGTERM, previous)
     if not state.is_main_process:
         return None
-    written, missing = outputs.merge(out, [p.id for p in prompts])
+    if stopped == "terminated" and restart < max_restarts:  # the launcher restarts the group, which resumes
+        print(f"prefixlab: process {rank} stopped (a process of the group died); the launcher restarts the group "
+              f"(restart {restart + 1} of at most {max_restarts}) and it resumes from the part files", file=sys.stderr)
+        return None
+    # stopped: the others may still be appending to their parts, so keep them (a rerun reads them again)
+    written, missing = outputs.merge(out, [p.id for p in prompts], remove_parts=not stopped)
     summary = _summary(prompts, gathered, written, missing, resumed, time.perf_counter() - started, args)
-    return {**summary, "processes": processes, "stopped": stopped}
+    return {**summary, "processes": processes, "stopped": bool(stopped), "restarts": restart,
+            "lost_at_failure": len(assignment) if restart else 0,
+            "redone": len(assignment) - len(missing) if restart else 0}
 
 
 def _hydragen_mode(model) -> str | None:
@@ -199,7 +205,7 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
 
 def format_summary(summary: dict, out: str) -> str:
     lines = [
-        f"requests: {summary['requests']} served now, {summary['resumed']} from a previous run, "
+        f"requests: {summary['requests']} served now, {summary['resumed']} from a previous run or attempt, "
         f"{summary['written']} of {summary['prompts']} in {out}",
         f"prompt tokens: {summary['prompt_tokens']}, reused from the store: {summary['reused_tokens']} "
         f"({summary['token_hit_rate']:.1f}%), prefilled: {summary['prefilled_tokens']} "
@@ -214,6 +220,11 @@ def format_summary(summary: dict, out: str) -> str:
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "
         f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
     ]
+    if summary["restarts"]:
+        lines.append(f"restarted {summary['restarts']} time(s) after a process died: {summary['lost_at_failure']} "
+                     f"prompts left unfinished by the failure, {summary['redone']} of them redone after the restart "
+                     f"(the {summary['resumed']} done before were kept; counts and throughput above are the last "
+                     "attempt's)")
     if summary["stopped"]:
         lines.append("STOPPED (a process died or was stopped; the counts above are this process's)")
     if summary["lost"]:

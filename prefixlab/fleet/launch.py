@@ -1,0 +1,84 @@
+"""What `prefixlab run` takes from its launcher: torchrun, which `accelerate launch` runs (or none: one process).
+
+A process that dies makes torchrun stop the others (SIGTERM); with `accelerate launch --max_restarts K` it then
+restarts the whole group, up to K times, with TORCHELASTIC_RESTART_COUNT set to the attempt's number.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+
+def attempt() -> tuple[int, int]:
+    """(restarts before this attempt, the most the launcher allows), from torchrun's environment (0, 0 without)."""
+    return (int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")))
+
+
+def start(cpu: bool):
+    """This process's accelerate PartialState (process group joined), after the launch checks."""
+    from accelerate import PartialState
+
+    restart, _ = attempt()
+    if restart:
+        _join_attempt_group(restart, cpu)
+    state = PartialState(cpu=cpu)
+    _check_launch(state)
+    return state
+
+
+def _join_attempt_group(restart: int, cpu: bool) -> None:
+    """Join the process group under keys of this attempt. torchrun hands every attempt of a group the same agent
+    store (static rendezvous keeps it; c10d shares it) and torch.distributed's keys do not name the attempt, so a
+    restarted process can read the dead attempt's addresses and fail to connect ("Connection refused"); Accelerate
+    keeps a group already initialized."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() and not cpu else "gloo"
+    dist.init_process_group(backend, store=dist.PrefixStore(f"prefixlab/attempt{restart}/", store),
+                            rank=int(os.environ["RANK"]), world_size=world_size)
+
+
+def _check_launch(state) -> None:
+    """accelerate 1.x's `launch --cpu --num_processes N` starts ONE process unless given an mpirun hostfile."""
+    if state.num_processes == 1 and os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true") and \
+            "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ:
+        print("prefixlab: note: `accelerate launch --cpu` started a single process (accelerate starts several CPU "
+              "processes only with an mpirun hostfile); for N CPU processes on one machine use `accelerate launch "
+              "--multi_gpu --num_processes N -m prefixlab run --cpu ...` (torch.distributed on gloo)", file=sys.stderr)
+
+
+def share_cores(state, processes: int) -> None:
+    """N CPU processes on one machine split its cores (one process keeps torch's setting)."""
+    import torch
+
+    if state.device.type == "cpu" and processes > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // processes))
+
+
+TEST_EXIT_AFTER = "PREFIXLAB_TEST_EXIT_AFTER"  # a test hook (tests/test_fleet_run.py), not a user option
+
+
+def with_test_exit(write: Callable[[dict], None], rank: int) -> Callable[[dict], None]:
+    """`write`, or with PREFIXLAB_TEST_EXIT_AFTER=<rank>:<n> on the first attempt: `write` that kills process
+    <rank> with SIGKILL once it has written n records (the failure a restart must survive)."""
+    value = os.environ.get(TEST_EXIT_AFTER, "")
+    if not value or attempt()[0] or int(value.split(":")[0]) != rank:
+        return write
+    left = [int(value.split(":")[1])]
+
+    def write_then_die(record: dict) -> None:
+        write(record)
+        left[0] -= 1
+        if left[0] == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return write_then_die
