@@ -143,15 +143,9 @@ def build_model(vocab_size: int):
 
 def _timed_generate(model, input_ids, max_new_tokens: int, cache=None):
     """(generated ids, wall seconds and process CPU seconds to the first token's logits)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
-    class FirstTokenClock(LogitsProcessor):
-        def __init__(self):
-            self.at = None
-
-        def __call__(self, ids, scores):
-            self.at = self.at or (time.perf_counter(), time.process_time())
-            return scores
+    from prefixlab.fleet.serve import FirstTokenClock
 
     clock = FirstTokenClock()
     start = time.perf_counter(), time.process_time()

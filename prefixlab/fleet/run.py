@@ -180,7 +180,7 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
              args) -> dict:
     total = {key: sum(g[key] for g in per_process) for key in
              ("requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens", "generated_tokens",
-              "batches", "batched_requests", "padding_tokens", "kv_bytes_read")}
+              "batches", "batched_requests", "padding_tokens", "kv_bytes_read", "prefill_seconds")}
     total["kv_bytes_held_peak"] = max(g["kv_bytes_held_peak"] for g in per_process)
     prefilled = [g["prefilled_tokens"] for g in per_process]
     mean = sum(prefilled) / max(len(prefilled), 1)
@@ -218,7 +218,8 @@ def format_summary(summary: dict, out: str) -> str:
         f"({summary['padding_tokens']} padding tokens); decode read {summary['kv_bytes_read'] / 2**20:.1f} MiB of "
         f"attention KV, at most {summary['kv_bytes_held_peak'] / 2**20:.1f} MiB held by one generate call",
         f"throughput: {summary['requests_per_second']:.2f} requests/s, "
-        f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s",
+        f"{summary['generated_tokens_per_second']:.1f} generated tokens/s over {summary['seconds']:.1f} s "
+        f"(prefill {summary['prefill_seconds']:.1f} s summed over the processes)",
     ]
     if summary["restarts"]:
         lines.append(f"restarted {summary['restarts']} time(s) after a process died: {summary['lost_at_failure']} "

@@ -18,7 +18,9 @@ class ProcessStats:
     """What one process did in this run. `prefilled_tokens` counts every token its model computed in prefill
     (prime steps included, and the padding of batched siblings): the work routing balances and scheduling saves.
     `kv_bytes_read`: attention KV the decode steps read (a Hydragen batch reads its shared prefix once per step);
-    `kv_bytes_held_peak`: the most attention KV one generate call held (a prompt alone, or a Hydragen batch)."""
+    `kv_bytes_held_peak`: the most attention KV one generate call held (a prompt alone, or a Hydragen batch).
+    `prefill_seconds`: wall time of the prefills: from each generate() call to its first token's logits, plus the
+    primes (a Hydragen batch's per-row prefills are not separated from its decode and are not counted)."""
 
     process: int = 0
     requests: int = 0
@@ -32,11 +34,31 @@ class ProcessStats:
     padding_tokens: int = 0
     kv_bytes_read: int = 0
     kv_bytes_held_peak: int = 0
+    prefill_seconds: float = 0.0
     seconds: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)  # why each request reused what it did (cache/explain.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def add_request(self, prompt_tokens: int, reused_tokens: int, generated_tokens: int) -> None:
+        self.requests += 1
+        self.prompt_tokens += prompt_tokens
+        self.reused_tokens += reused_tokens
+        self.prefilled_tokens += prompt_tokens - reused_tokens
+        self.generated_tokens += generated_tokens
+
+
+class FirstTokenClock:
+    """A logits processor that only notes when the first token's logits exist: (perf_counter, process_time) then.
+    From the generate() call to then is the request's prefill (its time to first token)."""
+
+    def __init__(self) -> None:
+        self.at: tuple[float, float] | None = None
+
+    def __call__(self, input_ids, scores):
+        self.at = self.at or (time.perf_counter(), time.process_time())
+        return scores
 
 
 def load_model(model: str, seed: int = 0, device: str = "cpu"):
@@ -82,29 +104,49 @@ def decode_kv_bytes(model, prompt_tokens: int, generated_tokens: int) -> int:
     return sum(prompt_tokens + t for t in steps) * kv_bytes_per_token(model)
 
 
-def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int, str]:
-    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
-    cache.report() for that reuse)."""
+def _greedy(model, tokens, max_new_tokens: int, cache=None) -> tuple[list[int], float]:
+    """One prompt's greedy generate() (through `cache` if given): (new token ids, prefill wall seconds)."""
     import torch
+    from transformers import LogitsProcessorList
 
+    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    clock, started = FirstTokenClock(), time.perf_counter()
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(model),
+                         logits_processor=LogitsProcessorList([clock]))
+    return out[0, input_ids.shape[1]:].tolist(), clock.at[0] - started
+
+
+def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int, str, float]:
+    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
+    cache.report() for that reuse, prefill wall seconds)."""
     from prefixlab.cache.hf import HybridPrefixCache
 
     cache = HybridPrefixCache(store)
-    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(model))
+    output_ids, prefill_seconds = _greedy(model, tokens, max_new_tokens, cache)
     reason = cache.report().rows[0].reason  # report() admits now, so the next step can reuse this one
-    return out[0, input_ids.shape[1]:].tolist(), cache.reused_tokens, reason
+    return output_ids, cache.reused_tokens, reason, prefill_seconds
 
 
 def generate_uncached(model, tokens, max_new_tokens: int) -> list[int]:
     """The same greedy generation without prefixlab (the exactness reference)."""
+    return _greedy(model, tokens, max_new_tokens)[0]
+
+
+def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = None) -> dict[str | int, list[int]]:
+    """The baseline: `prompts` one by one through a plain greedy generate() loop, without prefixlab (the model
+    must not be patched); returns id -> new token ids and counts into `stats` like serve()."""
     import torch
 
-    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=_pad_id(model))
-    return out[0, input_ids.shape[1]:].tolist()
+    stats = stats if stats is not None else ProcessStats()
+    outputs, started = {}, time.perf_counter()
+    with torch.inference_mode():
+        for prompt in prompts:
+            outputs[prompt.id], prefill_seconds = _greedy(model, prompt.tokens, prompt.max_new_tokens)
+            stats.add_request(len(prompt.tokens), 0, len(outputs[prompt.id]))
+            stats.prefill_seconds += prefill_seconds
+    stats.seconds += time.perf_counter() - started
+    return outputs
 
 
 def prime(model, store, tokens) -> int:
@@ -147,17 +189,14 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
         if decode is not None:
             record["text"] = decode(output_ids)
         write(record)
-        stats.requests += 1
-        stats.prompt_tokens += len(prompt.tokens)
-        stats.reused_tokens += reused
-        stats.prefilled_tokens += len(prompt.tokens) - reused
-        stats.generated_tokens += len(output_ids)
+        stats.add_request(len(prompt.tokens), reused, len(output_ids))
         stats.seconds = time.perf_counter() - started
         if progress is not None:
             progress(1)
 
     def serve_one(prompt: Prompt) -> None:
-        output_ids, reused, reason = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+        output_ids, reused, reason, prefill_seconds = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+        stats.prefill_seconds += prefill_seconds
         stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
         stats.kv_bytes_read += decode_kv_bytes(model, len(prompt.tokens), len(output_ids))
         held = (len(prompt.tokens) + max(len(output_ids) - 1, 0)) * kv_bytes_per_token(model)
@@ -194,7 +233,9 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
                 continue
             prompt = prompts[index]
             if length:
+                prime_started = time.perf_counter()
                 computed = prime(model, store, prompt.tokens[:length])
+                stats.prefill_seconds += time.perf_counter() - prime_started
                 stats.prime_tokens += computed
                 stats.prefilled_tokens += computed
                 continue
