@@ -15,7 +15,8 @@ from hf_models import config as tiny_config
 
 import prefixlab.fleet.serve
 from prefixlab.cli import main
-from prefixlab.fleet import serve
+from prefixlab.fleet import outputs, serve
+from prefixlab.fleet.launch import TEST_EXIT_AFTER
 from prefixlab.fleet.prompts import read_prompts
 from prefixlab.fleet.run import Stopped
 
@@ -157,8 +158,10 @@ def test_bad_input(capsys, files, tmp_path):
     assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
 
 
-@pytest.mark.skipif(shutil.which("accelerate", path=os.path.dirname(sys.executable)) is None,
-                    reason="accelerate (the dist extra) is not installed")
+LAUNCHER = os.path.join(os.path.dirname(sys.executable), "accelerate")
+needs_accelerate = pytest.mark.skipif(not os.path.exists(LAUNCHER), reason="accelerate (the dist extra) is missing")
+
+
 def _free_port() -> int:
     """A loopback port free now (a fixed one may be taken on a CI machine)."""
     with socket.socket() as probe:
@@ -166,23 +169,86 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def launch(files, out, *launch_options, env: dict | None = None, run_options=()):
+    """`accelerate launch` 2 CPU processes of `prefixlab run --json` on the tiny file: (completed process, the last
+    stdout line as JSON or None). On a CPU-only machine --multi_gpu starts the processes on gloo (accelerate's --cpu
+    launch starts only one)."""
+    command = [LAUNCHER, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
+               "no", "--dynamo_backend", "no", "--main_process_port", _free_port(), *launch_options, "-m", "prefixlab",
+               "run", files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json",
+               *run_options]
+    env = {**{key: value for key, value in os.environ.items() if key != TEST_EXIT_AFTER},
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return done, (json.loads(lines[-1]) if lines else None)
+
+
+@needs_accelerate
 def test_two_launched_processes(files, reference, tmp_path):
     out = tmp_path / "out.jsonl"
-    launcher = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    # on a CPU-only machine --multi_gpu starts the processes on gloo (accelerate's --cpu launch starts only one)
-    command = [launcher, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
-               "no", "--dynamo_backend", "no", "--main_process_port", _free_port(), "-m", "prefixlab", "run",
-               files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=env)
+    done, summary = launch(files, out)
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["processes"] == 2 and summary["requests"] == 12 and summary["lost"] == 0
+    assert summary["restarts"] == 0 and summary["prefill_seconds"] > 0
     per_process = [g["prompt_tokens"] for g in summary["per_process"]]
     assert all(per_process) and sum(per_process) == sum(len(p.tokens) for p in read_prompts(files / "prompts.jsonl"))
     records = read_out(out)
     assert [(r["id"], r["output_ids"]) for r in records] == list(reference.items())
     assert {r["process"] for r in records} == {0, 1} and not list(tmp_path.glob("out.jsonl.part*"))
+
+
+@needs_accelerate
+def test_a_process_killed_mid_run(files, reference, tmp_path):
+    """PREFIXLAB_TEST_EXIT_AFTER=<rank>:<n> (a test hook, prefixlab/fleet/launch.py) makes process <rank> SIGKILL
+    itself after writing n records, on a launch's first attempt only. Without --max_restarts the launcher stops the
+    other process: it keeps what it wrote, the summary lists the prompts lost, and a rerun completes them. With
+    --max_restarts 1 the launcher restarts the group, which finishes the run in the same command."""
+    out = tmp_path / "out.jsonl"
+    # process 1 serves 4 of the 12 prompts and dies after 1; process 0 is stopped wherever it is
+    done, summary = launch(files, out, env={TEST_EXIT_AFTER: "1:1"})
+    assert done.returncode != 0
+    kept = outputs.finished(out)
+    assert summary["stopped"] and summary["lost"] == 12 - len(kept) >= 3 and len(kept) >= 1
+    assert set(summary["lost_ids"]) == set(reference) - set(kept)
+    assert all(kept[i]["output_ids"] == reference[i] for i in kept)
+    # the rerun resumes what was kept; now the main process dies after 1 record (round-robin gives it at least 2 of
+    # the 3 or more prompts left) and the launcher restarts the group
+    done, summary = launch(files, out, "--max_restarts", "1", env={TEST_EXIT_AFTER: "0:1"},
+                           run_options=("--routing", "round-robin"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert summary["restarts"] == 1 and summary["lost"] == 0 and "restart 1" in done.stderr
+    assert summary["resumed"] >= len(kept) + 1 and summary["resumed"] + summary["requests"] == 12
+    assert summary["lost_at_failure"] == summary["redone"] == summary["requests"] > 0
+    assert [(r["id"], r["output_ids"]) for r in read_out(out)] == list(reference.items())  # each id once, in order
+    assert not list(tmp_path.glob("out.jsonl.part*"))
+
+
+def test_part_files_end_on_whole_lines(tmp_path, reference):
+    """A process killed while writing leaves its last line cut short: the next writer of that part cuts it off
+    (the prompt is redone); a whole last record missing only its line break is kept."""
+    out = tmp_path / "out.jsonl"
+    records = [{"id": prompt_id, "output_ids": ids} for prompt_id, ids in reference.items()]
+    for last, kept in ((json.dumps(records[2])[:-5], 2), (json.dumps(records[2]), 3)):
+        outputs.part_path(out, 1).write_text("".join(json.dumps(r) + "\n" for r in records[:2]) + last)
+        assert len(outputs.finished(out)) == kept  # what the main process plans with...
+        writer = outputs.PartWriter(out, 1)
+        writer.write(records[3])
+        writer.close()
+        assert list(outputs.finished(out)) == [r["id"] for r in records[:kept]] + [records[3]["id"]]  # ...and keeps
+    # a stopped run merges without removing the parts (the other processes may still append to theirs)
+    assert outputs.merge(out, list(reference), remove_parts=False)[0] == 4 and outputs.part_files(out)
+    assert outputs.merge(out, list(reference))[0] == 4 and not outputs.part_files(out)
+    assert [r["id"] for r in read_out(out)] == [r["id"] for r in records[:4]]
+
+
+def test_plain_loop_is_the_uncached_reference(files, reference):
+    model = serve.load_model(str(files / "config.json"))
+    stats = serve.ProcessStats()
+    prompts = read_prompts(files / "prompts.jsonl")
+    assert serve.serve_plain(model, prompts, stats) == reference
+    assert stats.requests == 12 and stats.prefilled_tokens == stats.prompt_tokens == sum(len(p.tokens) for p in prompts)
+    assert 0 < stats.prefill_seconds < stats.seconds
 
 
 def test_text_prompts_with_a_tokenizer_file(capsys, files, tmp_path):

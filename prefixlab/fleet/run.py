@@ -140,8 +140,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             gathered = gather_object(gathered)
     except (Stopped, RuntimeError):  # stopped while waiting, or a peer died (torch.distributed's RuntimeError)
         stopped = "terminated"
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:  # once stopped, the launcher's SIGTERM (a peer died) must not cut the summary short: run() restores it
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if stopped else previous)
     if not state.is_main_process:
         return None
     if stopped == "terminated" and restart < max_restarts:  # the launcher restarts the group, which resumes
@@ -236,11 +236,15 @@ def format_summary(summary: dict, out: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = run_batch(args)
-    if summary is None:
-        return 0
-    print(json.dumps(summary) if args.json else format_summary(summary, args.out))
-    return 1 if summary["lost"] else 0
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        summary = run_batch(args)
+        if summary is None:
+            return 0
+        print(json.dumps(summary) if args.json else format_summary(summary, args.out), flush=True)
+        return 1 if summary["lost"] else 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
