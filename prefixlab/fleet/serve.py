@@ -19,8 +19,8 @@ class ProcessStats:
     (prime steps included, and the padding of batched siblings): the work routing balances and scheduling saves.
     `kv_bytes_read`: attention KV the decode steps read (a Hydragen batch reads its shared prefix once per step);
     `kv_bytes_held_peak`: the most attention KV one generate call held (a prompt alone, or a Hydragen batch).
-    `prefill_seconds`: wall time of the prefills: from each generate() call to its first token's logits, plus the
-    primes (a Hydragen batch's per-row prefills are not separated from its decode and are not counted)."""
+    `prefill_seconds`: wall time of the prefills: from each generate() call (a Hydragen batch: from its rows'
+    prefills) to its first token's logits, plus the primes."""
 
     process: int = 0
     requests: int = 0
@@ -223,6 +223,7 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
                 stats.batches += 1
                 stats.batched_requests += len(group)
                 stats.padding_tokens += result.padding_tokens
+                stats.prefill_seconds += result.prefill_seconds
                 stats.prefilled_tokens += result.padding_tokens
                 stats.kv_bytes_read += result.kv_bytes_read
                 stats.kv_bytes_held_peak = max(stats.kv_bytes_held_peak, result.kv_bytes_held)

@@ -26,6 +26,7 @@ prime, e.g. shallower than its min_prefix_tokens) prefills more. The summary cou
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class GroupResult:
     padding_tokens: int
     kv_bytes_read: int  # attention KV read by the decode steps (the shared level once per step)
     kv_bytes_held: int  # attention KV the batch held at its end (the shared level once, padding slots included)
+    prefill_seconds: float = 0.0  # wall time to the first token's logits (the rows' prefills included)
 
 
 def batching_mode(model) -> str | None:
@@ -142,9 +144,11 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     over the store's cached prefix; None where a hybrid's ragged rows find no prefix in the store (serve them one by
     one). The model must use attn_implementation="hydragen"."""
     import torch
+    from transformers import LogitsProcessorList
 
     from prefixlab.attention.compose import hydragen_cache_from_store
     from prefixlab.errors import InvalidInputError
+    from prefixlab.fleet.serve import FirstTokenClock
 
     mode = batching_mode(model)
     if mode is None:
@@ -157,6 +161,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     if any(len(r) <= shared_length or common_prefix(r, rows[0]) < shared_length for r in rows):
         raise InvalidInputError(f"every row must start with the same {shared_length} tokens and have more")
     head = torch.as_tensor(rows[0][:shared_length + 1], dtype=torch.long)[None]
+    started = time.perf_counter()
     if mode == "rows" and ragged:  # recurrent layers must not see padding: prefill each row alone, decode together
         cache = _prefill_rows(model, store, head, rows)
         if cache is None:
@@ -175,8 +180,10 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
         ids[b, :reused], ids[b, reused + gap:] = torch.as_tensor(tokens[:reused]), torch.as_tensor(tokens[reused:])
         mask[b, :reused], mask[b, reused + gap:] = 1, 1
     padding = 0 if mode == "rows" and ragged else int((width - mask.sum(1)).sum())  # joined rows: zeros, not computed
+    clock = FirstTokenClock()
     out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache,
-                         max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=pad_id)
+                         max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=pad_id,
+                         logits_processor=LogitsProcessorList([clock]))
     eos = _eos_ids(model)
     outputs = [keep_row(out[b, width:].tolist(), n, eos) for b, n in enumerate(max_new_tokens)]
     generated = out.shape[1] - width  # decode steps actually run (all rows stopped at EOS: fewer)
@@ -184,7 +191,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     per_token = kv_bytes_per_token(model)
     read = sum(reused + len(rows) * (width - reused + t) for t in range(1, generated)) * per_token
     held = (reused + len(rows) * (width - reused + max(generated - 1, 0))) * per_token
-    return GroupResult(outputs, reused, padding, read, held)
+    return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started)
 
 
 def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
