@@ -30,6 +30,15 @@ def start(cpu: bool):
     return state
 
 
+def finish() -> None:
+    """Leave the process group before the interpreter exits: a gloo group left to the exit's destructors sometimes
+    aborts the process ("terminate called without an active exception"), which fails the launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _join_attempt_group(restart: int, cpu: bool) -> None:
     """Join the process group under keys of this attempt. torchrun hands every attempt of a group the same agent
     store (static rendezvous keeps it; c10d shares it) and torch.distributed's keys do not name the attempt, so a

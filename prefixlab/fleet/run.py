@@ -25,6 +25,7 @@ from pathlib import Path
 from prefixlab.cache.explain import format_reasons
 from prefixlab.cli import positive_int
 from prefixlab.errors import InvalidInputError
+from prefixlab.fleet import launch
 
 
 def _encoder(tokenizer: str | None):
@@ -60,7 +61,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import launch, outputs, schedule, serve, siblings
+    from prefixlab.fleet import outputs, schedule, serve, siblings
     from prefixlab.fleet.prompts import read_prompts
 
     state = launch.start(args.cpu)
@@ -245,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if summary["lost"] else 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        launch.finish()
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
