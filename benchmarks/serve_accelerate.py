@@ -225,4 +225,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from prefixlab.fleet.launch import finish
+
+    code = main()
+    finish()
+    sys.exit(code)
