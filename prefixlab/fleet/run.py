@@ -20,6 +20,7 @@ import json
 import signal
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 from prefixlab.cache.explain import format_reasons
@@ -118,23 +119,22 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     else:
         steps = [(i, 0) for i in mine]
 
-    store = PrefixStore(model, capacity=args.capacity, policy=args.policy)
-    writer = outputs.PartWriter(out, rank)
-    write = launch.with_test_exit(writer.write, rank)
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)  # from here on a SIGTERM stops the run cleanly
     started, stats, stopped = time.perf_counter(), serve.ProcessStats(process=rank), False
     try:
         from tqdm import tqdm
 
-        with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
-                  position=rank) as bar:
-            serve.serve(model, store, prompts, steps, write, process=rank, decode=decode, progress=bar.update,
-                        stats=stats)
+        with ExitStack() as cleanup:
+            store = PrefixStore(model, capacity=args.capacity, policy=args.policy)
+            cleanup.callback(store.close)
+            writer = outputs.PartWriter(out, rank)
+            cleanup.callback(writer.close)
+            with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
+                      position=rank) as bar:
+                serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
+                            decode=decode, progress=bar.update, stats=stats)
     except (Stopped, KeyboardInterrupt) as err:
         stopped = "terminated" if isinstance(err, Stopped) else "interrupted"
-    finally:
-        writer.close()
-        store.close()
     gathered = [stats.as_dict()]
     try:
         if not stopped:
