@@ -56,20 +56,27 @@ def finished(out: Path) -> dict[str | int, dict]:
 def _complete_last_line(path: Path) -> None:
     """End `path` on a line break, as `_records` read it: a last line cut short (a process killed while writing it)
     is cut off; a last line that is a whole record missing only its line break gets one. Appending after either
-    would otherwise glue two records into one line that is not JSON."""
+    would otherwise glue two records into one line that is not JSON. Reads only the last line."""
     with open(path, "rb+") as file:
-        data = file.read()
-        if not data or data.endswith(b"\n"):
+        end = file.seek(0, os.SEEK_END)
+        start, tail = end, b""
+        while start > 0 and b"\n" not in tail:  # back from the end, block by block, to the last line break
+            step = min(1 << 16, start)
+            start -= step
+            file.seek(start)
+            tail = file.read(step) + tail
+        if not tail or tail.endswith(b"\n"):
             return
-        start = data.rfind(b"\n") + 1
+        cut = tail.rfind(b"\n") + 1
         try:
-            whole = isinstance(json.loads(data[start:]), dict)
+            whole = isinstance(json.loads(tail[cut:]), dict)
         except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
             whole = False
         if whole:
+            file.seek(end)
             file.write(b"\n")
         else:
-            file.truncate(start)
+            file.truncate(start + cut)
 
 
 class PartWriter:
