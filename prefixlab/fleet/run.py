@@ -54,6 +54,7 @@ class Stopped(Exception):
 
 
 def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the stop in progress must not be cut short by another
     raise Stopped()
 
 
@@ -120,8 +121,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         steps = [(i, 0) for i in mine]
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)  # from here on a SIGTERM stops the run cleanly
-    started, stats, stopped = time.perf_counter(), serve.ProcessStats(process=rank), False
-    try:
+    started, stats, stopped, gathered = time.perf_counter(), serve.ProcessStats(process=rank), False, None
+    try:  # a Stopped anywhere in here, even in the RuntimeError handler, is caught (the handler raises it once)
         from tqdm import tqdm
 
         with ExitStack() as cleanup:
@@ -133,16 +134,15 @@ def run_batch(args: argparse.Namespace) -> dict | None:
                       position=rank) as bar:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
                             decode=decode, progress=bar.update, stats=stats)
+        try:
+            gathered = gather_object([stats.as_dict()])
+        except RuntimeError:  # a peer died while this process waited (torch.distributed's error)
+            stopped = "terminated"
     except (Stopped, KeyboardInterrupt) as err:
         stopped = "terminated" if isinstance(err, Stopped) else "interrupted"
-    gathered = [stats.as_dict()]
-    try:
-        if not stopped:
-            gathered = gather_object(gathered)
-    except (Stopped, RuntimeError):  # stopped while waiting, or a peer died (torch.distributed's RuntimeError)
-        stopped = "terminated"
     finally:  # once stopped, the launcher's SIGTERM (a peer died) must not cut the summary short: run() restores it
         signal.signal(signal.SIGTERM, signal.SIG_IGN if stopped else previous)
+    gathered = gathered or [stats.as_dict()]
     if not state.is_main_process:
         return None
     if stopped == "terminated" and restart < max_restarts:  # the launcher restarts the group, which resumes
