@@ -230,6 +230,8 @@ def test_partition_is_contiguous_in_radix_order_and_balanced():
         work[parts[i]] += len(prompts[i]) - (common_prefix(prompts[i], prompts[previous]) if k else 0)
     assert work.max() / work.mean() <= 1.25
     assert common_prefix(np.array([1, 2, 3]), np.array([1, 2])) == 2
+    for routing in ("partition", "affinity", "random"):  # a resumed run may have nothing left to plan
+        assert assign([], 2, routing) == []
 
 
 def test_router_inputs_are_checked():

@@ -71,6 +71,8 @@ def radix_order(prompts: Sequence[np.ndarray]) -> list[int]:
 def partition(prompts: Sequence[np.ndarray], parts: int) -> list[int]:
     """Part of each prompt: the radix order cut into `parts` contiguous runs of about equal new tokens (tokens a
     prompt does not share with its predecessor in that order, i.e. the prefill work of a warm cache)."""
+    if not prompts:
+        return []
     order = radix_order(prompts)
     new = np.array([len(prompts[i]) - (common_prefix(prompts[i], prompts[j]) if k else 0)
                     for k, (i, j) in enumerate(zip(order, [order[0], *order[:-1]], strict=True))], dtype=np.float64)
