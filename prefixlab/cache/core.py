@@ -276,7 +276,7 @@ class PrefixCacheCore:
 
     def _refresh(self, nodes: list[Node]) -> None:
         for node in nodes:
-            if not node.is_root and node.last_access != self.clock:
+            if node.parent is not None and node.last_access != self.clock:
                 node.last_access = self.clock
                 self.eviction.update(node)
 

@@ -178,19 +178,22 @@ class FlopAware(EvictionPolicy):
         return saved / max(freed, 1)
 
     def update(self, node: Node) -> None:  # EvictionPolicy.update and the efficiency index, in one (hot path)
-        if not self.eligible(node):
-            self.remove(node)
-            return
         node_id = node.id
+        if not self.eligible(node):
+            if node_id in self.nodes:  # (a node is in every index or in none)
+                self.remove(node)
+            return
         self.nodes[node_id] = node
-        self.by_recency.put(node_id, (node.last_access, -node.end))
+        start, length, positions = node.start, len(node.tokens), node.ckpt_pos
+        self.by_recency.put(node_id, (node.last_access, -(start + length)))
         # Locks and timestamps change far more often than what the efficiency depends on.
         # (stored states never change size, so their count and the deepest position pin the freed bytes)
-        shape = (node.start, len(node.tokens), len(node.ckpt_pos), node.ckpt_pos[-1] if node.ckpt_pos else 0,
-                 not node.children)
+        shape = (start, length, len(positions), positions[-1] if positions else 0, not node.children)
         cached = self._shapes.get(node_id)
         if cached is None or cached[0] != shape:
             cached = self._shapes[node_id] = (shape, self.flop_efficiency(node))
+        elif node_id in self.efficiency:
+            return  # indexed with this efficiency already (efficiency and _shapes always agree)
         self.efficiency[node_id] = cached[1]
         self.by_efficiency.put(node_id, (cached[1],))
 
@@ -214,18 +217,23 @@ class FlopAware(EvictionPolicy):
         eff_scale = self.alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
         nodes, efficiency = self.nodes, self.efficiency
         best_score, best_id, seen = float("inf"), None, set()
-        # Row by row: the next oldest candidate (keyed by its timestamp), then the next least efficient one.
+        seen_add = seen.add
+        # Row by row: the next oldest candidate (keyed by its timestamp), then the next least efficient one. A
+        # locked candidate is marked seen too: it is skipped whenever it comes up.
         for (last_access, _, old_id), (eff, inefficient_id) in zip(self.by_recency, self.by_efficiency, strict=True):
-            if old_id not in seen and nodes[old_id].lock_count == 0:
-                seen.add(old_id)
-                score = 1.0 / (now - last_access) * recency_scale + efficiency[old_id] * eff_scale
-                if score < best_score:
-                    best_score, best_id = score, old_id
-            if inefficient_id not in seen and nodes[inefficient_id].lock_count == 0:
-                seen.add(inefficient_id)
-                score = 1.0 / (now - nodes[inefficient_id].last_access) * recency_scale + eff * eff_scale
-                if score < best_score:
-                    best_score, best_id = score, inefficient_id
+            if old_id not in seen:
+                seen_add(old_id)
+                if nodes[old_id].lock_count == 0:
+                    score = 1.0 / (now - last_access) * recency_scale + efficiency[old_id] * eff_scale
+                    if score < best_score:
+                        best_score, best_id = score, old_id
+            if inefficient_id not in seen:
+                seen_add(inefficient_id)
+                node = nodes[inefficient_id]
+                if node.lock_count == 0:
+                    score = 1.0 / (now - node.last_access) * recency_scale + eff * eff_scale
+                    if score < best_score:
+                        best_score, best_id = score, inefficient_id
             # Every unseen candidate is at least as old and as inefficient as the current rows of both indexes.
             if best_score <= recency_scale / (now - last_access) + eff_scale * eff:
                 break
@@ -288,14 +296,15 @@ class ThinningFlopAware(FlopAware):
 
     def _interior_values(self, node: Node) -> list[float]:
         """Expected FLOPs per entry each interior state (those before the edge's end) saves over the one before."""
-        values = []
-        for i, position in enumerate(node.ckpt_pos):
-            if position >= node.end:
-                break
-            below = node.ckpt_pos[i - 1] if i else node.start
-            new = float(position - below)
-            flops = self._linear_flops * new + self._pair_flops * new * (2.0 * below + new)
-            values.append(self.admission.overlap_mass(node, i) * flops)
+        positions, start = node.ckpt_pos, node.start
+        count = bisect.bisect_left(positions, start + len(node.tokens))  # the states before the edge's end
+        if not count:
+            return []
+        linear, pair, values = self._linear_flops, self._pair_flops, []
+        for i, mass in enumerate(self.admission.overlap_masses(node, count)):
+            below = positions[i - 1] if i else start
+            new = float(positions[i] - below)
+            values.append(mass * (linear * new + pair * new * (2.0 * below + new)))
         return values
 
     def flop_efficiency(self, node: Node) -> float:

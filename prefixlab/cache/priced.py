@@ -41,6 +41,19 @@ from prefixlab.cache.placement import PlacementTable, balanced_positions
 from prefixlab.cache.tree import Node, RadixTree, Walk
 
 MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
+_TABLES: dict[bytes, PlacementTable] = {}  # solved histograms, by their bytes (alpha's window replays share many)
+
+
+def _solved(hist: np.ndarray) -> PlacementTable:
+    """PlacementTable(hist, MAX_PLACED), reused when the same histogram (bit for bit) was solved before: the
+    table is a pure function of it and is never modified."""
+    key = hist.tobytes()
+    table = _TABLES.get(key)
+    if table is None:
+        if len(_TABLES) >= 64:
+            _TABLES.clear()
+        table = _TABLES[key] = PlacementTable(hist, MAX_PLACED)
+    return table
 # Where a new entry hangs in the tree: continuing a leaf from its end (a next turn), or anywhere else (the root,
 # inside an edge, a branch point). Each kind has its own law: next turns are rarely left midway, prompts are.
 ENTRY_KINDS = ("extend", "branch")
@@ -164,7 +177,7 @@ class EntryLaw:
                 # an overlap in block b resumes at best from a checkpoint at block b's start: the block DP, over
                 # the depths seen so far (an entry reaching past them has nothing more to place)
                 seen = int(np.flatnonzero(self._interior)[-1]) + 1
-                self._table = PlacementTable(self._interior[:seen] / self.entries * self.block, MAX_PLACED)
+                self._table = _solved(self._interior[:seen] / self.entries * self.block)
         return self._table
 
 
@@ -319,12 +332,15 @@ class PricedAdmission(MarconiAdmission):
         self.law.add("predicted", predicted)
         return sorted(positions)
 
-    def overlap_mass(self, node: Node, i: int) -> float:
-        """Expected overlaps per entry that would resume from checkpoint i of `node`: those leaving the edge
-        between it and the next checkpoint (depths measured from the edge's start, as the law is)."""
-        above = node.ckpt_pos[i + 1] if i + 1 < len(node.ckpt_pos) else node.end + 1
+    def overlap_masses(self, node: Node, count: int) -> list[float]:
+        """Expected overlaps per entry that would resume from each of the first `count` checkpoints of `node`: those
+        leaving the edge between it and the next checkpoint (depths measured from the edge's start, as the law is)."""
+        positions, start, end = node.ckpt_pos, node.start, node.start + len(node.tokens)
         law = self.laws[self.kind_of(node)]
-        return law.interior_mass((node.ckpt_pos[i] - node.start) // law.block, (above - node.start) // law.block)
+        block, mass = law.block, law.interior_mass
+        return [mass((positions[i] - start) // block,
+                     ((positions[i + 1] if i + 1 < len(positions) else end + 1) - start) // block)
+                for i in range(count)]
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
                     restore: bool = False) -> None:
