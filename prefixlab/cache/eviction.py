@@ -257,6 +257,7 @@ class ThinningFlopAware(FlopAware):
     branch points many requests resume from)."""
 
     admission = None
+    _last_values: tuple[Node, list[float]] | None = None  # the node flop_efficiency last valued, and its values
     leaf_weight = 1.0  # the admission's `law.leaf_weight` when the index was last built (see `pick`)
     # dp's window replays often tie over a wide range of alphas (the window is too short for all but the lowest
     # to make a difference); the smallest of them is the closest to those that lost, the middle the farthest
@@ -309,6 +310,7 @@ class ThinningFlopAware(FlopAware):
 
     def flop_efficiency(self, node: Node) -> float:
         values = self._interior_values(node) if self.admission is not None else []
+        self._last_values = (node, values)  # `free` reads them back after each state it drops
         if values:
             return min(values) / max(node.ckpt_state[0].nbytes, 1)
         whole = super().flop_efficiency(node)
@@ -320,10 +322,15 @@ class ThinningFlopAware(FlopAware):
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:
             return super().free(node, want_bytes)
-        freed = 0
-        while freed < want_bytes and (values := self._interior_values(node)):
+        freed, values = 0, self._interior_values(node)
+        while freed < want_bytes and values:
             cheapest = values.index(min(values))
+            self._last_values = None
             freed += self.tree.drop_checkpoints(node, cheapest, cheapest + 1)
+            # the drop re-indexed the node (update -> flop_efficiency) with its values for its new shape, and
+            # nothing the values depend on (the admission's law) changes within an eviction
+            last = self._last_values
+            values = last[1] if last is not None and last[0] is node else self._interior_values(node)
         if freed or len(node.children) > self._max_children:
             return freed
         return super().free(node, want_bytes)

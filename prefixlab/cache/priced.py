@@ -83,6 +83,7 @@ class EntryLaw:
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
         self._cumulative: tuple[int, np.ndarray] | None = None
+        self._distances: np.ndarray | None = None  # best_from_end's candidate distances (never modified)
         self._epoch = 0
 
     def tick(self) -> None:
@@ -161,7 +162,9 @@ class EntryLaw:
         blocks = min(length // self.block, self.bins)
         if blocks < 1:
             return 0, 0.0
-        distances = (np.arange(blocks) + 1) * self.block  # a state at D serves the distances of blocks < D/block
+        if self._distances is None:
+            self._distances = (np.arange(self.bins) + 1) * self.block
+        distances = self._distances[:blocks]  # a state at D serves the distances of blocks < D/block
         savings = self._cumulative[1][:blocks] * (length - distances)
         best = int(np.argmax(savings))
         return int(distances[best]), float(savings[best])
@@ -271,8 +274,9 @@ class PricedAdmission(MarconiAdmission):
         for kind_law in (*self.laws.values(), *self.end_laws.values()):
             kind_law.tick()
         self._input_length = walk.walked
-        law.add("reused", reused_length)
-        law.add("computed", walk.walked - reused_length)
+        scale = law._scale  # law.add inlined (hot path): the same float expressions
+        law.reused += reused_length * scale
+        law.computed += (walk.walked - reused_length) * scale
         if shared == 0:
             return
         for node in reversed(walk.path[1:]):  # Marconi's states sit at edge ends: one inside an edge is placed
