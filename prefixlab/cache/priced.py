@@ -313,7 +313,8 @@ class PricedAdmission(MarconiAdmission):
         table, blocks = (law.table(), span // law.block) if law.bound(span) > price else (None, 0)
         if table is not None and blocks > 1:
             # the m-th state is kept while its saving beats the price (the longest such prefix of the curve)
-            gains = (-np.diff(table.curve(blocks))).tolist()
+            costs = table.curve(blocks).tolist()
+            gains = [-(b - a) for a, b in zip(costs[:-1], costs[1:], strict=True)]  # -np.diff, element-wise
             count = next((m for m, gain in enumerate(gains) if gain <= price), len(gains))
             positions.update(start + p * law.block for p in table.positions(count, blocks)
                              if reused < start + p * law.block < length)
