@@ -221,3 +221,44 @@ def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
     for capacity_bytes in (1_150_000_000, 2_300_000_000):  # the knee of this trace and twice it
         hits = {p: simulate(requests, p, capacity_bytes, spec).token_hit_rate for p in ("sglang+", "marconi", "dp")}
         assert hits["dp"] >= max(hits["sglang+"], hits["marconi"]) + 3.0, hits
+
+
+def test_replay_caches_change_no_decision(monkeypatch):
+    """Solved tables reused by histogram and thinning's read-back of the values its drop computed are only
+    caches: a replay without them makes the same decisions (hits, evictions, tree)."""
+    from prefixlab.cache import priced
+    from prefixlab.cache.placement import PlacementTable
+
+    rng = np.random.default_rng(3)
+    shared = [list(rng.integers(0, 500, 60)) for _ in range(4)]
+    prompts = [shared[i % 4] + list(rng.integers(1000, 5000, int(rng.integers(5, 60)))) for i in range(120)]
+
+    def replay():
+        core, drops = _core(capacity_bytes=3_000), []
+
+        def drop(node, *span, original=core.tree.drop_checkpoints):
+            freed = original(node, *span)
+            last = core.eviction._last_values
+            if last is not None and last[0] is node:  # what free reads back is what it would recompute
+                assert last[1] == core.eviction._interior_values(node)
+                drops.append(node.id)
+            return freed
+
+        monkeypatch.setattr(core.tree, "drop_checkpoints", drop)
+        hits = [replay_request(core, np.asarray(p), np.zeros(0, dtype=np.int64)) for p in prompts]
+        return hits, core.evictions, sorted((n.start, n.end, tuple(n.ckpt_pos)) for n in core.tree.nodes()), drops
+
+    cached = replay()
+    solved = []
+    monkeypatch.setattr(priced, "_solved", lambda hist: solved.append(1) or PlacementTable(hist, priced.MAX_PLACED))
+    original = ThinningFlopAware.flop_efficiency
+
+    def forgetful(self, node):
+        efficiency = original(self, node)
+        self._last_values = None  # free recomputes every value
+        return efficiency
+
+    monkeypatch.setattr(ThinningFlopAware, "flop_efficiency", forgetful)
+    uncached = replay()
+    assert cached[3] and solved, "the trace must thin and solve tables for this test to mean anything"
+    assert cached[:3] == uncached[:3]
