@@ -247,7 +247,7 @@ class PricedAdmission(MarconiAdmission):
         node_id, kinds, shapes = node.id, self._kinds, self._stint_shapes
         if self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes:
             kinds[node_id], self._leaf_pending = self._planned_kind, False  # the planned entry's new leaf
-        shape = 2 * (node_id not in kinds) + bool(node.children) if node.ckpt_pos else -1  # shape_of, inlined
+        shape = self.shape_of(node)
         if shapes.get(node_id, -1) == shape:
             return False
         self._resumed.discard(node_id)
