@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -43,77 +42,53 @@ def _same_prefix(tokens: np.ndarray, edges: list[np.ndarray], depth: int) -> boo
 
 
 class Ghosts:
-    """A bounded record of evicted states: the path of edges (token arrays, never modified) to a state's depth, and
-    the victim's (recency, efficiency) when it was picked, normalised over the candidates. Found by (namespace,
-    depth, token before the depth), then compared exactly; the oldest are forgotten first."""
+    """The states the last `max_ghosts` evictions dropped (a ring): depth, the token before it and the path of
+    edges (token arrays, never modified) to it, with the victim's (recency, efficiency) when it was picked,
+    normalised over the candidates. A request's look-up filters them by depth range and token in numpy, then
+    compares the few left exactly."""
 
     def __init__(self, max_ghosts: int) -> None:
-        self.max_ghosts = max_ghosts
-        self._ghosts: OrderedDict[int, tuple] = OrderedDict()  # serial -> (key, edges, blame)
-        self._by_key: dict[tuple[str, int, int], list[int]] = {}  # (namespace, depth, last token) -> serials
-        self._depths: dict[str, list[int]] = {}  # sorted distinct depths per namespace
-        self._counts: Counter = Counter()  # (namespace, depth) -> ghosts
-        self._serial = 0
+        self.max_ghosts, self.count = max_ghosts, 0
+        self._depths = np.zeros(max_ghosts, dtype=np.int64)  # 0: an empty slot
+        self._lasts = np.zeros(max_ghosts, dtype=np.int64)
+        self._paths: list[tuple | None] = [None] * max_ghosts  # (namespace, edges, standing)
+        self._next = 0
 
     def __len__(self) -> int:
-        return len(self._ghosts)
+        return self.count
 
     def copy(self) -> Ghosts:
         twin = copy.copy(self)
-        twin._ghosts, twin._counts = OrderedDict(self._ghosts), Counter(self._counts)
-        twin._by_key = {key: list(serials) for key, serials in self._by_key.items()}
-        twin._depths = {ns: list(depths) for ns, depths in self._depths.items()}
+        twin._depths, twin._lasts, twin._paths = self._depths.copy(), self._lasts.copy(), list(self._paths)
         return twin
 
-    def add(self, namespace: str, edges: list[np.ndarray], depth: int, blame: tuple[float, float]) -> None:
+    def add(self, namespace: str, edges: list[np.ndarray], depth: int, standing: tuple[float, float]) -> None:
         """The state at `depth` of the path `edges` (root first) was evicted."""
-        done, last = 0, 0
+        done = 0
         for edge in edges:  # the token before `depth`
             if done + len(edge) >= depth:
-                last = edge.item(depth - 1 - done)
                 break
             done += len(edge)
-        key = (namespace, depth, last)
-        self._serial += 1
-        self._ghosts[self._serial] = (key, edges, blame)
-        self._by_key.setdefault(key, []).append(self._serial)
-        self._count(namespace, depth, +1)
-        while len(self._ghosts) > self.max_ghosts:
-            serial, (old, _, _) = self._ghosts.popitem(last=False)
-            self._unkey(old, serial)
-
-    def _unkey(self, key: tuple, serial: int) -> None:
-        serials = self._by_key[key]
-        serials.remove(serial)
-        if not serials:
-            del self._by_key[key]
-        self._count(key[0], key[1], -1)
-
-    def _count(self, namespace: str, depth: int, delta: int) -> None:
-        key = (namespace, depth)
-        self._counts[key] += delta
-        depths = self._depths.setdefault(namespace, [])
-        if delta > 0 and self._counts[key] == 1:
-            bisect.insort(depths, depth)
-        elif delta < 0 and not self._counts[key]:
-            del self._counts[key]
-            del depths[bisect.bisect_left(depths, depth)]
+        slot = self._next
+        self.count += not self._depths[slot]
+        self._depths[slot], self._lasts[slot] = depth, edge.item(depth - 1 - done)
+        self._paths[slot] = (namespace, edges, standing)
+        self._next = (slot + 1) % self.max_ghosts
 
     def deepest(self, namespace: str, tokens: np.ndarray, low: int, high: int) -> tuple[int, tuple] | None:
-        """The deepest ghost at a depth in (low, high] whose prefix is tokens[:depth], removed: (depth, blame)."""
-        depths = self._depths.get(namespace)
-        if not depths:
+        """The deepest ghost at a depth in (low, high] whose prefix is tokens[:depth], removed: (depth, standing)."""
+        depths = self._depths
+        slots = np.flatnonzero((depths > low) & (depths <= high))
+        if not len(slots):
             return None
-        first, last = bisect.bisect_right(depths, low), bisect.bisect_right(depths, high)
-        by_key = self._by_key
-        for depth in reversed(depths[first:last]):
-            key = (namespace, depth, tokens.item(depth - 1))
-            for serial in by_key.get(key, ()):
-                _, edges, blame = self._ghosts[serial]
-                if _same_prefix(tokens, edges, depth):
-                    del self._ghosts[serial]
-                    self._unkey(key, serial)
-                    return depth, blame
+        slots = slots[tokens[depths[slots] - 1] == self._lasts[slots]]
+        for slot in slots[np.argsort(-depths[slots], kind="stable")].tolist():
+            depth = int(depths[slot])
+            ghost_namespace, edges, standing = self._paths[slot]
+            if ghost_namespace == namespace and _same_prefix(tokens, edges, depth):
+                self._depths[slot], self._paths[slot] = 0, None
+                self.count -= 1
+                return depth, standing
         return None
 
 
