@@ -136,6 +136,21 @@ def test_dp_on_a_kv_only_model_is_marconi():
     assert dp.token_hit_rate == marconi.token_hit_rate
 
 
+def test_only_whole_entry_evictions_start_the_alpha_bootstrap():
+    core = PrefixCacheCore(10**6, "dp", tiny_spec(), block_size=4)  # alpha tuned: a bootstrap window
+    for tokens in version_families(6):
+        request(core, tokens)
+    thin = next(n for n in core.tree.nodes() if n.ckpt_pos and n.ckpt_pos[0] < n.end)
+    whole = next(n for n in core.tree.nodes() if not n.children and not core.eviction.thins(n))
+    root = core.tree.root("default")
+    core.capacity_bytes = core.used_bytes
+    core.eviction.pick = lambda now: thin
+    assert core._make_room(1, root) and core.bootstrap.tune_at is None  # a thinning move: not an eviction
+    core.capacity_bytes = core.used_bytes
+    core.eviction.pick = lambda now: whole
+    assert core._make_room(1, root) and core.bootstrap.tune_at == 5 * core.requests  # Marconi's 5 x N0
+
+
 def test_alpha_replays_start_from_the_live_law():
     live = _core()
     for tokens in version_families(6):

@@ -93,7 +93,7 @@ def test_dp_is_within_half_a_point_of_marconi_on_a_chat_and_prompt_versions_mix(
     assert simulate(trace, "dp", int(gb * 1e9), spec).token_hit_rate >= marconi - 0.5  # issue 9's bar
 
 
-@pytest.mark.parametrize("policy", ["marconi"])  # dp adapts alpha online: tests/test_online_alpha.py
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
 def test_the_alpha_tuners_time_is_reported_as_part_of_the_replays(policy):
     requests, spec = _conversations(12, 5), tiny_spec()
     tuned = simulate(requests, policy, 700, spec)

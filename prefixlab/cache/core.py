@@ -103,7 +103,7 @@ class PrefixCacheCore:
                                      capacity_bytes=self.capacity_bytes)
         self.hybrid, self.overflow = spec.state_bytes > 0, bool(overflow)
         self.tree = RadixTree()
-        self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha)
+        self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha or 0.0)
         self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
         self.clock = self.requests = self.evictions = self.rejected = 0
         self.tuning_seconds = 0.0  # wall time of the alpha tuner's replays (a one-off cost; benchmarks report it)
@@ -137,7 +137,6 @@ class PrefixCacheCore:
         node, length, state = self._resumable(walk)
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk, length)
-        self.eviction.observe(tokens, namespace, length, node)
         self.tree.lock(node, +1)
         on_path = walk.path[1:] if with_kv else []
         kv = [n.kv if n.end <= length else n.kv.split(length - n.start)[0] for n in on_path if n.start < length]

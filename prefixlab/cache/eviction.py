@@ -103,9 +103,6 @@ class EvictionPolicy:
     def link(self, admission: object) -> None:
         """Called with the admission policy it is paired with (after construction and after a fork)."""
 
-    def observe(self, tokens: np.ndarray, namespace: str, resumed: int, node: Node) -> None:
-        """A request's input `tokens` resumed from depth `resumed` of `node` (dp's online alpha: online_alpha.py)."""
-
     def pick(self, now: int) -> Node | None:
         """The unlocked candidate to evict next, or None."""
         for *_, node_id in self.by_recency:

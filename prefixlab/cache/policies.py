@@ -56,14 +56,14 @@ def check_policy_name(name: object) -> str:
 
 
 def tunes_alpha(name: str) -> bool:
-    """Whether the policy tunes alpha on Marconi's bootstrap window (FLOP-aware, but dp adapts it online)."""
-    return name not in ("vllm+", "sglang+", "dp")
+    """Whether the policy evicts FLOP-aware (and so tunes alpha)."""
+    return name not in ("vllm+", "sglang+")
 
 
 def build_policy(
-    name: str, tree: RadixTree, spec: ModelSpec, options: PolicyOptions, alpha: float | None
+    name: str, tree: RadixTree, spec: ModelSpec, options: PolicyOptions, alpha: float
 ) -> tuple[MarconiAdmission, EvictionPolicy]:
-    """The admission and eviction objects of policy `name` over `tree`; `alpha=None`: tuned (dp: online)."""
+    """The admission and eviction objects of policy `name` over `tree`."""
     check_policy_name(name)
     if name == "vllm+":
         return BlockAdmission(options.block_size), BlockLRU(tree, spec, options.block_size)
@@ -75,15 +75,10 @@ def build_policy(
         admission = PricedAdmission(options.law_block, options.histogram_decay, options.resolve_every,
                                     spec.state_bytes / max(spec.kv_bytes_per_token, 1), tree, options.capacity_bytes,
                                     prior_states=options.checkpoint_budget)
-        if alpha is None:
-            from prefixlab.cache.online_alpha import RegretThinning
-
-            eviction = RegretThinning(tree, spec, options.block_size, 0.0)  # alpha adapted online, from 0
-        else:
-            eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
+        eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
         eviction.link(admission)
         return admission, eviction
-    eviction = FlopAware(tree, spec, options.block_size, alpha or 0.0)
+    eviction = FlopAware(tree, spec, options.block_size, alpha)
     if name == "marconi":
         return MarconiAdmission(), eviction
     return _placed_admission(name, options), eviction
