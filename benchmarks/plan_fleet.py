@@ -5,9 +5,9 @@
 
 The prompts are a trace's input tokens (first --prompts of them, file order). For each (order, capacity, processes,
 plan) it prints the planning time and what the plan costs when each process serves its share as `prefixlab run`
-does (radix order with primes, or input order) through a store of that capacity (the same core the model uses,
-marconi-7b costs, outputs not modelled): prefilled tokens (primes included) per prompt token and max / mean per
-process. One JSON line per row with --json.
+does (radix order with primes, or input order: schedule.served_work) through a store of that capacity (the same
+core the model uses, marconi-7b costs, outputs not modelled): prefilled tokens (primes included) per prompt token
+and max / mean per process. One JSON line per row with --json.
 """
 
 from __future__ import annotations
@@ -16,26 +16,9 @@ import argparse
 import json
 import time
 
-import numpy as np
-
-from prefixlab.cache.core import replay_request
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.fleet.schedule import StoreModel, assign, radix_schedule
+from prefixlab.fleet.schedule import StoreModel, assign, served_work
 from prefixlab.sim.formats import read_trace
-
-
-def served_work(prompts: list[np.ndarray], plan: list[int], processes: int, store: StoreModel,
-                primed: bool) -> np.ndarray:
-    """Prefilled tokens per process when each serves its share (radix_schedule steps, or file order)."""
-    work = np.zeros(processes)
-    for process in range(processes):
-        mine = [i for i, p in enumerate(plan) if p == process]
-        steps = radix_schedule([prompts[i] for i in mine]) if primed else [(k, 0) for k in range(len(mine))]
-        core = store.core()
-        for k, length in steps:
-            tokens = prompts[mine[k]][:length] if length else prompts[mine[k]]
-            work[process] += len(tokens) - replay_request(core, tokens, tokens[:0])
-    return work
 
 
 def main() -> None:

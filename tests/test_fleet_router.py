@@ -9,7 +9,16 @@ from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.router import ROUTING_NAMES, AffinityRouter, Choice, make_router
-from prefixlab.fleet.schedule import StoreModel, assign, common_prefix, partition, radix_order, radix_schedule
+from prefixlab.fleet.schedule import (
+    StoreModel,
+    affinity_plan,
+    assign,
+    common_prefix,
+    partition,
+    radix_order,
+    radix_schedule,
+    served_work,
+)
 from prefixlab.sim.replay import load_imbalance, simulate_fleet
 from prefixlab.sim.trace import Request
 
@@ -152,21 +161,22 @@ def test_asking_in_bound_order_chooses_as_asking_every_replica(replicas, policy,
 def test_planning_against_store_models_sees_that_nothing_is_kept():
     """Stores too small to keep a prompt: the store models say no process holds a prefix, so the plan balances
     the prompt tokens; the fallback (processes keep all they were sent) keeps each prompt family together."""
-    requests = shared_prompt_requests(prefixes=2, per_prefix=8, prefix_len=300, question_len=20)
+    requests = shared_prompt_requests(prefixes=8, per_prefix=4, prefix_len=300, question_len=20)
     prompts = [r.input_tokens for r in requests]
     tiny = StoreModel("dp", 10 * 10**6, SPEC)
     planned, fallback = (assign(prompts, 4, "affinity", store=store) for store in (tiny, None))
     tokens = np.bincount(planned, weights=[len(p) for p in prompts], minlength=4)
-    assert tokens.max() / tokens.mean() <= 1.25
-    assert len({(p[0], process) for p, process in zip(prompts, fallback, strict=True)}) < 4  # families stay put
-    assert len({(p[0], process) for p, process in zip(prompts, planned, strict=True)}) > 4
+    assert tokens.max() / tokens.mean() <= 1.15
+    assert len({(p[0], process) for p, process in zip(prompts, fallback, strict=True)}) == 8  # families stay put
+    assert len({(p[0], process) for p, process in zip(prompts, planned, strict=True)}) > 8
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 8), st.floats(0.0, 0.5), st.lists(st.tuples(st.integers(0, 5), st.integers(1, 300)),
                                                           min_size=1, max_size=60))
 def test_affinity_balance_bound(replicas, eps, shape):
-    """Every replica's predicted work stays within (1 + eps) x mean + the largest request (the bound's slack)."""
+    """At every step every replica's predicted work is at most max((1 + eps) x mean, mean + the largest request
+    so far): the bound the router documents (main's router allowed (1 + eps) x mean + the largest request)."""
     prefixes = [np.arange(400) + 1000 * k for k in range(6)]
     router = AffinityRouter(replicas, balance_eps=eps)
     largest = 0
@@ -175,7 +185,51 @@ def test_affinity_balance_bound(replicas, eps, shape):
         largest = max(largest, len(tokens))
         router.route(tokens)
         mean = router.loads.mean()
-        assert router.loads.max() <= (1 + eps) * mean + largest + 1e-9
+        assert router.loads.max() <= max((1 + eps) * mean, mean + largest) + 1e-9
+
+
+def family_prompts(draw_shape, seed):
+    """Prompts of a few families (a shared prefix, itself sharing a head with some other families) with short
+    own questions, shuffled."""
+    rng = np.random.default_rng(seed)
+    head = rng.integers(1, 50_000, 60)
+    prompts = []
+    for family, (prefix_tokens, questions) in enumerate(draw_shape):
+        prefix = np.concatenate([head[: 60 * (family % 2)], rng.integers(1, 50_000, prefix_tokens)])
+        prompts += [np.concatenate([prefix, rng.integers(1, 50_000, rng.integers(1, 40))]) for _ in range(questions)]
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.sampled_from([0.05, 0.15, 0.3]), st.booleans(), st.sampled_from(["dp", "sglang+"]),
+       st.lists(st.tuples(st.integers(1, 400), st.integers(1, 6)), min_size=1, max_size=12), st.integers(0, 9))
+def test_affinity_plan_is_the_served_work_and_keeps_the_bound(processes, eps, primed, policy, shape, seed):
+    """`prefixlab run`'s plan: the loads the router balances are the tokens each process computes serving its share
+    (primes, order and the all-but-the-last-token probe included; stores that keep everything), so the bound holds
+    for the work done: max <= max((1 + eps) x mean, mean + the largest prompt). Main's plan routed input order in
+    radix order and counted shared prefixes shorter than a prime as resumable: its work differed from its plan."""
+    prompts = family_prompts(shape, seed)
+    store = StoreModel(policy, 10**9, SPEC)
+    plan, planned = affinity_plan(prompts, processes, balance_eps=eps, primed=primed, store=store)
+    served = served_work(prompts, plan, processes, store, primed)
+    assert served.tolist() == planned.tolist()
+    mean = served.mean()
+    assert served.max() <= max((1 + eps) * mean, mean + max(map(len, prompts))) + 1e-9
+
+
+@pytest.mark.parametrize("primed", [True, False])
+def test_affinity_plan_keeps_one_plus_eps_where_no_prompt_is_too_big(primed):
+    """serve_accelerate's shape (8 families of 4 prompts, 2 processes; a family's work ~ 1/4 of a process's):
+    max <= 1.15 x mean of the work done, with the reuse of keeping families together (main's plan: 1.24 in radix
+    order, 1.26 of work done in input order, from one request of slack and routing input order in radix order)."""
+    prompts = family_prompts([(1000, 4)] * 8, 0)
+    store = StoreModel("dp", 10**9, SPEC)
+    plan = assign(prompts, 2, "affinity", primed=primed, store=store)
+    served = served_work(prompts, plan, 2, store, primed)
+    assert served.max() <= 1.15 * served.mean()
+    round_robin = served_work(prompts, assign(prompts, 2, "round-robin"), 2, store, primed)
+    total = sum(map(len, prompts))
+    assert total - served.sum() >= 1.2 * (total - round_robin.sum())
 
 
 def test_affinity_beats_random_and_stays_balanced():
@@ -243,6 +297,8 @@ def test_router_inputs_are_checked():
         router.choose(np.array([[1, 2]]))
     with pytest.raises(InvalidInputError, match="balance_eps"):
         AffinityRouter(2, balance_eps=-1)
+    with pytest.raises(InvalidInputError, match="min_total_prefill_tokens"):
+        AffinityRouter(2, min_total_prefill_tokens=-5)
     core = PrefixCacheCore(10**9, "marconi", SPEC)
     with pytest.raises(InvalidInputError, match="caches must be 2"):
         AffinityRouter(2, caches=[core])

@@ -18,9 +18,19 @@ not asked about that prefix again until it is sent it again. Without `caches` (t
 replica as a Marconi-style cache that never evicts (a checkpoint where a sequence branched off what the replica held,
 and one at its last token; `checkpointed=False`: every held token is resumable).
 
-Balance is a constraint: a replica is eligible only if its prefill work after the request stays within
-(1 + balance_eps) x the fleet mean plus the request's own length (slack, so that early requests can reuse at all);
-when none is, the least-loaded one gets it.
+Balance is a constraint on the prefill work recorded per replica (`loads`): a replica is eligible only if its work
+after the request stays within (1 + balance_eps) x the fleet's mean work after it; when none is, the replica with
+the least work after the request gets it (often the one holding its prefix: elsewhere it costs its whole input).
+Hence, as long as the work recorded is the work predicted (route(), or `caches` that answer exactly), at every
+step max(loads) <= max((1 + balance_eps) x mean, mean + the longest request's input tokens): an eligible replica
+stays under the first term (the mean only grows), a fallback's work after is at most the least-loaded replica's
+plus one request. The second term is inherent: N + 1 requests of equal work on N replicas that share nothing put
+two on one replica, 2N / (N + 1) x the mean, so (1 + balance_eps) x the mean can hold only where a request's work
+is at most balance_eps x a replica's mean (small traces over many replicas fail this).
+When a whole batch is known up front, `min_total_prefill_tokens` (a lower bound of the fleet's total work, e.g.
+the batch's distinct prompt prefixes, which some replica must compute) stands in for the running total while it is
+larger: early requests can then reuse (with the running mean alone the first replica to take a request is over
+the bound and its siblings go elsewhere), and the bound above holds for the final loads.
 """
 
 from __future__ import annotations
@@ -131,15 +141,19 @@ class AffinityRouter(Router):
     name = "affinity"
 
     def __init__(self, replicas: int, seed: int = 0, *, balance_eps: float = 0.15, checkpointed: bool = True,
-                 caches: Sequence[ReplicaCache] | None = None) -> None:
+                 caches: Sequence[ReplicaCache] | None = None, min_total_prefill_tokens: int = 0) -> None:
         super().__init__(replicas, seed)
         if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
             raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
+        if isinstance(min_total_prefill_tokens, bool) or not isinstance(min_total_prefill_tokens, int | np.integer) \
+                or min_total_prefill_tokens < 0:
+            raise InvalidInputError(f"min_total_prefill_tokens must be an int >= 0, got {min_total_prefill_tokens!r}")
         if caches is not None and (len(caches) != replicas or not all(callable(getattr(c, "peek", None))
                                                                        for c in caches)):
             raise InvalidInputError(f"caches must be {replicas} objects with a peek(tokens) method (one per "
                                     "replica, e.g. PrefixCacheCore), or None")
         self.balance_eps, self.checkpointed, self.caches = float(balance_eps), checkpointed, caches
+        self.min_mean_tokens = int(min_total_prefill_tokens) / replicas  # the final mean is at least this
         self.tree = RadixTree()
         self.all_mask = (1 << replicas) - 1
 
@@ -195,9 +209,8 @@ class AffinityRouter(Router):
     def _best(self, length: int, reusable: np.ndarray, shared: np.ndarray, known: np.ndarray) -> int | None:
         """The best `known` eligible replica, or None."""
         after = self.loads + (length - reusable)  # each replica's prefill work if it takes the request
-        mean_after = (self.loads.sum() + length - reusable) / self.replicas
-        # The bound has one request of slack: early on (mean ~ one request) it would otherwise forbid any reuse.
-        eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after + length))
+        mean_after = np.maximum((self.loads.sum() + length - reusable) / self.replicas, self.min_mean_tokens)
+        eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after))
         if len(eligible) == 0:
             return None
         # The most preferred (_preference), then the least work after the request, then the lowest index.
@@ -297,6 +310,6 @@ ROUTERS = {cls.name: cls for cls in (RandomRouter, RoundRobinRouter, AffinityRou
 
 def make_router(name: str, replicas: int, seed: int = 0, **options) -> Router:
     """A router by name (one of ROUTING_NAMES); `options` go to AffinityRouter (balance_eps, checkpointed,
-    caches)."""
+    caches, min_total_prefill_tokens)."""
     cls = ROUTERS[check_routing(name)]
     return cls(replicas, seed, **options) if cls is AffinityRouter else cls(replicas, seed)

@@ -3,7 +3,8 @@
 - `assign`: a router (prefixlab.fleet.router) over the prompts in file order, or `partition`: the prompt tree
   cut into contiguous subtrees of balanced new tokens (no router state; every process could compute it). Given a
   `StoreModel`, affinity plans against a model-free copy of each process's store (the simulator's core with the
-  model's cost spec, fed the prompts it assigns in the order the process serves them), so it sees evictions.
+  model's cost spec, fed the prompts it assigns in the order the process serves them, primes included:
+  `ProcessStore`), so it sees evictions and its predicted loads are the work the processes do (`served_work`).
 - `radix_schedule`: a process's prompts in radix-tree (sorted token) order, each internal node of the prompt tree
   deep enough to matter computed once by a *prime* step (a prefill of the shared prefix alone, so the store holds
   a checkpoint exactly at the branch) before the first prompt of its subtree. Siblings then resume from it while
@@ -45,15 +46,39 @@ class StoreModel:
         return PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.block_size)
 
 
-def serve_model(core: PrefixCacheCore, prompt: np.ndarray, primed: bool) -> None:
-    """Feed `core` one prompt as a process serves it: with `primed` (radix_schedule) a shared prefix the store
-    holds without a checkpoint at its end is prefilled alone first, so the prompt resumes there. Outputs are not
-    known when planning: only the prompt is admitted."""
-    length, shared = core.peek(prompt)
-    depth = min(shared, len(prompt) - 1)
-    if primed and depth >= MIN_PRIME_TOKENS and depth > length:
-        replay_request(core, prompt[:depth], prompt[:0])
-    replay_request(core, prompt, prompt[:0])
+def prefill(core: PrefixCacheCore, tokens: np.ndarray) -> int:
+    """Prefill `tokens` through `core` as a process's HybridPrefixCache does (it resumes at most all but the last
+    token, which yields the logits) and admit them; returns the tokens computed."""
+    return len(tokens) - replay_request(core, tokens[:-1], tokens[-1:])
+
+
+class ProcessStore:
+    """One process's store as affinity plans against it: a StoreModel core fed the prompts the process is assigned,
+    in the order it serves them. `peek` (the router's question) is what the process will resume of a prompt: with
+    `primed` (radix_schedule) a shared prefix at least MIN_PRIME_TOKENS deep, which a prime checkpoints first; else
+    the deepest checkpoint in all but its last token. Outputs are not known when planning: only prompts are fed."""
+
+    __slots__ = ("core", "primed")
+
+    def __init__(self, core: PrefixCacheCore, primed: bool) -> None:
+        self.core, self.primed = core, primed
+
+    def _prime_depth(self, tokens: np.ndarray, shared: int) -> int:
+        depth = min(shared, len(tokens) - 1)  # a prime leaves the prompt >= 1 token of its own
+        return depth if self.primed and depth >= MIN_PRIME_TOKENS else 0
+
+    def peek(self, tokens: np.ndarray) -> tuple[int, int]:
+        shared = self.core.peek(tokens)[1]
+        resumable = self.core.peek(tokens[:-1])[0] if len(tokens) else 0
+        return max(self._prime_depth(tokens, shared), resumable), shared
+
+    def serve(self, tokens: np.ndarray) -> None:
+        """Feed one prompt; a shared prefix the store holds without a checkpoint at its end is primed first (the
+        store then holds what radix_schedule's prime of that prompt tree node leaves)."""
+        depth = self._prime_depth(tokens, self.core.peek(tokens)[1])
+        if depth > self.core.peek(tokens[:-1])[0]:
+            prefill(self.core, tokens[:depth])
+        prefill(self.core, tokens)
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -68,14 +93,21 @@ def radix_order(prompts: Sequence[np.ndarray]) -> list[int]:
     return sorted(range(len(prompts)), key=lambda i: prompts[i].tolist())
 
 
+def new_tokens(prompts: Sequence[np.ndarray], order: Sequence[int]) -> np.ndarray:
+    """Per prompt of `order` (radix order): the tokens it does not share with its predecessor. Their sum is the
+    number of distinct prefixes of the prompts (the nodes of their prefix tree): what a fleet of fresh caches
+    computes at least, each once on some replica."""
+    return np.array([len(prompts[i]) - (common_prefix(prompts[i], prompts[j]) if k else 0)
+                     for k, (i, j) in enumerate(zip(order, [*order[:1], *order[:-1]], strict=True))], dtype=np.int64)
+
+
 def partition(prompts: Sequence[np.ndarray], parts: int) -> list[int]:
     """Part of each prompt: the radix order cut into `parts` contiguous runs of about equal new tokens (tokens a
     prompt does not share with its predecessor in that order, i.e. the prefill work of a warm cache)."""
     if not prompts:
         return []
     order = radix_order(prompts)
-    new = np.array([len(prompts[i]) - (common_prefix(prompts[i], prompts[j]) if k else 0)
-                    for k, (i, j) in enumerate(zip(order, [order[0], *order[:-1]], strict=True))], dtype=np.float64)
+    new = new_tokens(prompts, order).astype(np.float64)
     # a prompt goes to the part its midpoint of the cumulative work falls in
     midpoints = np.cumsum(new) - new / 2
     part_of_sorted = np.minimum((midpoints * parts / max(new.sum(), 1.0)).astype(np.int64), parts - 1)
@@ -87,27 +119,54 @@ def partition(prompts: Sequence[np.ndarray], parts: int) -> list[int]:
 
 def assign(prompts: Sequence[np.ndarray], processes: int, routing: str, *, seed: int = 0,
            balance_eps: float = 0.15, primed: bool = True, store: StoreModel | None = None) -> list[int]:
-    """The process of each prompt (file order) under `routing` (one of ASSIGNMENTS); the routers see the
-    prompts in file order, except affinity: radix order. `primed`: the processes run radix_schedule, which primes
-    every shared prefix, so affinity counts any prefix a process holds as resumable (not only checkpoints).
-    `store`: affinity asks a model of each process's store what it still holds (else it assumes a process keeps
-    all it was sent: the fallback, no model cost)."""
+    """The process of each prompt (file order) under `routing` (one of ASSIGNMENTS). `primed`: the processes run
+    radix_schedule (else they serve their share in file order). Affinity sees the prompts in the order the
+    processes serve them (radix order when primed: a subtree's prompts arrive together; file order otherwise), so
+    that its predicted loads are the work the processes do, and balances them against the final mean from the start
+    (min_total_prefill_tokens: the distinct prompt prefixes, which some process computes). `store`: affinity asks a
+    model of each process's store what it will resume (ProcessStore); without it, it assumes a process keeps all it
+    was sent (the fallback, no model cost; `primed`: any held prefix counts as resumable)."""
     if routing not in ASSIGNMENTS:
         raise InvalidInputError(f"--routing {routing!r} is unknown; use one of {', '.join(ASSIGNMENTS)}")
     if store is not None and not isinstance(store, StoreModel):
         raise InvalidInputError(f"store must be a StoreModel or None, got {store!r}")
     if routing == "partition":
         return partition(prompts, processes)
-    cores = [store.core() for _ in range(processes)] if store is not None and routing == "affinity" else None
-    router = make_router(routing, processes, seed, balance_eps=balance_eps, checkpointed=not primed, caches=cores)
+    if routing != "affinity":
+        router = make_router(routing, processes, seed)
+        return [router.route(tokens).replica for tokens in prompts]
+    return affinity_plan(prompts, processes, seed=seed, balance_eps=balance_eps, primed=primed, store=store)[0]
+
+
+def affinity_plan(prompts: Sequence[np.ndarray], processes: int, *, seed: int = 0, balance_eps: float = 0.15,
+                  primed: bool = True, store: StoreModel | None = None) -> tuple[list[int], np.ndarray]:
+    """assign(..., "affinity") and the router's predicted prefill tokens per process (with `store`: what
+    served_work measures, as long as the stores evict nothing)."""
+    order = radix_order(prompts)
+    models = [ProcessStore(store.core(), primed) for _ in range(processes)] if store is not None else None
+    router = make_router("affinity", processes, seed, balance_eps=balance_eps, caches=models,
+                         checkpointed=models is not None or not primed,  # ProcessStore.peek knows the primes
+                         min_total_prefill_tokens=int(new_tokens(prompts, order).sum()))
     out = [0] * len(prompts)
-    # affinity sees the prompts in radix order, so a subtree's prompts arrive together (a batch is known up front);
-    # the store models too: the order a process serves its share in when primed (radix_schedule)
-    for i in radix_order(prompts) if routing == "affinity" else range(len(prompts)):
+    for i in order if primed else range(len(prompts)):
         out[i] = router.route(prompts[i]).replica
-        if cores is not None:
-            serve_model(cores[out[i]], prompts[i], primed)
-    return out
+        if models is not None:
+            models[out[i]].serve(prompts[i])
+    return out, router.loads.copy()
+
+
+def served_work(prompts: Sequence[np.ndarray], plan: Sequence[int], processes: int, store: StoreModel,
+                primed: bool) -> np.ndarray:
+    """Tokens each process computes (primes included) serving its share of `plan` as `prefixlab run` does
+    (radix_schedule's steps, or file order) through a store `store` models; outputs are not modelled."""
+    work = np.zeros(processes, dtype=np.int64)
+    for process in range(processes):
+        mine = [i for i, p in enumerate(plan) if p == process]
+        steps = radix_schedule([prompts[i] for i in mine]) if primed else [(k, 0) for k in range(len(mine))]
+        core = store.core()
+        for k, length in steps:
+            work[process] += prefill(core, prompts[mine[k]][:length] if length else prompts[mine[k]])
+    return work
 
 
 def radix_schedule(prompts: Sequence[np.ndarray], min_prefix_tokens: int = MIN_PRIME_TOKENS) -> list[tuple[int, int]]:
