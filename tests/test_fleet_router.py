@@ -241,8 +241,9 @@ def test_affinity_beats_random_and_stays_balanced():
         result, loads = simulate_fleet(requests, "sglang+", capacity, spec, 4, routing)
         hit[routing] = result.token_hit_rate
         assert result.requests == len(requests) and loads.sum() == result.input_tokens - result.reused_tokens
-        if routing == "affinity":
-            assert load_imbalance(loads) <= 1.25
+        if routing == "affinity":  # the router's bound, for the work the replicas did (here one prompt < eps x mean)
+            assert loads.max() <= max(1.15 * loads.mean(), loads.mean() + max(len(r.input_tokens) for r in requests))
+            assert load_imbalance(loads) <= 1.15
     assert hit["affinity"] >= 1.3 * hit["random"] and hit["affinity"] >= 1.3 * hit["round-robin"], hit
 
 

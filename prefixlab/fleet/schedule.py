@@ -122,8 +122,7 @@ def assign(prompts: Sequence[np.ndarray], processes: int, routing: str, *, seed:
     """The process of each prompt (file order) under `routing` (one of ASSIGNMENTS). `primed`: the processes run
     radix_schedule (else they serve their share in file order). Affinity sees the prompts in the order the
     processes serve them (radix order when primed: a subtree's prompts arrive together; file order otherwise), so
-    that its predicted loads are the work the processes do, and balances them against the final mean from the start
-    (min_total_prefill_tokens: the distinct prompt prefixes, which some process computes). `store`: affinity asks a
+    that its predicted loads are the work the processes do (affinity_plan). `store`: affinity asks a
     model of each process's store what it will resume (ProcessStore); without it, it assumes a process keeps all it
     was sent (the fallback, no model cost; `primed`: any held prefix counts as resumable)."""
     if routing not in ASSIGNMENTS:
@@ -141,14 +140,27 @@ def assign(prompts: Sequence[np.ndarray], processes: int, routing: str, *, seed:
 def affinity_plan(prompts: Sequence[np.ndarray], processes: int, *, seed: int = 0, balance_eps: float = 0.15,
                   primed: bool = True, store: StoreModel | None = None) -> tuple[list[int], np.ndarray]:
     """assign(..., "affinity") and the router's predicted prefill tokens per process (with `store`: what
-    served_work measures, as long as the stores evict nothing)."""
-    order = radix_order(prompts)
+    served_work measures, as long as the stores evict nothing). The router balances against the batch's distinct
+    prompt prefixes (a lower bound of the work: families stay together from the first prompt). Where that plan's
+    work is over (1 + balance_eps) x the bound (stores that evict, input order), loads grew apart under the bound and
+    families were moved once the running mean took over: a plan against the running mean alone is tried too, and
+    the one with less work kept. Both keep the balance bound."""
+    floor = int(new_tokens(prompts, radix_order(prompts)).sum())
+    plan = _affinity_plan(prompts, processes, seed, balance_eps, primed, store, floor)
+    if plan[1].sum() <= (1 + balance_eps) * floor:  # the other plan's work is >= floor too: it saves at most eps
+        return plan
+    other = _affinity_plan(prompts, processes, seed, balance_eps, primed, store, 0)
+    return min((plan, other), key=lambda each: (int(each[1].sum()), int(each[1].max())))
+
+
+def _affinity_plan(prompts: Sequence[np.ndarray], processes: int, seed: int, balance_eps: float, primed: bool,
+                   store: StoreModel | None, min_total_prefill_tokens: int) -> tuple[list[int], np.ndarray]:
     models = [ProcessStore(store.core(), primed) for _ in range(processes)] if store is not None else None
     router = make_router("affinity", processes, seed, balance_eps=balance_eps, caches=models,
                          checkpointed=models is not None or not primed,  # ProcessStore.peek knows the primes
-                         min_total_prefill_tokens=int(new_tokens(prompts, order).sum()))
+                         min_total_prefill_tokens=min_total_prefill_tokens)
     out = [0] * len(prompts)
-    for i in order if primed else range(len(prompts)):
+    for i in radix_order(prompts) if primed else range(len(prompts)):
         out[i] = router.route(prompts[i]).replica
         if models is not None:
             models[out[i]].serve(prompts[i])
