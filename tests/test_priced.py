@@ -211,6 +211,26 @@ def test_leaves_never_resumed_from_weigh_less_in_eviction():
     few_shot.capacity_bytes = 1
     few_shot._make_room(0, few_shot.tree.root("default"))
     assert not few_shot.admission._stint_shapes and not few_shot.admission._resumed
+    assert not few_shot.admission._resumed_inside
+
+
+def test_a_leaf_resumed_short_of_its_end_counts_as_a_resumed_prefix_not_a_resumed_leaf():
+    # A prompt admitted in its first entry's leaf (as a re-admitted system prompt is, in a small cache): the next
+    # request with the same prompt resumes from the in-edge state at the prompt's end. That reuses the prefix (the
+    # request's split makes it a stored node), not the leaf's end, which is what leaf_weight prices.
+    core = _core()
+    law = core.admission.law
+    prompt = list(range(1, 41))
+    request(core, prompt + list(range(100, 160)))  # empty law: states at 20, 40, 60, 80 and the end (100)
+    assert replay_request(core, np.asarray(prompt + list(range(200, 260))), np.zeros(0, dtype=np.int64)) == 40
+    assert law.leaf_stints_resumed == 0 and law.stints_resumed == pytest.approx(law._scale)
+    leaf_weight = law.leaf_weight()
+    # a leaf continued from its end (a next turn) is a resumed leaf
+    first = prompt + list(range(200, 260))
+    assert replay_request(core, np.asarray(first + [7, 8, 9]), np.zeros(0, dtype=np.int64)) == len(first)
+    assert law.leaf_stints_resumed > 0
+    assert leaf_weight < 1.0  # the first entry's leaf was never resumed from its end (old code: 1, it was)
+    core.check_invariants()
 
 
 def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():

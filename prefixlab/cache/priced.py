@@ -27,7 +27,10 @@ The law also counts stints (`track`): the time a state-holding node keeps one sh
 node, a split's upper part as leaf or inner), and whether a request resumed from its states meanwhile. Where
 entries' leaves are resumed from less often than stored nodes on the whole (few-shot prompts: each ends in a
 unique query; prompt + question entries), `leaf_weight` < 1 discounts a leaf's FLOP efficiency in eviction:
-Marconi's efficiency counts the FLOPs a hit would save, not how likely the hit is.
+Marconi's efficiency counts the FLOPs a hit would save, not how likely the hit is. The weight prices a leaf's
+end (a leaf holding in-edge states is valued by them, thinning), so a leaf resumed from a state short of its end
+counts as a resumed stored node, not a resumed leaf: what was reused is the prefix above that state, which the
+request's split makes a stored node (a re-admitted system prompt in its first entry's leaf, in a small cache).
 """
 
 from __future__ import annotations
@@ -125,10 +128,10 @@ class EntryLaw:
         return (resumed + 0.5 * self._scale) / (stints + self._scale)
 
     def leaf_weight(self) -> float:
-        """How likely an entry's leaf is resumed from before it changes shape or leaves the tree, relative to
-        any stored node (at most 1): Marconi's FLOP efficiency of a leaf counts FLOPs a hit would save, and
-        where an entry's end is rarely reused (few-shot prompts, prompt + question entries) a long leaf is
-        worth less than its FLOPs say."""
+        """How likely an entry's leaf is resumed from its end before it changes shape or leaves the tree,
+        relative to any stored node (at most 1): Marconi's FLOP efficiency of a leaf counts FLOPs a hit would
+        save, and where an entry's end is rarely reused (few-shot prompts, prompt + question entries) a long leaf
+        is worth less than its FLOPs say."""
         if self._leaf_weight[0] != self.epoch:
             leaf = self.odds(self.leaf_stints_resumed, self.leaf_stints)
             self._leaf_weight = (self.epoch, min(1.0, leaf / self.odds(self.stints_resumed, self.stints)))
@@ -201,6 +204,7 @@ class PricedAdmission(MarconiAdmission):
         # shape, and the nodes whose states were resumed from during their current stint
         self._stint_shapes: dict[int, int] = {}
         self._resumed: set[int] = set()
+        self._resumed_inside: set[int] = set()  # entries' leaves resumed from an in-edge state this stint
         self._input_length = 0
         self._planned_kind, self._leaf_pending = "branch", False  # the planned entry's leaf not yet added
 
@@ -235,6 +239,7 @@ class PricedAdmission(MarconiAdmission):
         """`node` left the tree (called by the paired eviction policy)."""
         self._stint_shapes.pop(node.id, None)
         self._resumed.discard(node.id)
+        self._resumed_inside.discard(node.id)
         self._kinds.pop(node.id, None)
 
     def shape_of(self, node: Node) -> int:
@@ -251,6 +256,7 @@ class PricedAdmission(MarconiAdmission):
         if shapes.get(node_id, -1) == shape:
             return False
         self._resumed.discard(node_id)
+        self._resumed_inside.discard(node_id)
         shapes.pop(node_id, None)
         if shape >= 0:
             shapes[node_id] = shape
@@ -282,7 +288,13 @@ class PricedAdmission(MarconiAdmission):
         for node in reversed(walk.path[1:]):  # Marconi's states sit at edge ends: one inside an edge is placed
             if node.start < reused_length <= node.end:
                 shape = self._stint_shapes.get(node.id, -1)
-                if shape >= 0 and node.id not in self._resumed:
+                if shape == 0 and reused_length < node.ckpt_pos[-1]:
+                    # an entry's leaf resumed short of its end: the prefix above the state was reused, and the
+                    # request's split makes it a stored node; the leaf's end (what leaf_weight prices) was not
+                    if node.id not in self._resumed_inside:
+                        self._resumed_inside.add(node.id)
+                        self._count_stint(2, resumed=True)
+                elif shape >= 0 and node.id not in self._resumed:
                     self._resumed.add(node.id)
                     self._count_stint(shape, resumed=True)
                 if reused_length < node.end:
