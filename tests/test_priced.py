@@ -4,10 +4,12 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prefix_helpers import STATE_BYTES, request, tiny_spec, version_families
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
-from prefixlab.cache.eviction import FlopAware, ThinningFlopAware, tune_alpha
+from prefixlab.cache.eviction import ALPHA_GRID, FlopAware, ThinningFlopAware, tune_alpha
 from prefixlab.cache.priced import EntryLaw, PricedAdmission
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
@@ -231,6 +233,59 @@ def test_a_leaf_resumed_short_of_its_end_counts_as_a_resumed_prefix_not_a_resume
     assert law.leaf_stints_resumed > 0
     assert leaf_weight < 1.0  # the first entry's leaf was never resumed from its end (old code: 1, it was)
     core.check_invariants()
+
+
+def _reference_weighted_victims(eviction, now):
+    """dp's utility by brute force: Marconi's, an entry's leaf (no in-edge states) having recency weight / age and
+    its efficiency times the weight, both terms min-max normalised over the candidates; the argmin set."""
+
+    def normalised(values):
+        low, high = min(values), max(values)
+        return [1.0 if high == low else (v - low) / (high - low) for v in values]
+
+    nodes, weight = list(eviction.nodes.values()), eviction.leaf_weight
+    weights = [weight if eviction.admission.shape_of(n) == 0 and not eviction.thins(n) else 1.0 for n in nodes]
+    recency = normalised([w / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
+    efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])  # weighted leaves: times the weight
+    scores = {n.id: r + eviction.alpha * e for n, r, e in zip(nodes, recency, efficiency, strict=True)}
+    unlocked = [scores[n.id] for n in nodes if n.lock_count == 0]
+    return {i for i, s in scores.items() if np.isclose(s, min(unlocked), rtol=1e-12, atol=1e-12)}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    alpha=st.sampled_from(ALPHA_GRID[::4]),
+    weight=st.sampled_from([0.02, 0.3, 0.9]),
+    stream=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=20),
+)
+def test_dp_pick_weighs_entry_leaves_recency_and_is_the_brute_force_argmin(alpha, weight, stream):
+    core = PrefixCacheCore(10**7, "dp", tiny_spec(), block_size=4, alpha=alpha)
+    core.admission.law.leaf_weight = lambda: weight  # as if the law had measured it
+    held = None
+    for tokens in stream:
+        request(core, tokens)
+        if held is not None:
+            core.release(held)
+        held = core.match(tokens)  # a live match: its path is scored but must not be picked
+        victim = core.eviction.pick(core.clock + 1)
+        if victim is not None:
+            assert victim.lock_count == 0 and victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
+    core.release(held)
+    core.check_invariants()
+
+
+def test_a_weighted_leaf_goes_first_even_with_alpha_zero():
+    # alpha 0 is plain LRU in Marconi; dp's leaf weight still applies to a leaf's recency, so a recent query leaf the
+    # law says is rarely resumed goes before an older entry's in-edge states (old code: LRU's oldest candidate)
+    core = _core()
+    request(core, list(range(500, 540)))  # the oldest candidate: in-edge states (not weighted)
+    prompt = list(range(1, 41))
+    request(core, prompt + [100, 101])
+    request(core, prompt + [200, 201])  # the prompt is stored now, with two query leaves
+    core.admission.law.leaf_weight = lambda: 0.05
+    victim = core.eviction.pick(core.clock + 1)
+    assert core.admission.shape_of(victim) == 0 and victim.start == 40 and victim.tokens.tolist() == [100, 101]
+    assert victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
 
 
 def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():

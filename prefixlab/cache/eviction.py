@@ -22,6 +22,7 @@ import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.tree import Node, RadixTree
+from prefixlab.cache.weighted_pick import pick_weighted
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
 
@@ -49,6 +50,12 @@ class SortedIndex:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, node_id: int) -> bool:
+        return node_id in self._key_of
+
+    def __reversed__(self) -> Iterator[tuple]:
+        return reversed(self._entries)
 
     def __iter__(self) -> Iterator[tuple]:
         return iter(self._entries)
@@ -252,9 +259,9 @@ class ThinningFlopAware(FlopAware):
     that resume from it (the admission's law), per byte. Picked, it loses interior states, least valuable first,
     until enough bytes are free. A node without interior states is evicted as Marconi does (a leaf deleted, a
     single-child node dissolved), so on a tree without placed states this is Marconi's eviction, except that an
-    entry's leaf has its efficiency times the admission's `law.leaf_weight()` (1 unless leaves are resumed from
-    less often than stored nodes on the whole: then the long leaves of never-repeated queries go before the short
-    branch points many requests resume from)."""
+    entry's leaf has its utility (efficiency and recency, weighted_pick.py) times the admission's
+    `law.leaf_weight()` (1 unless leaves are resumed from less often than stored nodes on the whole: then the long
+    leaves of never-repeated queries go before the short branch points many requests resume from)."""
 
     admission = None
     _last_values: tuple[Node, list[float]] | None = None  # the node flop_efficiency last valued, and its values
@@ -262,6 +269,15 @@ class ThinningFlopAware(FlopAware):
     # dp's window replays often tie over a wide range of alphas (the window is too short for all but the lowest
     # to make a difference); the smallest of them is the closest to those that lost, the middle the farthest
     alpha_ties = "middle"
+
+    def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
+        super().__init__(tree, spec, block_size, alpha)
+        self.leaf_recency = SortedIndex()  # the candidates weighed by leaf_weight (entries' leaves), by recency
+
+    def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> ThinningFlopAware:
+        twin = super().copy_for(tree, nodes)
+        twin.leaf_recency = self.leaf_recency.copy()
+        return twin
 
     def link(self, admission: object) -> None:
         self.admission = admission
@@ -271,6 +287,15 @@ class ThinningFlopAware(FlopAware):
         if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
             self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
+        if node.id in self.nodes and self.admission is not None and self.admission.shape_of(node) == 0 and (
+                not self.thins(node)):
+            self.leaf_recency.put(node.id, (node.last_access, -node.end))
+        else:
+            self.leaf_recency.discard(node.id)
+
+    def remove(self, node: Node) -> None:
+        super().remove(node)
+        self.leaf_recency.discard(node.id)
 
     def pick(self, now: int) -> Node | None:
         # entries' leaves are weighed by how likely they are resumed from (flop_efficiency); when that moved, they
@@ -283,7 +308,11 @@ class ThinningFlopAware(FlopAware):
                     efficiency = self.efficiency[node_id] = self.efficiency[node_id] * scale
                     self.by_efficiency.put(node_id, (efficiency,))
                     self._shapes[node_id] = (self._shapes[node_id][0], efficiency)
-        return super().pick(now)
+        if weight == 1.0 or len(self.nodes) <= 1:
+            return super().pick(now)
+        best = pick_weighted(now, self.nodes, self.by_recency, self.leaf_recency, weight, self.by_efficiency,
+                             self.efficiency, self.alpha)
+        return self.nodes[best] if best is not None else None
 
     def eligible(self, node: Node) -> bool:
         if node.parent is None:
