@@ -209,11 +209,13 @@ class PricedAdmission(MarconiAdmission):
         self._planned_kind, self._leaf_pending = "branch", False  # the planned entry's leaf not yet added
 
     def __deepcopy__(self, memo: dict) -> PricedAdmission:
-        """A copy without the tree (`core.fork` links the copy to the forked tree through the eviction)."""
+        """A copy without the tree (`core.fork` links the copy to the forked tree through the eviction); within a
+        deep copy of the whole core, the copy of its tree."""
         twin = copy.copy(self)
         for name, value in self.__dict__.items():
             if name != "tree":
                 setattr(twin, name, copy.deepcopy(value, memo))
+        twin.tree = memo.get(id(self.tree), self.tree)
         return twin
 
     def seed(self, other: MarconiAdmission) -> None:
