@@ -203,11 +203,13 @@ def test_leaves_never_resumed_from_weigh_less_in_eviction():
     weight = few_shot.admission.law.leaf_weight()
     assert 0 < weight < 0.75  # the queries' leaves are resumed from less often than the instructions' states
     eviction = few_shot.eviction
-    eviction.pick(few_shot.clock)  # the index is rebuilt with the law's current weight
-    leaves = [n for n in few_shot.tree.nodes() if n.id in eviction.nodes and few_shot.admission.shape_of(n) == 0]
+    eviction.pick(few_shot.clock + 1)  # the index is rebuilt with the law's current weight (as core calls it: later)
+    leaves = [n for n in few_shot.tree.nodes() if n.id in eviction.nodes and few_shot.admission.shape_of(n) == 0
+              and not eviction.thins(n)]  # whole-entry leaves (one with in-edge states is valued by them)
     assert leaves and eviction.leaf_weight == weight
     for leaf in leaves:
         assert eviction.efficiency[leaf.id] == pytest.approx(FlopAware.flop_efficiency(eviction, leaf) * weight)
+        assert leaf.id in eviction.leaf_recency  # and its recency is weighed too
     few_shot.check_invariants()
     # a stint ends when the node leaves the tree or changes shape; nothing is left over once the tree is empty
     few_shot.capacity_bytes = 1

@@ -1,4 +1,4 @@
-"""dp's eviction pick: Marconi's utility with some candidates' utility scaled by a weight.
+"""dp's eviction pick: Marconi's utility, with an entry leaf's recency weighed like its efficiency.
 
 Marconi scores a candidate S = recency + alpha * flop_efficiency, recency = 1 / (now - last access), both terms
 min-max normalised over the candidates. dp weighs an entry's leaf (without in-edge states) by how likely it is
@@ -29,6 +29,7 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     `by_recency`: (last_access, tie, id) rows of every candidate, oldest first; `weighted`: the same rows of the
     candidates whose recency is scaled by `weight`; `by_efficiency`: (efficiency, id) rows of every candidate,
     least first (efficiencies weighted already); `nodes`: every candidate by id."""
+    now = max(now, by_recency.last()[0] + 1)  # ages >= 1 (core picks after its clock moved; a direct call may not)
     # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age): affine, so the
     # offset is dropped and only the scale kept (all-equal terms normalise to one constant, as in Marconi)
     oldest, newest = _unweighted(by_recency, weighted), _unweighted(reversed(by_recency), weighted)
