@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
+INF = float("inf")
+
 if TYPE_CHECKING:
     from prefixlab.cache.eviction import SortedIndex
     from prefixlab.cache.tree import Node
@@ -40,32 +42,35 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     eff_low, eff_high = by_efficiency.first()[0], by_efficiency.last()[0]
     eff_scale = alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
 
-    def score(node_id: int, last_access: int, eff: float) -> float:
-        return (leaf_scale if node_id in weighted else recency_scale) / (now - last_access) + eff * eff_scale
+    best = [float("inf"), None]  # score, id
+    seen: set[int] = set()
 
-    best_score, best_id, seen = float("inf"), None, set()
-    leaf_rows = iter(weighted)
+    def consider(node_id: int, last_access: int, eff: float) -> None:
+        seen.add(node_id)
+        if nodes[node_id].lock_count == 0:
+            score = (leaf_scale if node_id in weighted else recency_scale) / (now - last_access) + eff * eff_scale
+            if score < best[0]:
+                best[:] = score, node_id
+
+    leaf_rows, leaf_bound = iter(weighted), 0.0  # leaf_bound: the least an unseen weighted leaf's recency term can be
     for (last_access, _, old_id), (eff, inefficient_id) in zip(by_recency, by_efficiency, strict=True):
-        row = next(leaf_rows, None)
-        candidates = [(old_id, last_access, efficiency[old_id])]
-        if row is not None:
-            candidates.append((row[-1], row[0], efficiency[row[-1]]))
-            leaf_bound = leaf_scale / (now - row[0])  # the least an unseen weighted leaf's recency term can be
-        else:
-            leaf_bound = float("inf")  # every weighted leaf was seen
-        candidates.append((inefficient_id, nodes[inefficient_id].last_access, eff))
-        for node_id, age_key, value in candidates:
-            if node_id not in seen:
-                seen.add(node_id)
-                if nodes[node_id].lock_count == 0:
-                    s = score(node_id, age_key, value)
-                    if s < best_score:
-                        best_score, best_id = s, node_id
+        if old_id not in seen:
+            consider(old_id, last_access, efficiency[old_id])
+        if leaf_bound != INF:
+            row = next(leaf_rows, None)
+            if row is None:
+                leaf_bound = INF  # every weighted leaf was seen
+            else:
+                leaf_bound = leaf_scale / (now - row[0])
+                if row[-1] not in seen:
+                    consider(row[-1], row[0], efficiency[row[-1]])
+        if inefficient_id not in seen:
+            consider(inefficient_id, nodes[inefficient_id].last_access, eff)
         # an unseen candidate is a weighted leaf (no more recent than the leaf row) or another one (no more recent
         # than the row of all candidates), and no more efficient than the efficiency row
-        if best_score <= min(leaf_bound, recency_scale / (now - last_access)) + eff * eff_scale:
+        if best[0] <= min(leaf_bound, recency_scale / (now - last_access)) + eff * eff_scale:
             break
-    return best_id
+    return best[1]
 
 
 def _unweighted(rows: Iterable[tuple], weighted: SortedIndex) -> tuple | None:
