@@ -16,60 +16,16 @@ from __future__ import annotations
 import bisect
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.sorted_index import SortedIndex
 from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.cache.weighted_pick import pick_weighted
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
-
-
-class SortedIndex:
-    """Node ids ordered by a key (ties by id); O(log n) search, memmove-cheap insert/delete."""
-
-    def __init__(self) -> None:
-        self._entries: list[tuple] = []
-        self._key_of: dict[int, tuple] = {}
-
-    def put(self, node_id: int, key: tuple) -> None:
-        old = self._key_of.get(node_id)
-        if old == key:
-            return
-        if old is not None:
-            del self._entries[bisect.bisect_left(self._entries, (*old, node_id))]
-        bisect.insort(self._entries, (*key, node_id))
-        self._key_of[node_id] = key
-
-    def discard(self, node_id: int) -> None:
-        key = self._key_of.pop(node_id, None)
-        if key is not None:
-            del self._entries[bisect.bisect_left(self._entries, (*key, node_id))]
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, node_id: int) -> bool:
-        return node_id in self._key_of
-
-    def __reversed__(self) -> Iterator[tuple]:
-        return reversed(self._entries)
-
-    def __iter__(self) -> Iterator[tuple]:
-        return iter(self._entries)
-
-    def copy(self) -> SortedIndex:
-        twin = SortedIndex()
-        twin._entries, twin._key_of = list(self._entries), dict(self._key_of)
-        return twin
-
-    def first(self) -> tuple:
-        return self._entries[0]
-
-    def last(self) -> tuple:
-        return self._entries[-1]
 
 
 class EvictionPolicy:
@@ -287,11 +243,15 @@ class ThinningFlopAware(FlopAware):
         if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
             self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
-        if node.id in self.nodes and self.admission is not None and self.admission.shape_of(node) == 0 and (
-                not self.thins(node)):
-            self.leaf_recency.put(node.id, (node.last_access, -node.end))
-        else:
-            self.leaf_recency.discard(node.id)
+        if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
+            if node.id in self.nodes and self._weighted(node):
+                self.leaf_recency.put(node.id, (node.last_access, -node.end))
+            else:
+                self.leaf_recency.discard(node.id)
+
+    def _weighted(self, node: Node) -> bool:
+        """An entry's leaf without in-edge states: its utility is weighed by the admission's leaf_weight."""
+        return self.admission.shape_of(node) == 0 and not self.thins(node)
 
     def remove(self, node: Node) -> None:
         super().remove(node)
@@ -302,12 +262,14 @@ class ThinningFlopAware(FlopAware):
         # are re-indexed (one weight for the whole index)
         weight = self.admission.law.leaf_weight() if self.admission is not None else 1.0
         if weight != self.leaf_weight:
-            scale, self.leaf_weight = weight / self.leaf_weight, weight
+            scale, self.leaf_weight, self.leaf_recency = weight / self.leaf_weight, weight, SortedIndex()
             for node_id, node in self.nodes.items():
-                if self.admission.shape_of(node) == 0 and not self.thins(node):  # indexed with the old weight
+                if self._weighted(node):  # indexed with the old weight
                     efficiency = self.efficiency[node_id] = self.efficiency[node_id] * scale
                     self.by_efficiency.put(node_id, (efficiency,))
                     self._shapes[node_id] = (self._shapes[node_id][0], efficiency)
+                    if weight != 1.0:
+                        self.leaf_recency.put(node_id, (node.last_access, -node.end))
         if weight == 1.0 or len(self.nodes) <= 1:
             return super().pick(now)
         best = pick_weighted(now, self.nodes, self.by_recency, self.leaf_recency, weight, self.by_efficiency,

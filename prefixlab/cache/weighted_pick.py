@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 INF = float("inf")
 
 if TYPE_CHECKING:
-    from prefixlab.cache.eviction import SortedIndex
+    from prefixlab.cache.sorted_index import SortedIndex
     from prefixlab.cache.tree import Node
 
 
@@ -42,13 +42,14 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     eff_low, eff_high = by_efficiency.first()[0], by_efficiency.last()[0]
     eff_scale = alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
 
-    best = [float("inf"), None]  # score, id
+    best = [INF, None]  # score, id
     seen: set[int] = set()
+    is_weighted = weighted.ids()
 
     def consider(node_id: int, last_access: int, eff: float) -> None:
         seen.add(node_id)
         if nodes[node_id].lock_count == 0:
-            score = (leaf_scale if node_id in weighted else recency_scale) / (now - last_access) + eff * eff_scale
+            score = (leaf_scale if node_id in is_weighted else recency_scale) / (now - last_access) + eff * eff_scale
             if score < best[0]:
                 best[:] = score, node_id
 
@@ -75,4 +76,5 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
 
 def _unweighted(rows: Iterable[tuple], weighted: SortedIndex) -> tuple | None:
     """The first of `rows` that is not weighted (weighted leaves are evicted early: few are skipped)."""
-    return next((row for row in rows if row[-1] not in weighted), None)
+    ids = weighted.ids()
+    return next((row for row in rows if row[-1] not in ids), None)
