@@ -14,7 +14,7 @@ weighted leaves by age, all candidates by efficiency; it stops once no unseen ca
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from typing import TYPE_CHECKING
 
 INF = float("inf")
@@ -32,49 +32,48 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     candidates whose recency is scaled by `weight`; `by_efficiency`: (efficiency, id) rows of every candidate,
     least first (efficiencies weighted already); `nodes`: every candidate by id."""
     now = max(now, by_recency.last()[0] + 1)  # ages >= 1 (core picks after its clock moved; a direct call may not)
+    is_weighted = weighted.ids()
     # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age): affine, so the
     # offset is dropped and only the scale kept (all-equal terms normalise to one constant, as in Marconi)
-    oldest, newest = _unweighted(by_recency, weighted), _unweighted(reversed(by_recency), weighted)
-    terms = [1.0 / (now - row[0]) for row in (oldest, newest) if row is not None]
-    terms += [weight / (now - row[0]) for row in (weighted.first(), weighted.last())] if len(weighted) else []
-    recency_scale = 1.0 / (max(terms) - min(terms)) if max(terms) > min(terms) else 0.0
+    terms = [1.0 / (now - row[0]) for row in (_unweighted(by_recency, is_weighted),
+                                              _unweighted(reversed(by_recency), is_weighted)) if row is not None]
+    if is_weighted:
+        terms += (weight / (now - weighted.first()[0]), weight / (now - weighted.last()[0]))
+    low, high = min(terms), max(terms)
+    recency_scale = 1.0 / (high - low) if high > low else 0.0
     leaf_scale = recency_scale * weight
     eff_low, eff_high = by_efficiency.first()[0], by_efficiency.last()[0]
     eff_scale = alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
 
-    best = [INF, None]  # score, id
-    seen: set[int] = set()
-    is_weighted = weighted.ids()
-
-    def consider(node_id: int, last_access: int, eff: float) -> None:
-        seen.add(node_id)
-        if nodes[node_id].lock_count == 0:
-            score = (leaf_scale if node_id in is_weighted else recency_scale) / (now - last_access) + eff * eff_scale
-            if score < best[0]:
-                best[:] = score, node_id
-
+    best_score, best_id, seen = INF, None, {None}  # None: no leaf row
     leaf_rows, leaf_bound = iter(weighted), 0.0  # leaf_bound: the least an unseen weighted leaf's recency term can be
     for (last_access, _, old_id), (eff, inefficient_id) in zip(by_recency, by_efficiency, strict=True):
-        if old_id not in seen:
-            consider(old_id, last_access, efficiency[old_id])
+        leaf_id = None
         if leaf_bound != INF:
-            row = next(leaf_rows, None)
-            if row is None:
+            leaf = next(leaf_rows, None)
+            if leaf is None:
                 leaf_bound = INF  # every weighted leaf was seen
             else:
-                leaf_bound = leaf_scale / (now - row[0])
-                if row[-1] not in seen:
-                    consider(row[-1], row[0], efficiency[row[-1]])
-        if inefficient_id not in seen:
-            consider(inefficient_id, nodes[inefficient_id].last_access, eff)
+                leaf_bound, leaf_id = leaf_scale / (now - leaf[0]), leaf[-1]
+        for node_id in (old_id, leaf_id, inefficient_id):
+            if node_id not in seen:
+                seen.add(node_id)
+                node = nodes[node_id]
+                if node.lock_count == 0:
+                    score = ((leaf_scale if node_id in is_weighted else recency_scale) / (now - node.last_access)
+                             + efficiency[node_id] * eff_scale)
+                    if score < best_score:
+                        best_score, best_id = score, node_id
         # an unseen candidate is a weighted leaf (no more recent than the leaf row) or another one (no more recent
         # than the row of all candidates), and no more efficient than the efficiency row
-        if best[0] <= min(leaf_bound, recency_scale / (now - last_access)) + eff * eff_scale:
+        if best_score <= min(leaf_bound, recency_scale / (now - last_access)) + eff * eff_scale:
             break
-    return best[1]
+    return best_id
 
 
-def _unweighted(rows: Iterable[tuple], weighted: SortedIndex) -> tuple | None:
+def _unweighted(rows: Iterable[tuple], weighted: Container[int]) -> tuple | None:
     """The first of `rows` that is not weighted (weighted leaves are evicted early: few are skipped)."""
-    ids = weighted.ids()
-    return next((row for row in rows if row[-1] not in ids), None)
+    for row in rows:
+        if row[-1] not in weighted:
+            return row
+    return None
