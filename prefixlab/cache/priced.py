@@ -83,17 +83,26 @@ class EntryLaw:
         self.stints = self.stints_resumed = self.leaf_stints = self.leaf_stints_resumed = 0.0
         self._leaf_weight = (None, 1.0)  # (epoch, weight): fixed within an epoch, as the DP's solutions are
         self.interior = 0.0  # the histogram's sum, kept as a scalar: the plan's cheap bound
+        self._sums: dict[tuple[int, int], np.float64] = {}  # interior_mass's slice sums of the histogram as it is
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
         self._cumulative: tuple[int, np.ndarray] | None = None
         self._distances: np.ndarray | None = None  # best_from_end's candidate distances (never modified)
         self._epoch = 0
 
+    def __deepcopy__(self, memo: dict) -> EntryLaw:
+        """The histogram is the one array changed in place; the solved tables and cached arrays are shared (they
+        are never modified), the rest are numbers."""
+        twin = memo[id(self)] = copy.copy(self)
+        twin._interior, twin._sums = self._interior.copy(), dict(self._sums)
+        return twin
+
     def tick(self) -> None:
         """One request: age every count by `decay` (renormalising before the scale overflows)."""
         self._scale /= self.decay
         if self._scale > 1e100:
             self._interior /= self._scale
+            self._sums = {}
             for name in TOTALS:
                 setattr(self, name, getattr(self, name) / self._scale)
             self._scale = 1.0
@@ -102,6 +111,7 @@ class EntryLaw:
 
     def add_interior(self, depth: int) -> None:
         self._interior[min(depth // self.block, self.bins - 1)] += self._scale
+        self._sums = {}
         self.interior += self._scale
 
     def add(self, field: str, amount: float = 1.0) -> None:
@@ -146,7 +156,10 @@ class EntryLaw:
         """Interior overlaps per admitted entry at depths in bins [first_bin, last_bin)."""
         if self.entries <= 0:
             return 0.0
-        return float(self._interior[first_bin:max(first_bin, last_bin)].sum() / self.entries)
+        total = self._sums.get((first_bin, last_bin))
+        if total is None:  # the same bins' sum again until the histogram changes: thinning values many states a request
+            total = self._sums[first_bin, last_bin] = self._interior[first_bin:max(first_bin, last_bin)].sum()
+        return float(total / self.entries)
 
     @property
     def epoch(self) -> int:
@@ -187,6 +200,9 @@ class EntryLaw:
         return self._table
 
 
+_ID_CONTAINERS = frozenset(("_kinds", "_stint_shapes", "_resumed", "_resumed_inside"))  # of ints and strings
+
+
 class PricedAdmission(MarconiAdmission):
     """dp: Marconi's branch point and last token, plus the DP's states inside the new entry while each one's
     expected saving beats its price, plus a state at the input end when prompts repeat."""
@@ -213,7 +229,9 @@ class PricedAdmission(MarconiAdmission):
         deep copy of the whole core, the copy of its tree."""
         twin = copy.copy(self)
         for name, value in self.__dict__.items():
-            if name != "tree":
+            if name in _ID_CONTAINERS:  # node ids to kinds and shapes: a copy of the container is a deep copy
+                setattr(twin, name, value.copy())
+            elif name != "tree":
                 setattr(twin, name, copy.deepcopy(value, memo))
         twin.tree = memo.get(id(self.tree), self.tree)
         return twin
