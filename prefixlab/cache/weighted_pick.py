@@ -46,6 +46,7 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     eff_scale = alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
 
     best_score, best_id, seen = INF, None, {None}  # None: no leaf row
+    seen_add = seen.add
     leaf_rows, leaf_bound = iter(weighted), 0.0  # leaf_bound: the least an unseen weighted leaf's recency term can be
     for (last_access, _, old_id), (eff, inefficient_id) in zip(by_recency, by_efficiency, strict=True):
         leaf_id = None
@@ -56,17 +57,19 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
             else:
                 leaf_bound, leaf_id = leaf_scale / (now - leaf[0]), leaf[-1]
         for node_id in (old_id, leaf_id, inefficient_id):
-            if node_id not in seen:
-                seen.add(node_id)
-                node = nodes[node_id]
-                if node.lock_count == 0:
-                    score = ((leaf_scale if node_id in is_weighted else recency_scale) / (now - node.last_access)
-                             + efficiency[node_id] * eff_scale)
-                    if score < best_score:
-                        best_score, best_id = score, node_id
+            if node_id in seen:
+                continue
+            seen_add(node_id)
+            node = nodes[node_id]
+            if node.lock_count == 0:
+                score = ((leaf_scale if node_id in is_weighted else recency_scale) / (now - node.last_access)
+                         + efficiency[node_id] * eff_scale)
+                if score < best_score:
+                    best_score, best_id = score, node_id
         # an unseen candidate is a weighted leaf (no more recent than the leaf row) or another one (no more recent
         # than the row of all candidates), and no more efficient than the efficiency row
-        if best_score <= min(leaf_bound, recency_scale / (now - last_access)) + eff * eff_scale:
+        bound = recency_scale / (now - last_access)
+        if best_score <= (leaf_bound if leaf_bound <= bound else bound) + eff * eff_scale:  # min(), without a call
             break
     return best_id
 
