@@ -83,7 +83,7 @@ class EntryLaw:
         self.stints = self.stints_resumed = self.leaf_stints = self.leaf_stints_resumed = 0.0
         self._leaf_weight = (None, 1.0)  # (epoch, weight): fixed within an epoch, as the DP's solutions are
         self.interior = 0.0  # the histogram's sum, kept as a scalar: the plan's cheap bound
-        self._sums: dict[tuple[int, int], np.float64] = {}  # interior_mass's slice sums of the histogram as it is
+        self._sums: dict[tuple[int, int], float] = {}  # interior_mass's slice sums of the histogram as it is
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
         self._cumulative: tuple[int, np.ndarray] | None = None
@@ -158,8 +158,10 @@ class EntryLaw:
             return 0.0
         total = self._sums.get((first_bin, last_bin))
         if total is None:  # the same bins' sum again until the histogram changes: thinning values many states a request
-            total = self._sums[first_bin, last_bin] = self._interior[first_bin:max(first_bin, last_bin)].sum()
-        return float(total / self.entries)
+            bins = self._interior[first_bin:max(first_bin, last_bin)]
+            # np.add.reduce is what ndarray.sum calls (the same float), without its Python wrapper
+            total = self._sums[first_bin, last_bin] = float(np.add.reduce(bins))
+        return total / self.entries
 
     @property
     def epoch(self) -> int:
