@@ -127,9 +127,9 @@ def _tables(hist, budget: int, layer) -> tuple[np.ndarray, list[np.ndarray], lis
     k = np.arange(n, dtype=np.float64)
     # a checkpoint only pays where some overlap has weight, so more layers than that can only repeat the optimum
     layers = min(budget, int(np.count_nonzero(probs[1:])))
-    costs, choices = [V], []
+    costs, choices, V_n, kW = [V], [], V[:n], k * W[:n]  # the same every layer
     for _ in range(layers):
-        F, best_k = layer(costs[-1][:n] - V[:n] + k * W[:n], W)
+        F, best_k = layer(costs[-1][:n] - V_n + kW, W)
         costs.append(F + V)
         choices.append(best_k)
     return probs, costs, choices
