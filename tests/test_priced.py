@@ -301,8 +301,8 @@ def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
 
 
 def test_replay_caches_change_no_decision(monkeypatch):
-    """Solved tables reused by histogram and thinning's read-back of the values its drop computed are only
-    caches: a replay without them makes the same decisions (hits, evictions, tree)."""
+    """Solved tables reused by histogram, thinning's read-back of the values its drop computed and the law's
+    sums of bin ranges are only caches: a replay without them makes the same decisions (hits, evictions, tree)."""
     from prefixlab.cache import priced
     from prefixlab.cache.placement import PlacementTable
 
@@ -325,8 +325,21 @@ def test_replay_caches_change_no_decision(monkeypatch):
         hits = [replay_request(core, np.asarray(p), np.zeros(0, dtype=np.int64)) for p in prompts]
         return hits, core.evictions, sorted((n.start, n.end, tuple(n.ckpt_pos)) for n in core.tree.nodes()), drops
 
+    def exact_mass(self, first, last):  # the histogram summed at every call
+        return float(self._interior[first:max(first, last)].sum() / self.entries) if self.entries > 0 else 0.0
+
+    reused_sums, summed = [], EntryLaw.interior_mass
+
+    def checked_mass(self, first, last):
+        reused_sums.append((first, last) in self._sums)
+        mass = summed(self, first, last)
+        assert mass == exact_mass(self, first, last), "a reused sum is stale"
+        return mass
+
+    monkeypatch.setattr(EntryLaw, "interior_mass", checked_mass)
     cached = replay()
     solved = []
+    monkeypatch.setattr(EntryLaw, "interior_mass", exact_mass)
     monkeypatch.setattr(priced, "_solved", lambda hist: solved.append(1) or PlacementTable(hist, priced.MAX_PLACED))
     original = ThinningFlopAware.flop_efficiency
 
@@ -337,5 +350,5 @@ def test_replay_caches_change_no_decision(monkeypatch):
 
     monkeypatch.setattr(ThinningFlopAware, "flop_efficiency", forgetful)
     uncached = replay()
-    assert cached[3] and solved, "the trace must thin and solve tables for this test to mean anything"
+    assert cached[3] and solved and any(reused_sums), "the trace must thin, solve tables and reuse sums"
     assert cached[:3] == uncached[:3]
