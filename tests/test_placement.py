@@ -240,3 +240,16 @@ def test_histogram_refuses_bad_observations_and_stays_unchanged():
     assert histogram.observations == 1
     with pytest.raises(InvalidInputError, match="budget"):
         histogram.positions(10, 0)
+
+
+def test_table_solves_layers_when_read():
+    """PlacementTable solves a layer when first read; what it reads equals what solving every layer gives."""
+    rng = np.random.default_rng(5)
+    hist = rng.random(300) * (rng.random(300) < 0.2)
+    lazy, full = placement.PlacementTable(hist, 16), placement.PlacementTable(hist, 16)
+    full.curve(0)  # every layer
+    assert lazy.cost(2, 150) == full.cost(2, 150) and len(lazy._dp.choices) == 2 < lazy.layers == full.layers
+    assert lazy.positions(2, 150) == full.positions(2, 150)
+    _, costs, _ = placement._tables(hist, 16, placement._layer)
+    for j in (0, 10, 150, 299, 400):
+        assert np.array_equal(lazy.curve(j), np.maximum([F[min(j, 300)] for F in costs], 0.0) * hist.sum())

@@ -120,43 +120,65 @@ def _solve(hist, budget: int, layer) -> PlacementResult:
 
 def _tables(hist, budget: int, layer) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
     """(probabilities, F_m(j) for every layer m and every j, each layer's argmin choices)."""
-    budget = _check_count("budget", budget, 1, NO_CHECKPOINTS)
-    probs = _probabilities(hist)
-    n = probs.size
-    W, V = _prefix_sums(probs)
-    k = np.arange(n, dtype=np.float64)
-    # a checkpoint only pays where some overlap has weight, so more layers than that can only repeat the optimum
-    layers = min(budget, int(np.count_nonzero(probs[1:])))
-    costs, choices, V_n, kW = [V], [], V[:n], k * W[:n]  # the same every layer
-    for _ in range(layers):
-        F, best_k = layer(costs[-1][:n] - V_n + kW, W)
-        costs.append(F + V)
-        choices.append(best_k)
-    return probs, costs, choices
+    dp = _LayeredDP(hist, budget, layer)
+    dp.solve(dp.layers)
+    return dp.probs, dp.costs, dp.choices
+
+
+class _LayeredDP:
+    """The DP one layer at a time: `costs[m]` is F_m (every j), `choices[m - 1]` layer m's argmin choices."""
+
+    def __init__(self, hist, budget: int, layer) -> None:
+        budget = _check_count("budget", budget, 1, NO_CHECKPOINTS)
+        self.probs = _probabilities(hist)
+        self.n, self._layer = self.probs.size, layer
+        self._W, self._V = _prefix_sums(self.probs)
+        # the terms every layer shares: V[:n] and k W[:n]
+        self._V_n, self._kW = self._V[:self.n], np.arange(self.n, dtype=np.float64) * self._W[:self.n]
+        # a checkpoint only pays where some overlap has weight, so more layers than that can only repeat the optimum
+        self.layers = min(budget, int(np.count_nonzero(self.probs[1:])))
+        self.costs: list[np.ndarray] = [self._V]
+        self.choices: list[np.ndarray] = []
+
+    def solve(self, m: int) -> None:
+        """Solve the layers up to m (at most `layers`)."""
+        while len(self.choices) < min(m, self.layers):
+            F, best_k = self._layer(self.costs[-1][:self.n] - self._V_n + self._kW, self._W)
+            self.costs.append(F + self._V)
+            self.choices.append(best_k)
 
 
 class PlacementTable:
-    """The DP solved once for every prefix of `hist` and every budget up to `budget`: an entry whose overlaps
-    beyond depth j are served by a state at j (its end) costs `cost(m, j)` with m more states, placed at
-    `positions(m, j)`. Costs are in the units of `hist` (counts x depth), not normalised."""
+    """The DP for every prefix of `hist` and every budget up to `budget`: an entry whose overlaps beyond depth j
+    are served by a state at j (its end) costs `cost(m, j)` with m more states, placed at `positions(m, j)`. Costs
+    are in the units of `hist` (counts x depth), not normalised. A layer is solved when first read, so a caller
+    that stops at the first state not worth its price solves only the layers it reads (the same arrays)."""
 
     def __init__(self, hist, budget: int) -> None:
-        probs, costs, self._choices = _tables(hist, budget, _layer)
-        total = float(np.asarray(hist, dtype=np.float64).sum())
-        self._costs = np.maximum(np.array(costs), 0.0) * total
-        self.n = probs.size
+        self._dp = _LayeredDP(hist, budget, _layer)
+        self._total = float(np.asarray(hist, dtype=np.float64).sum())
+        self._costs: list[np.ndarray] = []  # the solved layers' costs, clipped at 0 and scaled to hist's units
+        self.n = self._dp.n
+        self.layers = self._dp.layers  # budgets beyond this cannot lower any cost
 
-    @property
-    def layers(self) -> int:
-        """Budgets beyond this cannot lower any cost."""
-        return len(self._choices)
+    def _solve(self, m: int) -> None:
+        self._dp.solve(m)
+        for F in self._dp.costs[len(self._costs):]:
+            self._costs.append(np.maximum(F, 0.0) * self._total)
+
+    def cost(self, m: int, j: int) -> float:
+        """cost(m, j), m <= layers."""
+        self._solve(m)
+        return float(self._costs[m][min(j, self.n)])
 
     def curve(self, j: int) -> np.ndarray:
         """cost(m, j) for m = 0 .. layers."""
-        return self._costs[:, min(j, self.n)]
+        self._solve(self.layers)
+        return np.array([F[min(j, self.n)] for F in self._costs])
 
     def positions(self, m: int, j: int) -> list[int]:
-        return _backtrack(self._choices[:m], min(j, self.n))
+        self._dp.solve(m)
+        return _backtrack(self._dp.choices[:m], min(j, self.n))
 
 
 def _backtrack(choices: list[np.ndarray], n: int) -> list[int]:

@@ -49,7 +49,7 @@ _TABLES: dict[bytes, PlacementTable] = {}  # solved histograms, by their bytes (
 
 def _solved(hist: np.ndarray) -> PlacementTable:
     """PlacementTable(hist, MAX_PLACED), reused when the same histogram (bit for bit) was solved before: the
-    table is a pure function of it and is never modified."""
+    table is a pure function of it (its layers are solved when first read, the same whoever reads them)."""
     key = hist.tobytes()
     table = _TABLES.get(key)
     if table is None:
@@ -346,13 +346,19 @@ class PricedAdmission(MarconiAdmission):
         span = length - start
         table, blocks = (law.table(), span // law.block) if law.bound(span) > price else (None, 0)
         if table is not None and blocks > 1:
-            # the m-th state is kept while its saving beats the price (the longest such prefix of the curve)
-            costs = table.curve(blocks).tolist()
-            gains = [-(b - a) for a, b in zip(costs[:-1], costs[1:], strict=True)]  # -np.diff, element-wise
-            count = next((m for m, gain in enumerate(gains) if gain <= price), len(gains))
-            positions.update(start + p * law.block for p in table.positions(count, blocks)
+            # the m-th state is kept while its saving beats the price (the longest such prefix of the curve; the
+            # table solves its layers as far as this reads)
+            gains, cost = [], table.cost(0, blocks)
+            while len(gains) < table.layers:
+                next_cost = table.cost(len(gains) + 1, blocks)
+                gain = -(next_cost - cost)
+                if gain <= price:
+                    break
+                gains.append(gain)
+                cost = next_cost
+            positions.update(start + p * law.block for p in table.positions(len(gains), blocks)
                              if reused < start + p * law.block < length)
-            predicted += sum(gains[:count])
+            predicted += sum(gains)
         elif price <= 0 and law.interior <= 0 and span > 1:
             # states cost nothing yet (an empty cache, or nothing stored has been reused) and the law has seen no
             # overlap: a uniform prior, `prior_states` evenly spaced states (the first divergences, before any
