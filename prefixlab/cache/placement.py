@@ -168,7 +168,8 @@ class PlacementTable:
 
     def cost(self, m: int, j: int) -> float:
         """cost(m, j), m <= layers."""
-        self._solve(m)
+        if m >= len(self._costs):
+            self._solve(m)
         return float(self._costs[m][min(j, self.n)])
 
     def curve(self, j: int) -> np.ndarray:
