@@ -240,15 +240,14 @@ class ThinningFlopAware(FlopAware):
         admission.tree = self.tree  # the admission prices states by how full this tree is
 
     def update(self, node: Node) -> None:
-        node_id, weighted = node.id, self.leaf_weight != 1.0
-        if self.admission is not None and self.admission.track(node) and weighted:
-            self._shapes.pop(node_id, None)  # whether it is an entry's leaf changed its efficiency
+        if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
+            self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
-        if weighted:  # the weighted leaves' recency index is kept while a weight applies (see pick)
-            if node_id in self.nodes and self._weighted(node):
-                self.leaf_recency.put(node_id, (node.last_access, -node.start - len(node.tokens)))
+        if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
+            if node.id in self.nodes and self._weighted(node):
+                self.leaf_recency.put(node.id, (node.last_access, -node.end))
             else:
-                self.leaf_recency.discard(node_id)
+                self.leaf_recency.discard(node.id)
 
     def _weighted(self, node: Node) -> bool:
         """An entry's leaf without in-edge states: its utility is weighed by the admission's leaf_weight."""
