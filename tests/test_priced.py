@@ -276,6 +276,17 @@ def test_dp_pick_weighs_entry_leaves_recency_and_is_the_brute_force_argmin(alpha
     core.check_invariants()
 
 
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
+def test_pick_at_the_newest_access_time_scores_every_age_as_at_least_one(policy):
+    # a direct call with `now` equal to a candidate's last access (the core always picks after its clock moved) must
+    # not divide by a zero age; it picks what the next tick would (old code: ZeroDivisionError in marconi's pick)
+    core = PrefixCacheCore(10**7, policy, tiny_spec(), block_size=4, alpha=1.0)
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7, 7, 7]):
+        request(core, tokens)
+    newest = max(node.last_access for node in core.eviction.nodes.values())
+    assert core.eviction.pick(newest) is core.eviction.pick(newest + 1) is not None
+
+
 def test_a_weighted_leaf_goes_first_even_with_alpha_zero():
     # alpha 0 is plain LRU in Marconi; dp's leaf weight still applies to a leaf's recency, so a recent query leaf the
     # law says is rarely resumed goes before an older entry's in-edge states (old code: LRU's oldest candidate)

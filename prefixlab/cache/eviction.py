@@ -172,6 +172,7 @@ class FlopAware(EvictionPolicy):
     def pick(self, now: int) -> Node | None:
         if len(self.nodes) <= 1 or self.alpha == 0:
             return super().pick(now)
+        now = max(now, self.by_recency.last()[0] + 1)  # ages >= 1 (the core's clock has moved; a caller's may not)
         # Min-max normalisation (over all candidates, locked ones included, as Marconi scores every node) is
         # affine, so comparing recency * recency_scale + efficiency * eff_scale ranks like S does.
         recency_low, recency_high = 1.0 / (now - self.by_recency.first()[0]), 1.0 / (now - self.by_recency.last()[0])
