@@ -95,6 +95,20 @@ def request(core: PrefixCacheCore, inp, out=(), namespace: str = "default", rele
     return match
 
 
+def picks_under_a_live_match(core: PrefixCacheCore, stream):
+    """Serve each request of `stream`, then hold a live match on it (its path is scored but must not be picked) and
+    ask the eviction policy for a victim; yields each victim (or None). Releases the last match at the end."""
+    held = None
+    for tokens in stream:
+        request(core, tokens)
+        if held is not None:
+            core.release(held)
+        held = core.match(tokens)
+        yield core.eviction.pick(core.clock + 1)
+    if held is not None:
+        core.release(held)
+
+
 def snapshot(core: PrefixCacheCore) -> tuple:
     """Everything observable about the cache, to show a failed call changed nothing."""
     return core.stats(), sorted((path, tuple(node.ckpt_pos), node.lock_count) for node, path in node_paths(core))

@@ -4,7 +4,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, PrefixState, TokenKV, naive_match, request, tiny_spec, version_families
+from prefix_helpers import (
+    STATE_BYTES,
+    PrefixState,
+    TokenKV,
+    naive_match,
+    picks_under_a_live_match,
+    request,
+    tiny_spec,
+    version_families,
+)
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
@@ -173,13 +182,7 @@ def _reference_victim(eviction, now):
 )
 def test_flop_aware_pick_is_the_brute_force_argmin(alpha, stream):
     core = _core("marconi", alpha=alpha)
-    held = None
-    for tokens in stream:
-        request(core, tokens)
-        if held is not None:
-            core.release(held)
-        held = core.match(tokens)  # a live match: its path is scored but must not be picked
-        victim = core.eviction.pick(core.clock + 1)
+    for victim in picks_under_a_live_match(core, stream):
         if victim is not None:
             assert victim.lock_count == 0 and victim.id in _reference_victim(core.eviction, core.clock + 1)
 

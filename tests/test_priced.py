@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, request, tiny_spec, version_families
+from prefix_helpers import STATE_BYTES, picks_under_a_live_match, request, tiny_spec, version_families
 
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.eviction import ALPHA_GRID, FlopAware, ThinningFlopAware, tune_alpha
@@ -263,16 +263,9 @@ def _reference_weighted_victims(eviction, now):
 def test_dp_pick_weighs_entry_leaves_recency_and_is_the_brute_force_argmin(alpha, weight, stream):
     core = PrefixCacheCore(10**7, "dp", tiny_spec(), block_size=4, alpha=alpha)
     core.admission.law.leaf_weight = lambda: weight  # as if the law had measured it
-    held = None
-    for tokens in stream:
-        request(core, tokens)
-        if held is not None:
-            core.release(held)
-        held = core.match(tokens)  # a live match: its path is scored but must not be picked
-        victim = core.eviction.pick(core.clock + 1)
+    for victim in picks_under_a_live_match(core, stream):
         if victim is not None:
             assert victim.lock_count == 0 and victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
-    core.release(held)
     core.check_invariants()
 
 
