@@ -15,9 +15,9 @@ from prefix_helpers import (
     version_families,
 )
 
+from prefixlab.cache.alpha import ALPHA_GRID, AlphaBootstrap
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.eviction import ALPHA_GRID
 from prefixlab.cache.policies import POLICY_NAMES, check_policy_name
 from prefixlab.errors import InvalidInputError
 from prefixlab.sim.replay import simulate
@@ -235,6 +235,36 @@ def test_alpha_is_tuned_on_the_bootstrap_window_to_the_best_replay():
     saved = {a: simulate(window, "marconi", capacity, spec, alpha=a, overflow=False).flops_saved for a in ALPHA_GRID}
     assert len(set(saved.values())) > 1  # the window does tell the alphas apart
     assert core.alpha == max(ALPHA_GRID, key=lambda a: (saved[a], -a))
+
+
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_window_replay_stands_for_every_alpha_that_evicts_alike(monkeypatch, policy, seed):
+    tunings, real = [], AlphaBootstrap.window_flops_saved
+
+    def spy(self, fresh, replay):
+        tunings.append((self.copy(), fresh.fork(), replay))
+        return real(self, fresh, replay)
+
+    monkeypatch.setattr(AlphaBootstrap, "window_flops_saved", spy)
+    core = PrefixCacheCore(1500, policy, tiny_spec(), bootstrap_multiplier=2)
+    for r in _conversations(12, 4, seed):
+        replay_request(core, r.input_tokens, r.output_tokens)
+    (window, fresh, replay), = tunings
+    cores = set()
+    saved = real(window, fresh.fork(), lambda c, tokens, n: cores.add(id(c)) or replay(c, tokens, n))
+    # the reference: the warm stretch once, then one replay per alpha
+    requests, start = list(window.requests), fresh.fork()
+    warm = window.tune_at // window.multiplier - 1 - window.dropped
+    warm_hits = [replay(start, tokens, n) for tokens, n in requests[:warm]]
+    reference = {}
+    for alpha in ALPHA_GRID:
+        each = start.fork()
+        each.eviction.alpha = alpha
+        hits = np.array(warm_hits + [replay(each, tokens, n) for tokens, n in requests[warm:]])
+        reference[alpha] = float(np.sum(fresh.spec.flops_saved(hits)))
+    assert saved == reference
+    assert len(cores) - 1 < len(ALPHA_GRID)  # the fresh core, then one per distinct sequence of evictions
 
 
 def test_dp_learns_where_requests_diverge_and_beats_marconi():

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prefixlab.cache.alpha import AlphaBootstrap
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.eviction import AlphaBootstrap
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
@@ -61,7 +61,7 @@ class PrefixCacheCore:
     does: with N0 the requests seen when the first eviction of an entry happens (dp's thinning moves do not
     count), the first `bootstrap_multiplier` x N0 requests are replayed from an empty cache (whose admission
     starts from what the live one learned: `seed`) for every alpha in 0, 0.1, ..., 2 and the alpha saving the most
-    FLOPs is kept (alpha stays 0 if the trace ends first; eviction.py AlphaBootstrap). A number fixes alpha. The
+    FLOPs is kept (alpha stays 0 if the trace ends first; alpha.py AlphaBootstrap). A number fixes alpha. The
     recorded window is bounded by `history_tokens` (tokens of input + output): past it the oldest requests are
     dropped, so a cache that evicts late replays its most recent `history_tokens` tokens of requests instead.
 

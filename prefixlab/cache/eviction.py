@@ -15,17 +15,11 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections import deque
-from collections.abc import Callable, Sequence
-
-import numpy as np
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
 from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.cache.weighted_pick import pick_weighted
-
-ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
 
 
 class EvictionPolicy:
@@ -114,6 +108,9 @@ class FlopAware(EvictionPolicy):
     normalised over the candidates (all-equal values normalise to 1, as in Marconi)."""
 
     alpha_ties = "smallest"  # Marconi's tuner keeps the smallest of the alphas whose replays tie
+    # set by the alpha tuner in its window replays: other alphas whose picks were this one's at every eviction so
+    # far (their replays would be this one, decision for decision: alpha plays no other part)
+    alike: set[float] | None = None
 
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size)
@@ -170,6 +167,18 @@ class FlopAware(EvictionPolicy):
         self._shapes.pop(node.id, None)
 
     def pick(self, now: int) -> Node | None:
+        victim = self._pick(now)
+        if self.alike:  # the alpha tuner's replay: keep only the alphas that would evict the same victim
+            alpha = self.alpha
+            for other in tuple(self.alike):
+                self.alpha = other
+                if self._pick(now) is not victim:
+                    self.alike.discard(other)
+            self.alpha = alpha
+        return victim
+
+    def _pick(self, now: int) -> Node | None:
+        """`pick` under the current alpha."""
         if len(self.nodes) <= 1 or self.alpha == 0:
             return super().pick(now)
         now = max(now, self.by_recency.last()[0] + 1)  # ages >= 1 (the core's clock has moved; a caller's may not)
@@ -258,7 +267,7 @@ class ThinningFlopAware(FlopAware):
         super().remove(node)
         self.leaf_recency.discard(node.id)
 
-    def pick(self, now: int) -> Node | None:
+    def _pick(self, now: int) -> Node | None:
         # entries' leaves are weighed by how likely they are resumed from (flop_efficiency); when that moved, they
         # are re-indexed (one weight for the whole index)
         weight = self.admission.law.leaf_weight() if self.admission is not None else 1.0
@@ -272,7 +281,7 @@ class ThinningFlopAware(FlopAware):
                     if weight != 1.0:
                         self.leaf_recency.put(node_id, (node.last_access, -node.end))
         if weight == 1.0 or len(self.nodes) <= 1:
-            return super().pick(now)
+            return super()._pick(now)
         best = pick_weighted(now, self.nodes, self.by_recency, self.leaf_recency, weight, self.by_efficiency,
                              self.efficiency, self.alpha)
         return self.nodes[best] if best is not None else None
@@ -326,63 +335,3 @@ class ThinningFlopAware(FlopAware):
         if freed or len(node.children) > self._max_children:
             return freed
         return super().free(node, want_bytes)
-
-
-def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID,
-               ties: str = "smallest") -> float:
-    """Marconi's retrospective tuning: the alpha whose replay of the bootstrap window saves the most FLOPs
-    (`ties`: the smallest of equal ones, as Marconi, or the middle one). `replay_flops_saved(alpha)` replays the
-    window into a fresh cache using that alpha."""
-    saved = [replay_flops_saved(alpha) for alpha in grid]
-    top = max(saved)
-    best = [alpha for alpha, flops in zip(grid, saved, strict=True) if flops == top]
-    return best[(len(best) - 1) // 2] if ties == "middle" else best[0]
-
-
-class AlphaBootstrap:
-    """Marconi's bootstrap window for tuning alpha once (section 4.2): the requests admitted so far as (input +
-    output tokens, input length), at most `history_tokens` tokens of them (the oldest dropped, so the record never
-    outgrows the budget of a cache that evicts late or never); due `multiplier` x N0 requests after the first
-    eviction, N0 being the requests seen by then."""
-
-    def __init__(self, multiplier: int, history_tokens: int) -> None:
-        self.multiplier, self.history_tokens = multiplier, history_tokens
-        self.requests: deque[tuple[np.ndarray, int]] = deque()
-        self.held = self.dropped = 0  # tokens recorded now; requests dropped from the front
-        self.tune_at: int | None = None
-
-    def first_eviction(self, requests: int) -> None:
-        if self.tune_at is None:
-            self.tune_at = self.multiplier * requests
-
-    def record(self, tokens: np.ndarray, input_length: int) -> None:
-        self.requests.append((tokens, input_length))
-        self.held += len(tokens)
-        while self.held > self.history_tokens and len(self.requests) > 1:
-            self.held -= len(self.requests.popleft()[0])
-            self.dropped += 1
-
-    def due(self, requests: int) -> bool:
-        return self.tune_at is not None and requests >= self.tune_at
-
-    def tune(self, fresh, replay: Callable) -> float:
-        """The alpha whose replay of the window (`replay(core, tokens, input_length) -> hit length`) from `fresh`, an
-        empty core with alpha 0, saves the most FLOPs. Until the first eviction alpha plays no part: that stretch is
-        replayed once and its hits reused for every alpha."""
-        warm = max(0, self.tune_at // self.multiplier - 1 - self.dropped)
-        window = list(self.requests)
-        warm_hits = [replay(fresh, tokens, n) for tokens, n in window[:warm]]
-
-        def flops_saved(alpha: float) -> float:
-            core = fresh.fork()
-            core.eviction.alpha = alpha
-            hits = warm_hits + [replay(core, tokens, n) for tokens, n in window[warm:]]
-            return float(np.sum(fresh.spec.flops_saved(np.array(hits, dtype=np.int64))))
-
-        return tune_alpha(flops_saved, ties=fresh.eviction.alpha_ties)
-
-    def copy(self) -> AlphaBootstrap:
-        """An independent record sharing the (immutable) token arrays."""
-        twin = copy.copy(self)
-        twin.requests = deque(self.requests)
-        return twin

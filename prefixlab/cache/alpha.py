@@ -1,0 +1,80 @@
+"""Marconi's retrospective alpha tuning (section 4.2): the bootstrap window of requests, replayed once per alpha of
+the grid (once per distinct sequence of evictions, see `AlphaBootstrap.window_flops_saved`)."""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
+
+
+def tune_alpha(replay_flops_saved: Callable[[float], float], grid: Sequence[float] = ALPHA_GRID,
+               ties: str = "smallest") -> float:
+    """Marconi's retrospective tuning: the alpha whose replay of the bootstrap window saves the most FLOPs
+    (`ties`: the smallest of equal ones, as Marconi, or the middle one). `replay_flops_saved(alpha)` replays the
+    window into a fresh cache using that alpha."""
+    saved = [replay_flops_saved(alpha) for alpha in grid]
+    top = max(saved)
+    best = [alpha for alpha, flops in zip(grid, saved, strict=True) if flops == top]
+    return best[(len(best) - 1) // 2] if ties == "middle" else best[0]
+
+
+class AlphaBootstrap:
+    """Marconi's bootstrap window for tuning alpha once (section 4.2): the requests admitted so far as (input +
+    output tokens, input length), at most `history_tokens` tokens of them (the oldest dropped, so the record never
+    outgrows the budget of a cache that evicts late or never); due `multiplier` x N0 requests after the first
+    eviction, N0 being the requests seen by then."""
+
+    def __init__(self, multiplier: int, history_tokens: int) -> None:
+        self.multiplier, self.history_tokens = multiplier, history_tokens
+        self.requests: deque[tuple[np.ndarray, int]] = deque()
+        self.held = self.dropped = 0  # tokens recorded now; requests dropped from the front
+        self.tune_at: int | None = None
+
+    def first_eviction(self, requests: int) -> None:
+        if self.tune_at is None:
+            self.tune_at = self.multiplier * requests
+
+    def record(self, tokens: np.ndarray, input_length: int) -> None:
+        self.requests.append((tokens, input_length))
+        self.held += len(tokens)
+        while self.held > self.history_tokens and len(self.requests) > 1:
+            self.held -= len(self.requests.popleft()[0])
+            self.dropped += 1
+
+    def due(self, requests: int) -> bool:
+        return self.tune_at is not None and requests >= self.tune_at
+
+    def tune(self, fresh, replay: Callable) -> float:
+        """The alpha whose replay of the window (`replay(core, tokens, input_length) -> hit length`) from `fresh`, an
+        empty core with alpha 0, saves the most FLOPs."""
+        return tune_alpha(self.window_flops_saved(fresh, replay).__getitem__, ties=fresh.eviction.alpha_ties)
+
+    def window_flops_saved(self, fresh, replay: Callable) -> dict[float, float]:
+        """FLOPs each alpha of the grid saves replaying the window from `fresh` (see `tune`). Alpha plays a part only
+        in picking victims: the stretch before the first eviction is replayed once for all, and after it one replay
+        stands for every alpha that picks its victim at each eviction (FlopAware.alike), so the window is replayed
+        once per distinct sequence of evictions, not once per alpha."""
+        warm = max(0, self.tune_at // self.multiplier - 1 - self.dropped)
+        window = list(self.requests)
+        warm_hits = [replay(fresh, tokens, n) for tokens, n in window[:warm]]
+        saved: dict[float, float] = {}
+        for alpha in ALPHA_GRID:
+            if alpha in saved:
+                continue
+            core = fresh.fork()
+            core.eviction.alpha = alpha
+            core.eviction.alike = alike = {other for other in ALPHA_GRID if other not in saved and other != alpha}
+            hits = np.array(warm_hits + [replay(core, tokens, n) for tokens, n in window[warm:]], dtype=np.int64)
+            saved.update(dict.fromkeys((alpha, *alike), float(np.sum(fresh.spec.flops_saved(hits)))))
+        return saved
+
+    def copy(self) -> AlphaBootstrap:
+        """An independent record sharing the (immutable) token arrays."""
+        twin = copy.copy(self)
+        twin.requests = deque(self.requests)
+        return twin
