@@ -225,8 +225,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from prefixlab.fleet.launch import finish
+    from prefixlab.fleet.launch import exit_process
 
-    code = main()
-    finish()
-    sys.exit(code)
+    exit_process(main())

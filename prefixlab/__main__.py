@@ -1,7 +1,6 @@
 """`python -m prefixlab ...` (and `accelerate launch -m prefixlab run ...`): the `prefixlab` command line."""
 
-import sys
-
 from prefixlab.cli import main
+from prefixlab.fleet.launch import exit_process
 
-sys.exit(main())
+exit_process(main())
