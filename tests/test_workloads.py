@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from prefixlab.errors import InvalidInputError
-from prefixlab.sim.report import dp_vs_best_other
+from prefixlab.sim.report import TABLE_COLUMNS, dp_vs_best_other, format_table
 from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
 
 
@@ -87,3 +87,13 @@ def test_dp_vs_best_other_per_capacity():
         {"capacity_gb": 2, "token_hit_pts": 0.0, "best_token_policy": "marconi", "flops_saved_pct": 0.0,
          "best_flops_policy": "marconi"},
     ]  # 5 GB has no dp row: no line
+
+
+def test_dp_vs_best_other_compares_fleet_rows_of_one_routing():
+    rows = [{**_row(policy, 1, hit, hit), "replicas": 4, "routing": routing, "ceiling_token_hit_rate": 95.0,
+             "ceiling_request_hit_rate": 95.0}
+            for policy, routing, hit in [("sglang+", "random", 40.0), ("sglang+", "affinity", 90.0),
+                                         ("dp", "random", 45.0), ("dp", "affinity", 89.0)]]
+    assert [(c["routing"], c["token_hit_pts"], c["best_token_policy"]) for c in dp_vs_best_other(rows)] == [
+        ("random", 5.0, "sglang+"), ("affinity", -1.0, "sglang+")]  # not dp-random against sglang+-affinity
+    assert "at 1 GB x 4 replicas, affinity: token hit -1.00 pts" in format_table(rows, TABLE_COLUMNS[:1])

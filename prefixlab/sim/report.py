@@ -73,7 +73,7 @@ def format_table(rows: list[dict[str, Any]], columns: tuple = TABLE_COLUMNS) -> 
             f"request hit {rows[0]['ceiling_request_hit_rate']:.2f} %"
         )
     lines += [
-        f"dp vs best other at {c['capacity_gb']:g} GB: token hit {c['token_hit_pts']:+.2f} pts "
+        f"dp vs best other at {c['capacity_gb']:g} GB{_fleet_label(c)}: token hit {c['token_hit_pts']:+.2f} pts "
         f"(best other {c['best_token_policy']}), FLOPs saved {c['flops_saved_pct']:+.2f} % "
         f"(best other {c['best_flops_policy']})"
         for c in dp_vs_best_other(rows)
@@ -81,12 +81,20 @@ def format_table(rows: list[dict[str, Any]], columns: tuple = TABLE_COLUMNS) -> 
     return "\n".join(lines)
 
 
+def _fleet_label(comparison: dict[str, Any]) -> str:
+    replicas = comparison.get("replicas")
+    return "" if replicas is None else f" x {replicas} replicas, {comparison['routing']}"
+
+
 def dp_vs_best_other(rows: list[dict[str, Any]], policy: str = "dp") -> list[dict[str, Any]]:
-    """Per capacity holding a `policy` row and another policy's: `policy`'s token hit rate minus the best other's
-    (points) and its FLOPs saved relative to the best other's (percent; 0 when both saved nothing)."""
+    """Per capacity (and, for fleet rows, replicas and routing) holding a `policy` row and another policy's:
+    `policy`'s token hit rate minus the best other's (points) and its FLOPs saved relative to the best other's
+    (percent; 0 when both saved nothing)."""
     out = []
-    for capacity_gb in dict.fromkeys(row["capacity_gb"] for row in rows):
-        same = [row for row in rows if row["capacity_gb"] == capacity_gb]
+    setups = dict.fromkeys((row["capacity_gb"], row.get("replicas"), row.get("routing")) for row in rows)
+    for capacity_gb, replicas, routing in setups:
+        same = [row for row in rows if (row["capacity_gb"], row.get("replicas"), row.get("routing")) == (
+            capacity_gb, replicas, routing)]
         ours = next((row for row in same if row["policy"] == policy), None)
         others = [row for row in same if row["policy"] != policy]
         if ours is None or not others:
@@ -97,7 +105,8 @@ def dp_vs_best_other(rows: list[dict[str, Any]], policy: str = "dp") -> list[dic
         relative = 100.0 * (ours["flops_saved"] / best_flops - 1.0) if best_flops > 0 else (
             0.0 if ours["flops_saved"] <= 0 else 100.0)
         out.append({
-            "capacity_gb": capacity_gb, "token_hit_pts": ours["token_hit_rate"] - by_hits["token_hit_rate"],
+            "capacity_gb": capacity_gb, **({"replicas": replicas, "routing": routing} if replicas is not None else {}),
+            "token_hit_pts": ours["token_hit_rate"] - by_hits["token_hit_rate"],
             "best_token_policy": by_hits["policy"], "flops_saved_pct": relative,
             "best_flops_policy": by_flops["policy"],
         })
