@@ -25,9 +25,11 @@ def parse_policies(text: str) -> list[str]:
     """Comma-separated policy names, each checked against the policy registry."""
     from prefixlab.cache.policies import POLICY_NAMES
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each policy once
     unknown = [name for name in names if name not in POLICY_NAMES]
-    if unknown or not names:
+    if not names:
+        raise InvalidInputError(f"--policy is empty; use one or more of {', '.join(POLICY_NAMES)}")
+    if unknown:
         raise InvalidInputError(
             f"--policy {text!r}: unknown policy {unknown}; valid policies: {', '.join(POLICY_NAMES)}"
         )

@@ -96,15 +96,15 @@ def token_array(values: Any, field: str) -> np.ndarray:
         array = np.asarray(values)
     except (ValueError, OverflowError) as err:
         raise LineError(f"{field} must be a flat list of integer token ids ({err})") from None
+    out_of_range = LineError(f"{field} holds a token id out of range (ids are integers in [0, 2**63))")
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        raise LineError(f"{field} must be a flat list of integer token ids, found {_first_non_int(values)!r}")
+        not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
+        if not_int is None:  # integers numpy holds as objects: beyond 64 bits
+            raise out_of_range
+        raise LineError(f"{field} must be a flat list of integer token ids, found {not_int!r}")
     if array.min() < 0 or (array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max):
-        raise LineError(f"{field} holds a token id out of range (ids are integers in [0, 2**63))")
+        raise out_of_range
     return array.astype(np.int64, copy=False)
-
-
-def _first_non_int(values: list) -> Any:
-    return next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), values[0])
 
 
 def _field(obj: Any, name: str, kinds: tuple[type, ...], what: str) -> Any:
