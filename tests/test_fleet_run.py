@@ -156,6 +156,8 @@ def test_bad_input(capsys, files, tmp_path):
     foreign.write_text("my notes\n")
     assert main(["run", files / "prompts.jsonl", *args[:2], "--out", foreign]) == 2
     assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
+    assert main(["run", files / "prompts.jsonl", *args[:2], "--out", tmp_path]) == 2  # checked before any work
+    assert "is a folder" in capsys.readouterr().err and not list(tmp_path.glob("*.part*"))
 
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "accelerate")

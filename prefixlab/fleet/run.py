@@ -78,6 +78,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
+    if out.is_dir():
+        raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
     encode, decode = _encoder(args.tokenizer)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
     batching = _hydragen_mode(model) if args.hydragen else None
