@@ -200,6 +200,8 @@ def _input_path(given: str | None, shared: str, option: str) -> Path:
 def run_trace_build(args: argparse.Namespace) -> int:
     if not Path(args.output).parent.is_dir():  # checked before the (slow) build
         raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
+    if Path(args.output).is_dir():
+        raise InvalidInputError(f"-o {args.output!r} is a folder; pass the path of the trace file to write")
     if args.kind == "builtin":
         requests = build.builtin_trace(seed=parse_number(args.seed, "--seed", integer=True, strict=False))
     elif args.kind in ("agentic", "few-shot", "mix"):
@@ -238,7 +240,7 @@ def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
         return workloads.mix_traces(traces, [Path(path).stem for path in args.traces])
     seed = parse_number(args.seed, "--seed", integer=True, strict=False)
     if args.kind == "agentic":
-        return workloads.agentic_trace(seed, parse_number(args.sessions, "--sessions", integer=True, strict=False))
+        return workloads.agentic_trace(seed, parse_number(args.sessions, "--sessions", integer=True))
     return workloads.few_shot_trace(seed, parse_number(args.num_requests, "--num-requests", integer=True))
 
 
