@@ -240,7 +240,10 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from prefixlab.cache.store import PrefixStore
+    from prefixlab.sim.report import check_plot_path
 
+    if args.plot:
+        check_plot_path(args.plot)  # before the (slow) run
     torch.set_num_threads(1)  # steadier timings on a shared machine; both ways get the same
     encode, vocab_size, source = _encoder()
     system, requests = build_workload(args.requests, encode)

@@ -78,3 +78,10 @@ def test_summary_flags_differing_tokens():
 def test_requests_must_be_positive():
     with pytest.raises(SystemExit):
         main(["demo", "--requests", "0"])
+
+
+def test_demo_checks_the_plot_path_before_serving(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(demo, "build_model", lambda vocab_size: pytest.fail("the model was built"))
+    for path, message in ((tmp_path / "demo.txt", ".png, .pdf or .svg"), (tmp_path / "no" / "d.png", "does not exist")):
+        assert main(["demo", "--requests", "2", "--plot", str(path)]) == 2
+        assert message in capsys.readouterr().err
