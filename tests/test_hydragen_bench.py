@@ -1,6 +1,9 @@
-"""`prefixlab bench hydragen` at tiny sizes: the fields it reports and its errors (real runs: benchmarks/)."""
+"""`prefixlab bench hydragen` at tiny sizes: the fields it reports; both benches' errors (real runs: benchmarks/)."""
 
 import json
+
+import pytest
+import torch
 
 from prefixlab.bench.hydragen_e2e import bench_e2e
 from prefixlab.cli import main
@@ -15,9 +18,26 @@ def test_cli_json_has_the_timings_and_speedup(capsys):
     assert result["speedup"] == result["sdpa_ms"] / result["split_ms"] and result["packed_ms"] is None
 
 
-def test_cli_rejects_bad_sizes(capsys):
-    assert main(["bench", "hydragen", "--batch", "0", "--no-packed"]) == 2
-    assert "--batch=0 must be at least 1" in capsys.readouterr().err
+@pytest.mark.parametrize(("argv", "message"), [
+    (["hydragen", "--batch", "0", "--no-packed"], "--batch=0 must be at least 1"),
+    (["hydragen", "--head-dim", "0"], "--head-dim=0 must be at least 1"),
+    (["hydragen", "--q-heads", "3", "--kv-heads", "2"], "multiple of --kv-heads=2"),
+    (["hydragen", "--device", "tpu"], "not a torch device name"),
+    (["hydragen", "--e2e", "--new-tokens", "0"], "--new-tokens=0 must be at least 1"),
+    (["recurrent", "--length", "0"], "--length=0 must be at least 1"),
+    (["recurrent", "--length", "64", "--captures", "65"], "must not exceed --length=64"),
+    (["recurrent", "--ssd-state", "0"], "--ssd-state=0 must be at least 1"),
+    (["recurrent", "--threads", "-1"], "--threads=-1 must be >= 0"),
+])
+def test_cli_rejects_bad_sizes_before_running(capsys, argv, message):
+    assert main(["bench", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cli_says_there_is_no_cuda_device(capsys):
+    assert main(["bench", "hydragen", "--device", "cuda"]) == 2
+    assert "no CUDA device; use --device cpu" in capsys.readouterr().err
 
 
 def test_e2e_runs_all_three_and_hydragen_matches_standard():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from prefixlab.errors import InvalidInputError
+
 # module path -> defines `register(subparsers)` adding `bench <name>` with `set_defaults(func=...)`.
 BENCH_MODULES = ("prefixlab.bench.hydragen", "prefixlab.bench.recurrent")
 
@@ -14,3 +16,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     which = bench.add_subparsers(dest="bench", required=True)
     for name in BENCH_MODULES:
         importlib.import_module(name).register(which)
+
+
+def check_sizes(**sizes: int) -> None:
+    """InvalidInputError naming the first `--name` below 1."""
+    for name, value in sizes.items():
+        if value < 1:
+            raise InvalidInputError(f"--{name.replace('_', '-')}={value} must be at least 1")
+
+
+def check_device(name: str):
+    """`name` as a torch.device this machine has, else InvalidInputError saying which it has."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InvalidInputError(f"--device {name!r} is not a torch device name; use cpu or cuda") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError(f"--device {name!r}: this machine has no CUDA device; use --device cpu")
+    return device

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from prefixlab.attention.api import hydragen_attention
 from prefixlab.attention.reference import causal_suffix_mask
 from prefixlab.attention.tree import SharedLevel
+from prefixlab.bench import check_device, check_sizes
 from prefixlab.errors import InvalidInputError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,9 +58,11 @@ def bench_attention(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_h
     """Times SDPA over each sequence's full KV (materialised before timing), split and packed Hydragen."""
     if dtype not in DTYPES:
         raise InvalidInputError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
-    for name, value in dict(batch=batch, prefix=prefix, suffix=suffix, queries=queries, repeats=repeats).items():
-        if value < 1:
-            raise InvalidInputError(f"--{name}={value} must be at least 1")
+    check_sizes(batch=batch, prefix=prefix, suffix=suffix, queries=queries, repeats=repeats, q_heads=q_heads,
+                kv_heads=kv_heads, head_dim=head_dim)
+    if q_heads % kv_heads:
+        raise InvalidInputError(f"--q-heads={q_heads} must be a multiple of --kv-heads={kv_heads} (grouped queries)")
+    device = str(check_device(device))
     if queries > suffix:
         raise InvalidInputError(f"--queries={queries} must not exceed --suffix={suffix} (queries are suffix tokens)")
     q, level, suffix_k, suffix_v = attention_case(batch, prefix, suffix, q_heads, kv_heads, head_dim, queries,

@@ -23,6 +23,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from prefixlab.attention.hf_cache import HydragenCache
+from prefixlab.bench import check_sizes
 from prefixlab.errors import InvalidInputError
 
 VOCAB = 1024
@@ -94,9 +95,7 @@ def _timed_generate(model, prompt, cache, completions: int, new_tokens: int) -> 
 def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: int = 2048, new_tokens: int = 32,
               repeats: int = 1) -> dict:
     """Decode tokens/s of standard generate, Hydragen generate and the no-attention ceiling."""
-    for name, value in dict(completions=completions, prompt=prompt_tokens, new_tokens=new_tokens).items():
-        if value < 1:
-            raise InvalidInputError(f"--{name}={value} must be at least 1")
+    check_sizes(completions=completions, prompt=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
     AttentionInterface.register(ZEROS, _zero_attention)
     AttentionMaskInterface.register(ZEROS, sdpa_mask)
     torch.manual_seed(0)

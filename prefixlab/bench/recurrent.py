@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from prefixlab.bench import check_sizes
+from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent.delta_rule import gated_delta_rule
 from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_mamba2_chunk_scan
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
@@ -97,6 +99,13 @@ def _ms(times_s: dict[str, float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_sizes(length=args.length, heads=args.heads, dim=args.dim, captures=args.captures, ssd_heads=args.ssd_heads,
+                ssd_head_dim=args.ssd_head_dim, ssd_state=args.ssd_state, repeats=args.repeats)
+    if args.captures > args.length:
+        raise InvalidInputError(f"--captures={args.captures} must not exceed --length={args.length} (one state a "
+                                "position at most)")
+    if args.threads < 0:
+        raise InvalidInputError(f"--threads={args.threads} must be >= 0 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
     results = [
