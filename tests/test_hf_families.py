@@ -12,6 +12,7 @@ from hf_models import FAMILIES, build, cache_argument, config
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.hooks import forward_parameters
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 from prefixlab.recurrent.families import SUPPORTED_CLASSES
@@ -201,3 +202,26 @@ def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
     with pytest.raises(InvalidInputError, match="labels"):
         model(input_ids=prompt, labels=prompt, past_key_values=HybridPrefixCache(store))
     assert store.stats()["requests"] == 0 and store.stats()["used_bytes"] == 0
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_one_cache_serves_one_request_and_the_calls_that_continue_it(family):
+    """A later generate() over the same cache continues what it holds (a chat turn: exact, and the tokens it
+    records are the sequence's, where Mamba2's generate feeds the whole sequence again); a new prompt over it is
+    refused where the model takes positions (it ran on the old states: wrong tokens on Falcon-H1), and the cache
+    then serves a new request."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    rng = torch.Generator().manual_seed(3)
+    cache = HybridPrefixCache(store)
+    first = generate(model, torch.randint(3, 128, (1, 20), generator=rng), cache)
+    follow_up = torch.cat([first.sequences, torch.randint(3, 128, (1, 4), generator=rng)], dim=1)
+    served = generate(model, follow_up, cache)
+    assert_same(generate(model, follow_up), served)
+    assert torch.equal(cache.held_tokens(), served.sequences[:, :-1])
+    if "position_ids" in forward_parameters(model):
+        other = torch.randint(3, 128, (1, 12), generator=rng)
+        with pytest.raises(InvalidInputError, match="per request"):
+            generate(model, other, cache)
+        assert_same(generate(model, other), generate(model, other, cache))
+    store.core.check_invariants()

@@ -8,9 +8,10 @@
 
 A cache without a store binds, on its first forward, to the model's default store (its first open PrefixStore,
 created then with the cache's options if there is none; options that differ from an existing default store's raise).
-One cache object serves one request (one generate call, or several calls that continue the same sequences). The
-model's forward hooks (cache/hooks.py, put there by `prefixlab.patch` or a PrefixStore) drive it, because
-`generate` never shows the prompt to a cache before the first forward:
+One cache object serves one request (one generate call, or several calls that continue the same sequences: a forward
+whose positions do not continue them is refused). The model's forward hooks (cache/hooks.py, put there by
+`prefixlab.patch` or a PrefixStore) drive it, because `generate` never shows the prompt to a cache before the first
+forward:
 - first forward (`begin`): look up the longest reusable prefix of the prompt (at most all but its last token, so the
   model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
   hook which tokens remain; the hook then runs the model on those only;
@@ -37,11 +38,10 @@ positions and taken at padded columns (shared by all rows); after generate each 
 after ones) get no reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the
 token record and pad counts with the tensors.
 
-Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), but the
-outputs then cover only the tokens the forward ran (those after the reused prefix). Mamba2 takes its cache as
-`cache_params=`. Assisted / speculative decoding is refused (`crop`): recurrent states cannot roll back.
-`cache.report()` says per row what was reused and why no more, and what the request admitted (cache/explain.py).
-"""
+Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`); outputs
+cover only the tokens the forward ran (after the reused prefix). Mamba2 takes its cache as `cache_params=`. Assisted
+/ speculative decoding is refused (`crop`): recurrent states cannot roll back. `cache.report()`: per row what was
+reused and why no more, and what the request admitted (cache/explain.py)."""
 
 from __future__ import annotations
 
@@ -104,8 +104,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         check_bound_store(self.store, model)
 
     def report(self) -> RequestReport:
-        """What happened to this request: per row reused tokens, shared prefix, deepest checkpoint and the reason
-        for any difference (cache/explain.py REASONS), and what the request admitted (admits it now if pending)."""
+        """Per row what was reused and why no more, and what was admitted (committing now if pending; explain.py)."""
         self.commit()
         return self._report
 
@@ -126,13 +125,16 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         return self._started
 
     @property
+    def row_pads(self) -> list[int] | None:
+        return self._pads if self._admit_rows else None
+
+    @property
     def in_flight(self) -> bool:
         """Whether a forward over this cache started and has not ended (reported done or failed) yet."""
         return bool(self._pending)
 
     def held_tokens(self) -> torch.Tensor:
-        """[batch, n] token ids whose KV and states the cache holds now (after generate: prompt + output[:-1] per
-        row, in the cache's current row order); what `commit` admits."""
+        """[batch, n] token ids the tensors describe (after generate: prompt + output[:-1]); what `commit` admits."""
         return torch.cat(self._fed, dim=1) if self._fed else torch.zeros(0, 0, dtype=torch.long)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -336,13 +338,12 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
 
     def _row_kv(self, row: int) -> Callable[[int, int], TensorKV]:
         """kv(a, b): row's KV for its real tokens [a, b) (after its pad columns)."""
-        pad = self._pads[row]
+        pad, layers = self._pads[row], self.store.layout.kv_layers
 
         def kv(start: int, stop: int) -> TensorKV:
-            start, stop = start + pad, stop + pad
-            keys = {i: self.layers[i].keys[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
-            values = {i: self.layers[i].values[row, :, start:stop].clone() for i in self.store.layout.kv_layers}
-            return TensorKV(stop - start, keys, values)
+            cut = slice(start + pad, stop + pad)
+            return TensorKV(stop - start, {i: self.layers[i].keys[row, :, cut].clone() for i in layers},
+                            {i: self.layers[i].values[row, :, cut].clone() for i in layers})
 
         return kv
 

@@ -7,7 +7,8 @@ always-called post-hook (one pair per model, shared by every store and cache on 
   bound one checks it belongs to this model), `begin(...)` -> columns already cached, the prefill split at
   `capture_splits(...)`, and the model runs on the rest;
 - pre-hook, every forward: `record(input_ids)`; post-hook: `forward_done()` or, if the forward raised,
-  `forward_failed()`.
+  `forward_failed()`; a later forward must continue what the cache holds (`held_tokens()` fed again are cut off,
+  positions that start elsewhere are refused: a new prompt over a used cache).
 Faults: torch runs the always-called post-hook only for `Exception`s, so a `KeyboardInterrupt` (or any other
 BaseException) raised inside a forward would leave a cache half advanced; the hooks therefore also wrap the model's
 forward (the forward guard) and call `forward_failed()` on the started caches it was given, whatever it raised. A
@@ -28,6 +29,7 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_token_ids
+from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
 
@@ -36,6 +38,7 @@ class ModelDrivenCache:
 
     started: bool
     in_flight: bool  # a forward over it started (record) and has not ended (forward_done / forward_failed)
+    row_pads: list[int] | None  # per row, the left pads of its request (None: rows whose positions are not checked)
 
     def prefixlab_bind(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
@@ -51,6 +54,9 @@ class ModelDrivenCache:
         raise NotImplementedError
 
     def record(self, input_ids: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def held_tokens(self) -> torch.Tensor:  # [batch, n] the tokens the cache's tensors describe
         raise NotImplementedError
 
     def forward_done(self) -> None:
@@ -131,8 +137,10 @@ class _ModelHooks:
             self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
             if segments is not None:
                 self.segment_logits[cache] = segments
-        elif "position_ids" in forward_parameters(module):
-            kwargs = with_column_positions(kwargs, cache.get_seq_length())
+        else:
+            kwargs = _continuing(cache, kwargs)
+            if "position_ids" in forward_parameters(module):
+                kwargs = with_column_positions(kwargs, cache.get_seq_length())
         cache.record(kwargs["input_ids"])
         return (), kwargs
 
@@ -194,6 +202,25 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     """Whether `model` carries the hooks (for `owner`, when given)."""
     hooks = _HOOKS.get(model)
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
+
+
+def _continuing(cache: ModelDrivenCache, kwargs: dict) -> dict:
+    """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
+    and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
+    forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
+    input_ids, seen = kwargs["input_ids"], cache.get_seq_length()
+    length = input_ids.shape[1]
+    if 0 < seen < length:  # (not a decode step: those feed one token)
+        held = cache.held_tokens()
+        if held.shape == (input_ids.shape[0], seen) and torch.equal(input_ids[:, :seen].cpu(), held):
+            kwargs = _slice_inputs(kwargs, seen, length, length)
+    if not continues_at(kwargs.get("position_ids"), seen, cache.row_pads):
+        raise InvalidInputError(
+            f"this HybridPrefixCache holds {seen} tokens of a request and this forward does not "
+            "continue them (its positions start elsewhere: a new prompt would run on the old one's states); use a "
+            "new HybridPrefixCache(store) per request. This cache is reset now"
+        )
+    return kwargs
 
 
 def _start(module, cache: ModelDrivenCache, kwargs: dict) -> tuple[dict, tuple | None]:

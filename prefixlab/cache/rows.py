@@ -40,6 +40,21 @@ def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: i
 
 
 
+def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None) -> bool:
+    """Whether a forward over a cache holding `seen` columns starts each row at its real position `seen - pad`, as
+    a continuation of what the cache holds does (a later generate() call with another prompt starts elsewhere);
+    True where it cannot be told (no positions, rows not admitted, positions broadcast over rows padded apart)."""
+    if position_ids is None or pads is None or position_ids.shape[-1] == 0:
+        return True
+    ids = position_ids.detach()
+    ids = ids[None] if ids.dim() == 2 else ids
+    if ids.dim() != 3 or ids.shape[1] not in (1, len(pads)) or (ids.shape[1] == 1 and len(set(pads)) > 1):
+        return True
+    expected = torch.tensor([seen - pad for pad in pads[: ids.shape[1]]])
+    real = expected >= 0  # a row still in its left pads there has a pad's position (whatever the model fills in)
+    return bool((ids[:, :, 0].cpu().long() == expected)[:, real].all())
+
+
 def pad_safe_splits(splits: list[int], start: int, stop: int, max_pads: int) -> list[int]:
     """The sorted `splits` of a forward over columns [start, stop), less those that would cut a one-token segment
     at a column some row still pads (column < max_pads). transformers masks pads out of recurrent layers only in
