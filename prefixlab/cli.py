@@ -27,6 +27,14 @@ class ArgumentParser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+def seed_int(text: str) -> int:
+    """argparse type: a random seed, an int in [0, 2**63)."""
+    value = int(text)
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**63), got {text}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """argparse type: an int >= 1."""
     value = int(text)

@@ -158,6 +158,9 @@ def test_bad_input(capsys, files, tmp_path):
     assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
     assert main(["run", files / "prompts.jsonl", *args[:2], "--out", tmp_path]) == 2  # checked before any work
     assert "is a folder" in capsys.readouterr().err and not list(tmp_path.glob("*.part*"))
+    with pytest.raises(SystemExit, match="2"):
+        main(["run", files / "prompts.jsonl", *args, "--seed", "-1"])
+    assert "--seed: must be an integer in [0, 2**63)" in capsys.readouterr().err
 
 
 LAUNCHER = os.path.join(os.path.dirname(sys.executable), "accelerate")

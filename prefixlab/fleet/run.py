@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from prefixlab.cache.explain import format_reasons
-from prefixlab.cli import positive_int
+from prefixlab.cli import positive_int, seed_int
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import launch
 
@@ -269,7 +269,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--capacity", default="1GB", help="each process's store capacity, e.g. 1GB or 256MiB")
     cmd.add_argument("--policy", default="dp", help="store admission policy (default dp)")
     cmd.add_argument("--balance-eps", type=float, default=0.15, help="affinity: max work (1 + eps) x the mean")
-    cmd.add_argument("--seed", type=int, default=0, help="random-init seed (the same on every process)")
+    cmd.add_argument("--seed", type=seed_int, default=0, help="random-init seed (the same on every process)")
     cmd.add_argument("--on-error", default="stop", help="malformed prompt lines: stop (default) or skip")
     cmd.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
     cmd.add_argument("--json", action="store_true", help="print the summary as one JSON object")
