@@ -396,4 +396,6 @@ def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
                        "--routing", "round-robin")
     assert code == 0 and "imbalance" in out.splitlines()[0] and "round-robin" in out.splitlines()[1]
     assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "4", "--routing", "sticky", match="round-robin")
+    for fleet_option in (["--routing", "random"], ["--single-cache"], ["--balance-eps", "0.3"]):  # need --replicas
+        assert_one_line_error(capsys, "simulate", "builtin", *fleet_option, match="add --replicas N")
     assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "0", match="--replicas")

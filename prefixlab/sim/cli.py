@@ -115,6 +115,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.replicas is not None:
         return run_simulate_fleet(args)
+    fleet_only = [option for option, given in (("--routing", args.routing is not None), ("--single-cache",
+                  args.single_cache), ("--balance-eps", args.balance_eps is not None)) if given]
+    if fleet_only:
+        raise InvalidInputError(f"{', '.join(fleet_only)} simulate a fleet: add --replicas N (e.g. --replicas 8)")
 
     from prefixlab.sim.replay import ceiling, simulate
 
@@ -154,8 +158,9 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     from prefixlab.sim.replay import ceiling, load_imbalance, simulate, simulate_fleet
 
     policies, capacities_gb = parse_policies(args.policy), parse_capacities_gb(args.capacity_gb)
-    replica_counts, routings = parse_replicas(args.replicas), parse_routings(args.routing)
-    balance_eps = parse_number(args.balance_eps, "--balance-eps", strict=False)
+    replica_counts = parse_replicas(args.replicas)
+    routings = parse_routings("affinity" if args.routing is None else args.routing)
+    balance_eps = parse_number("0.15" if args.balance_eps is None else args.balance_eps, "--balance-eps", strict=False)
     spec = load_spec(args.model)
     if args.plot:
         report.check_plot_path(args.plot)
@@ -257,11 +262,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--plot", metavar="FILE.png", help="plot token hit rate vs capacity per policy")
     sim.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
     sim.add_argument("--replicas", help="comma-separated fleet sizes: replay N caches of --capacity-gb each")
-    sim.add_argument("--routing", default="affinity",
+    sim.add_argument("--routing",
                      help="with --replicas: comma-separated routers (random, round-robin, affinity; default affinity)")
     sim.add_argument("--single-cache", action="store_true",
                      help="with --replicas: also replay one cache of the fleet's total capacity (slower)")
-    sim.add_argument("--balance-eps", default="0.15",
+    sim.add_argument("--balance-eps",
                      help="affinity: no replica above (1 + eps) x the mean prefill work (default 0.15)")
     sim.set_defaults(func=run_simulate)
 
