@@ -129,6 +129,8 @@ def test_peek_says_what_match_would_return_and_changes_nothing(hybrid):
         match = core.match(tokens)
         assert peeked == (match.length, match.shared_length)
         core.release(match)
+        for limit in range(len(tokens) + 1):  # one walk answers for a prefix of the tokens too
+            assert core.peek(tokens, limit=limit) == (core.peek(tokens[:limit])[0], peeked[1])
 
 
 BAD_TOKENS = [[1.5, 2.0], ["a", "b"], [[1, 2], [3, 4]], [[1], [2, 3]], "abc", [1, -2], [True, False], 7, [2**70]]

@@ -144,11 +144,14 @@ class PrefixCacheCore:
         self._live[id(match)] = match
         return match
 
-    def peek(self, tokens: object, namespace: str = "default") -> tuple[int, int]:
+    def peek(self, tokens: object, namespace: str = "default", limit: int | None = None) -> tuple[int, int]:
         """(length, shared_length) that `match` would return now, changing nothing (no lock, no timestamp, no
-        observation): what a router asks a replica (prefixlab.fleet.router)."""
+        observation): what a router asks a replica (prefixlab.fleet.router). `limit`: length as `match` of the
+        first `limit` tokens would return it (one walk for both questions)."""
         walk = self.tree.walk(as_tokens(tokens), check_namespace(namespace))
-        return self._resumable(walk)[1], walk.shared_length
+        if self.hybrid:
+            return self.tree.deepest_checkpoint(walk, limit)[1], walk.shared_length
+        return min(walk.shared_length, walk.shared_length if limit is None else limit), walk.shared_length
 
     def _resumable(self, walk: Walk) -> tuple[Node, int, Payload | None]:
         """The deepest checkpoint on `walk` (every shared token for a KV-only model): (node, length, state)."""

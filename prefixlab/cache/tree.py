@@ -187,10 +187,12 @@ class RadixTree:
         return Walk(path, depth, total)
 
     @staticmethod
-    def deepest_checkpoint(walk: Walk) -> tuple[Node, int, Payload | None]:
-        """(node, position, state) of the deepest checkpoint at or before the shared length; (root, 0, None)."""
+    def deepest_checkpoint(walk: Walk, limit: int | None = None) -> tuple[Node, int, Payload | None]:
+        """(node, position, state) of the deepest checkpoint at or before the shared length (and `limit`); (root, 0,
+        None) if none."""
+        bound = walk.shared_length if limit is None else min(walk.shared_length, limit)
         for node in reversed(walk.path[1:]):
-            i = node.checkpoint_at_or_before(walk.shared_length)
+            i = node.checkpoint_at_or_before(bound)
             if i >= 0:
                 return node, node.ckpt_pos[i], node.ckpt_state[i]
         return walk.path[0], 0, None

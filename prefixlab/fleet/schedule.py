@@ -68,15 +68,15 @@ class ProcessStore:
         return depth if self.primed and depth >= MIN_PRIME_TOKENS else 0
 
     def peek(self, tokens: np.ndarray) -> tuple[int, int]:
-        shared = self.core.peek(tokens)[1]
-        resumable = self.core.peek(tokens[:-1])[0] if len(tokens) else 0
+        resumable, shared = self.core.peek(tokens, limit=max(len(tokens) - 1, 0))
         return max(self._prime_depth(tokens, shared), resumable), shared
 
     def serve(self, tokens: np.ndarray) -> None:
         """Feed one prompt; a shared prefix the store holds without a checkpoint at its end is primed first (the
         store then holds what radix_schedule's prime of that prompt tree node leaves)."""
-        depth = self._prime_depth(tokens, self.core.peek(tokens)[1])
-        if depth > self.core.peek(tokens[:-1])[0]:
+        resumable, shared = self.core.peek(tokens, limit=max(len(tokens) - 1, 0))
+        depth = self._prime_depth(tokens, shared)
+        if depth > resumable:
             prefill(self.core, tokens[:depth])
         prefill(self.core, tokens)
 
