@@ -225,3 +225,15 @@ def test_one_cache_serves_one_request_and_the_calls_that_continue_it(family):
             generate(model, other, cache)
         assert_same(generate(model, other), generate(model, other, cache))
     store.core.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
+def test_new_tokens_that_repeat_what_the_cache_holds_are_not_taken_for_a_feed_again(family):
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB")
+    cache, (a, b) = HybridPrefixCache(store), (17, 42)
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([[a, a, b]])).logits
+        model(input_ids=torch.tensor([[a]]), past_key_values=cache)
+        out = model(input_ids=torch.tensor([[a, b]]), position_ids=torch.tensor([[1, 2]]), past_key_values=cache)
+    torch.testing.assert_close(out.logits, full[:, 1:], rtol=0, atol=TOLERANCE)

@@ -210,7 +210,8 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict) -> dict:
     forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
     input_ids, seen = kwargs["input_ids"], cache.get_seq_length()
     length = input_ids.shape[1]
-    if 0 < seen < length:  # (not a decode step: those feed one token)
+    # (not a decode step: those feed one token; with positions, a feed again starts where the held tokens did)
+    if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads):
         held = cache.held_tokens()
         if held.shape == (input_ids.shape[0], seen) and torch.equal(input_ids[:, :seen].cpu(), held):
             kwargs = _slice_inputs(kwargs, seen, length, length)
