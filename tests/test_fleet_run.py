@@ -97,6 +97,20 @@ def test_interrupted_run_keeps_what_finished_and_a_rerun_completes_it(capsys, fi
     assert [(r["id"], r["output_ids"]) for r in read_out(out)] == list(reference.items())
 
 
+def test_a_rerun_refuses_records_of_another_prompt_or_model(capsys, files, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert run(capsys, files, out)[0] == 0
+    before = out.read_bytes()
+    assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--seed", "1"]) == 2
+    assert "made from another prompt, max_new_tokens or model" in capsys.readouterr().err
+    edited = tmp_path / "edited.jsonl"
+    lines = (files / "prompts.jsonl").read_text().splitlines()
+    first = json.loads(lines[0])
+    edited.write_text("\n".join([json.dumps({**first, "max_new_tokens": 2}), *lines[1:]]) + "\n")
+    assert main(["run", edited, "--model", files / "config.json", "--out", out]) == 2
+    assert f"ids [{first['id']!r}]" in capsys.readouterr().err and out.read_bytes() == before
+
+
 def test_radix_order_prefills_fewer_tokens_than_input_order(capsys, files, tmp_path):
     prefilled = {}
     for order in ("radix", "input"):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from collections.abc import Callable
@@ -31,6 +32,13 @@ class Prompt:
     id: str | int
     tokens: np.ndarray
     max_new_tokens: int
+
+    @property
+    def fingerprint(self) -> str:
+        """A short hash of what the output depends on besides the model: the token ids and max_new_tokens."""
+        digest = hashlib.sha256(np.asarray(self.tokens, dtype=np.int64).tobytes())
+        digest.update(str(self.max_new_tokens).encode())
+        return digest.hexdigest()[:16]
 
 
 def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_tokens: int) -> tuple:

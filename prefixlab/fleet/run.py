@@ -49,6 +49,18 @@ def _store_model(args: argparse.Namespace, model):
     return StoreModel(args.policy, parse_capacity(args.capacity), spec)
 
 
+def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> None:
+    """Records already in OUT must come from this run's prompts and model: a rerun keeps them, so a changed prompt,
+    max_new_tokens or model would leave stale outputs behind (records written before fingerprints pass)."""
+    changed = [p.id for p in prompts if p.id in done and (done[p.id].get("request", p.fingerprint) != p.fingerprint
+                                                          or done[p.id].get("model", model_digest) != model_digest)]
+    if changed:
+        raise InvalidInputError(
+            f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model than this "
+            f"run's (ids {changed[:5]}{' ...' if len(changed) > 5 else ''}); pass another --out, or remove their lines "
+            f"from {out} (and its .part files) to redo them")
+
+
 class Stopped(Exception):
     """SIGTERM (the launcher stops the group when a process dies): finish cleanly, keep what is written."""
 
@@ -97,6 +109,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
     if state.is_main_process:
         done = outputs.finished(out)
+        _check_resumed(out, prompts, done, digests[0])
         pending = [p.index for p in prompts if p.id not in done]
         plan = [len(prompts) - len(pending),
                 dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
@@ -135,7 +148,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
                       position=rank) as bar:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
-                            decode=decode, progress=bar.update, stats=stats)
+                            decode=decode, progress=bar.update, stats=stats, model_digest=digests[0])
         try:
             gathered = gather_object([stats.as_dict()])
         except RuntimeError:  # a peer died while this process waited (torch.distributed's error)

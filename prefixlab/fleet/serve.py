@@ -172,10 +172,12 @@ def _pad_id(model) -> int:
 def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | tuple[int, ...], int]],
           write: Callable[[dict], None],
           *, process: int = 0, decode: Callable[[list[int]], str] | None = None,
-          progress: Callable[[int], object] | None = None, stats: ProcessStats | None = None) -> ProcessStats:
+          progress: Callable[[int], object] | None = None, stats: ProcessStats | None = None,
+          model_digest: str | None = None) -> ProcessStats:
     """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule, or ((indices...), prime length):
     siblings batched by prefixlab.fleet.siblings) over `prompts`, writing one record per finished prompt with
-    `write`. Counts go into `stats` as they happen (what a stopped run did is kept)."""
+    `write` (with the prompt's fingerprint and `model_digest`, which a resumed run checks). Counts go into `stats`
+    as they happen (what a stopped run did is kept)."""
     import torch
 
     from prefixlab.fleet.siblings import generate_group, kv_bytes_per_token
@@ -185,7 +187,9 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
 
     def finish(prompt: Prompt, output_ids: list[int], reused: int) -> None:
         record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
-                  "reused_tokens": reused, "process": process}
+                  "reused_tokens": reused, "process": process, "request": prompt.fingerprint}
+        if model_digest is not None:
+            record["model"] = model_digest
         if decode is not None:
             record["text"] = decode(output_ids)
         write(record)
