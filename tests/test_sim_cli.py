@@ -361,6 +361,8 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
     assert same_trace(read_trace(shots), few_shot_trace(0, 9))
     assert run(capsys, "trace", "build", "mix", agent, shots, "-o", mixed)[0] == 0
     assert same_trace(read_trace(mixed), mix_traces([read_trace(agent), read_trace(shots)], ["agent", "shots"]))
+    assert run(capsys, "trace", "build", "mix", shots, shots, "-o", mixed)[0] == 0  # one file twice: two names
+    assert {r.session_id.split("/")[0] for r in read_trace(mixed)} == {"shots", "shots#2"}
     assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")

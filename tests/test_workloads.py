@@ -60,6 +60,7 @@ def test_mix_interleaves_traces_over_one_time_span_keeping_each_order():
         (lambda: few_shot_trace(pool_size=3, shots=(2, 5)), "pool_size"),
         (lambda: mix_traces([]), "non-empty"),
         (lambda: mix_traces([[], []], ["one"]), "names"),
+        (lambda: mix_traces([[], []], ["one", "one"]), "unique"),
     ],
 )
 def test_workloads_refuse_bad_input(call, match):

@@ -242,7 +242,9 @@ def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
 
     if args.kind == "mix":
         traces = [formats.read_trace(path, check_on_error(args.on_error)) for path in args.traces]
-        return workloads.mix_traces(traces, [Path(path).stem for path in args.traces])
+        stems = [Path(path).stem for path in args.traces]  # a file named twice gets #2, #3, ...
+        names = [f"{stem}#{stems[:k].count(stem) + 1}" if stem in stems[:k] else stem for k, stem in enumerate(stems)]
+        return workloads.mix_traces(traces, names)
     seed = parse_number(args.seed, "--seed", integer=True, strict=False)
     if args.kind == "agentic":
         return workloads.agentic_trace(seed, parse_number(args.sessions, "--sessions", integer=True))

@@ -116,6 +116,8 @@ def mix_traces(traces: Sequence[Sequence[Request]], names: Sequence[str] | None 
     names = [str(i) for i in range(len(traces))] if names is None else list(names)
     if len(names) != len(traces):
         raise InvalidInputError(f"got {len(names)} names for {len(traces)} traces")
+    if len(set(names)) != len(names):  # the session ids of two traces would collide
+        raise InvalidInputError(f"trace names must be unique, got {names}")
     spans = [max((r.ts for r in t), default=0.0) - min((r.ts for r in t), default=0.0) for t in traces]
     target = max(spans)
     mixed = []
