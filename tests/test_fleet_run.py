@@ -164,6 +164,12 @@ def test_bad_input(capsys, files, tmp_path):
         bad.write_text("\n".join(content) + "\n")
         assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
         assert message in capsys.readouterr().err
+    bad.write_bytes(lines[0].encode() + b'\n{"id": "x", "input_ids": [1, 2], "\xff": 1}\n')  # not UTF-8
+    assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
+    assert f"{bad}:2: 'utf-8' codec can't decode" in capsys.readouterr().err
+    bad.write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode() + b"\n")  # a BOM, as some editors save
+    assert main(["run", bad, *args[:2], "--out", tmp_path / "bom.jsonl", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["requests"] == 12
     assert main(["run", files / "prompts.jsonl", *args, "--routing", "sticky"]) == 2
     assert "round-robin" in capsys.readouterr().err
     foreign = tmp_path / "notes.jsonl"

@@ -82,7 +82,7 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
         raise InvalidInputError(f"{path}: no such prompt file")
     prompts: list[Prompt] = []
     first_line: dict[str | int, int] = {}
-    with open(path, encoding="utf-8") as lines:
+    with open(path, "rb") as lines:  # bytes: json.loads decodes them (a BOM too), so bad UTF-8 is a bad line
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
