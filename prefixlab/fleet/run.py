@@ -269,7 +269,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     cmd = subparsers.add_parser("run", help="batch inference over a prompt file with prefix reuse (accelerate-ready)")
     cmd.add_argument("prompts", help="JSONL: one {id, text | input_ids, max_new_tokens?} object per line")
-    cmd.add_argument("--model", required=True, help="a config.json (random init, seeded) or a local model folder")
+    cmd.add_argument("--model", required=True, help="config.json (random init, seeded) or a model folder with weights")
     cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
     cmd.add_argument("--tokenizer", help="tokenizers JSON file, for text prompts and decoded outputs")
     cmd.add_argument("--routing", default="affinity", help=f"across processes: {', '.join(ASSIGNMENTS)}")

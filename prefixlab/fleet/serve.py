@@ -73,6 +73,9 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
         raise InvalidInputError(f"--model {model!r}: no such file or folder; pass a config.json or a local model "
                                 "folder (nothing is downloaded)")
     has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
+    if path.is_dir() and not has_weights:  # a folder whose weights never arrived must not serve random ones
+        raise InvalidInputError(f"--model {model!r} is a folder without weights (*.safetensors or *.bin); pass a "
+                                "folder with them, or its config.json to run random-init weights on purpose")
     try:
         if has_weights:
             loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
