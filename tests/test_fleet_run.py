@@ -180,6 +180,17 @@ def test_bad_input(capsys, files, tmp_path):
     assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
     assert main(["run", files / "prompts.jsonl", *args[:2], "--out", tmp_path]) == 2  # checked before any work
     assert "is a folder" in capsys.readouterr().err and not list(tmp_path.glob("*.part*"))
+    busy = tmp_path / "busy.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a'); "
+                               "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+                               f"{busy}.lock"], stdout=subprocess.PIPE, text=True)
+    try:  # another run holds OUT
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["run", files / "prompts.jsonl", *args[:2], "--out", busy]) == 2
+        assert "being written by another prefixlab run" in capsys.readouterr().err and not busy.exists()
+    finally:
+        holder.kill()
+        holder.wait()
     with pytest.raises(SystemExit, match="2"):
         main(["run", files / "prompts.jsonl", *args, "--seed", "-1"])
     assert "--seed: must be an integer in [0, 2**63)" in capsys.readouterr().err

@@ -79,6 +79,35 @@ def _complete_last_line(path: Path) -> None:
             file.truncate(start + cut)
 
 
+_CLAIMS: dict[Path, object] = {}  # OUT -> the open lock file this process holds
+
+
+def claim(out: Path) -> None:
+    """Hold OUT for this run: an exclusive lock on OUT.lock (nothing where there is no fcntl), released by
+    `release` or when the process ends. Two runs with one --out at once would append to the same part files."""
+    try:
+        import fcntl
+    except ImportError:
+        return
+    handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.close()
+        raise InvalidInputError(f"{out} is being written by another prefixlab run ({out.name}.lock is held); wait "
+                                "for it to finish or pass another --out") from None
+    _CLAIMS[out] = handle
+
+
+def release(out: Path | None = None) -> None:
+    """Let go of `claim`'s lock on `out` and remove its file (every claim of this process without `out`)."""
+    for path in [out] if out is not None else list(_CLAIMS):
+        handle = _CLAIMS.pop(path, None)
+        if handle is not None:
+            path.with_name(path.name + ".lock").unlink(missing_ok=True)
+            handle.close()
+
+
 class PartWriter:
     """Appends finished records to one process's part file: one unbuffered write() per line."""
 

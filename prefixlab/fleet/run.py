@@ -26,7 +26,7 @@ from pathlib import Path
 from prefixlab.cache.explain import format_reasons
 from prefixlab.cli import positive_int, seed_int
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import launch
+from prefixlab.fleet import launch, outputs
 
 
 def _encoder(tokenizer: str | None):
@@ -75,7 +75,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import outputs, schedule, serve, siblings
+    from prefixlab.fleet import schedule, serve, siblings
     from prefixlab.fleet.prompts import read_prompts
 
     state = launch.start(args.cpu)
@@ -108,6 +108,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
     if state.is_main_process:
+        outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
         done = outputs.finished(out)
         _check_resumed(out, prompts, done, digests[0])
         pending = [p.index for p in prompts if p.id not in done]
@@ -166,6 +167,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         return None
     # stopped: the others may still be appending to their parts, so keep them (a rerun reads them again)
     written, missing = outputs.merge(out, [p.id for p in prompts], remove_parts=not stopped)
+    outputs.release(out)
     summary = _summary(prompts, gathered, written, missing, resumed, time.perf_counter() - started, args)
     return {**summary, "processes": processes, "stopped": bool(stopped), "restarts": restart,
             "lost_at_failure": len(assignment) if restart else 0,
@@ -261,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
         return 1 if summary["lost"] else 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        outputs.release()
         launch.finish()
 
 
