@@ -111,6 +111,24 @@ def test_a_rerun_refuses_records_of_another_prompt_or_model(capsys, files, tmp_p
     assert f"ids [{first['id']!r}]" in capsys.readouterr().err and out.read_bytes() == before
 
 
+@pytest.mark.parametrize("hydragen", [False, True])
+def test_a_model_that_takes_its_cache_as_cache_params(capsys, tmp_path, hydragen):
+    """Mamba2 takes its cache as cache_params= (generate refused past_key_values=: every run failed)."""
+    tiny_config("mamba2").to_json_file(tmp_path / "config.json")
+    rng = np.random.default_rng(1)
+    prefix = rng.integers(3, 120, 60).tolist()
+    with open(tmp_path / "prompts.jsonl", "w") as file:
+        file.writelines(json.dumps({"id": k, "input_ids": prefix + rng.integers(3, 120, 4).tolist(),
+                                    "max_new_tokens": 2}) + "\n" for k in range(4))
+    code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl", *(["--hydragen"] if hydragen else []))
+    assert code == 0 and summary["reused_tokens"] > 0
+    model = serve.load_model(str(tmp_path / "config.json"))
+    with torch.inference_mode():
+        assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
+                   for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
+                                   strict=True))
+
+
 def test_radix_order_prefills_fewer_tokens_than_input_order(capsys, files, tmp_path):
     prefilled = {}
     for order in ("radix", "input"):

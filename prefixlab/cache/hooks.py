@@ -71,7 +71,7 @@ class _ModelHooks:
     reference to the model."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.cache_arg = "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
+        self.cache_arg = cache_keyword(model)
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.handles = [
@@ -264,6 +264,11 @@ def _join_logits(output, segments: tuple):
 
 def forward_parameters(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(inspect.signature(module.forward).parameters)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword a model takes its cache under in forward() and generate() (Mamba2: cache_params)."""
+    return "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
 
 
 def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:

@@ -112,11 +112,13 @@ def _greedy(model, tokens, max_new_tokens: int, cache=None) -> tuple[list[int], 
     import torch
     from transformers import LogitsProcessorList
 
+    from prefixlab.cache.hooks import cache_keyword
+
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
     clock, started = FirstTokenClock(), time.perf_counter()
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), past_key_values=cache,
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(model),
-                         logits_processor=LogitsProcessorList([clock]))
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
+                         **({cache_keyword(model): cache} if cache is not None else {}))
     return out[0, input_ids.shape[1]:].tolist(), clock.at[0] - started
 
 
@@ -157,12 +159,12 @@ def prime(model, store, tokens) -> int:
     import torch
 
     from prefixlab.cache.hf import HybridPrefixCache
-    from prefixlab.cache.hooks import forward_parameters
+    from prefixlab.cache.hooks import cache_keyword, forward_parameters
 
     cache = HybridPrefixCache(store)
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
     keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}  # skip the LM head
-    model(input_ids=input_ids, past_key_values=cache, use_cache=True, **keep)
+    model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache}, **keep)
     store.flush()
     return len(tokens) - cache.reused_tokens
 
