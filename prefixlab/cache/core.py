@@ -149,15 +149,14 @@ class PrefixCacheCore:
         observation): what a router asks a replica (prefixlab.fleet.router). `limit`: length as `match` of the
         first `limit` tokens would return it (one walk for both questions)."""
         walk = self.tree.walk(as_tokens(tokens), check_namespace(namespace))
-        if self.hybrid:
-            return self.tree.deepest_checkpoint(walk, limit)[1], walk.shared_length
-        return min(walk.shared_length, walk.shared_length if limit is None else limit), walk.shared_length
+        return self._resumable(walk, limit)[1], walk.shared_length
 
-    def _resumable(self, walk: Walk) -> tuple[Node, int, Payload | None]:
-        """The deepest checkpoint on `walk` (every shared token for a KV-only model): (node, length, state)."""
+    def _resumable(self, walk: Walk, limit: int | None = None) -> tuple[Node, int, Payload | None]:
+        """The deepest checkpoint on `walk` (every shared token for a KV-only model), at most `limit` deep: (node,
+        length, state)."""
         if self.hybrid:
-            return self.tree.deepest_checkpoint(walk)
-        return walk.path[-1], walk.shared_length, None
+            return self.tree.deepest_checkpoint(walk, limit)
+        return walk.path[-1], walk.shared_length if limit is None else min(walk.shared_length, limit), None
 
     def plan(self, tokens: object, match: Match) -> list[int]:
         """Sorted positions in (match.length, len(tokens)] whose recurrent states the request should capture

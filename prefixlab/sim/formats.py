@@ -96,14 +96,13 @@ def token_array(values: Any, field: str) -> np.ndarray:
         array = np.asarray(values)
     except (ValueError, OverflowError) as err:
         raise LineError(f"{field} must be a flat list of integer token ids ({err})") from None
-    out_of_range = LineError(f"{field} holds a token id out of range (ids are integers in [0, 2**63))")
     if array.ndim != 1 or array.dtype.kind not in "iu":
         not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
-        if not_int is None:  # integers numpy holds as objects: beyond 64 bits
-            raise out_of_range
-        raise LineError(f"{field} must be a flat list of integer token ids, found {not_int!r}")
-    if array.min() < 0 or (array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max):
-        raise out_of_range
+        if not_int is not None:  # else integers numpy holds as objects: beyond 64 bits
+            raise LineError(f"{field} must be a flat list of integer token ids, found {not_int!r}")
+    if array.dtype.kind not in "iu" or array.min() < 0 or (array.dtype.kind == "u" and
+                                                            array.max() > np.iinfo(np.int64).max):
+        raise LineError(f"{field} holds a token id out of range (ids are integers in [0, 2**63))")
     return array.astype(np.int64, copy=False)
 
 
