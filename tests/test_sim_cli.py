@@ -1,42 +1,20 @@
-"""`prefixlab simulate` and `prefixlab trace build`, end to end through prefixlab.cli.main."""
+"""`prefixlab simulate`, end to end through prefixlab.cli.main (`trace build`: test_trace_cli.py)."""
 
 import json
 
-import numpy as np
 import pytest
+from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
 
-import prefixlab.cli
 import prefixlab.sim.replay
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
-from prefixlab.sim.formats import read_trace, write_trace
+from prefixlab.sim.build import builtin_trace
+from prefixlab.sim.formats import write_trace
 from prefixlab.sim.metrics import SimResult
 from prefixlab.sim.replay import ceiling, simulate
 
 # Small enough that every policy evicts on the builtin trace (marconi-7b KV is 64 KiB per token).
 SMALL_CAPACITIES = "0.3,1"
 FAST_POLICIES = "vllm+,sglang+,marconi"
-
-
-@pytest.fixture(autouse=True)
-def only_sim_subcommands(monkeypatch):
-    """Register only this module's subcommands: the test must not depend on other modules' CLIs."""
-    sim_only = {"simulate": "prefixlab.sim.cli", "trace": "prefixlab.sim.cli"}
-    monkeypatch.setattr(prefixlab.cli, "SUBCOMMAND_MODULES", sim_only)
-
-
-def run(capsys, *argv):
-    code = prefixlab.cli.main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(capsys, *argv, match):
-    code, out, err = run(capsys, *argv)
-    lines = err.strip().splitlines()
-    assert code == 2 and out == "" and len(lines) == 1, err
-    assert lines[0].startswith("prefixlab: error: ") and match in lines[0], lines[0]
-    return lines[0]
 
 
 def test_simulate_builtin_json_matches_direct_replay(capsys):
@@ -220,127 +198,6 @@ def test_model_from_hf_config(capsys, tmp_path, stand_in_replay):
     assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="not a usable HF")
 
 
-def same_trace(a, b):
-    return len(a) == len(b) and all(
-        x.session_id == y.session_id and x.ts == y.ts and np.array_equal(x.tokens, y.tokens)
-        for x, y in zip(a, b, strict=True)
-    )
-
-
-def test_trace_build_builtin(capsys, tmp_path):
-    out = tmp_path / "builtin.jsonl"
-    code, _, err = run(capsys, "trace", "build", "builtin", "-o", out)
-    assert code == 0 and f"wrote {len(builtin_trace())} requests" in err
-    assert same_trace(read_trace(out), builtin_trace())
-
-
-def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "bye": 2}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "tok.json"))
-    chats = tmp_path / "chats.jsonl"
-    chat = {"conversation": [{"role": "user", "content": "hello bye"}, {"role": "assistant", "content": "bye"}] * 2}
-    chats.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
-    out = tmp_path / "conv.jsonl"
-    code, _, _ = run(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        chats,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--rate",
-        "0.5",
-        "--max-sessions",
-        "1",
-        "-o",
-        out,
-    )
-    assert code == 0
-    expected = build_conversation_trace(chats, tmp_path / "tok.json", sessions_per_second=0.5, max_sessions=1)
-    assert same_trace(read_trace(out), expected) and len(expected) == 2
-
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": "hello " * n}) + "\n" for n in (3, 5, 8)))
-    out = tmp_path / "shared.jsonl"
-    code, _, _ = run(
-        capsys,
-        "trace",
-        "build",
-        "shared-prefix",
-        "--input",
-        prompts,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--num-requests",
-        "20",
-        "--rate",
-        "4",
-        "--skew",
-        "0",
-        "--seed",
-        "5",
-        "-o",
-        out,
-    )
-    assert code == 0
-    expected = build_shared_prefix_trace(
-        prompts, tmp_path / "tok.json", num_requests=20, requests_per_second=4.0, popularity_skew=0.0, seed=5
-    )
-    assert same_trace(read_trace(out), expected)
-
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        chats,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--rate",
-        "fast",
-        "-o",
-        out,
-        match="--rate 'fast' is not a number",
-    )
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "shared-prefix",
-        "--input",
-        prompts,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--num-requests",
-        "2.5",
-        "-o",
-        out,
-        match="not an integer",
-    )
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        tmp_path / "none.jsonl",
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "-o",
-        out,
-        match="does not exist",
-    )
-    assert_one_line_error(
-        capsys, "trace", "build", "builtin", "-o", tmp_path / "no" / "t.jsonl", match="does not exist"
-    )
-
-
 def test_simulate_does_not_import_torch():
     """`prefixlab simulate` stays light: only the subcommand being run is imported (bench pulls in torch)."""
     import subprocess
@@ -349,23 +206,6 @@ def test_simulate_does_not_import_torch():
     code = "import sys; from prefixlab.cli import build_parser; build_parser('simulate'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
-
-
-def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
-    from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
-
-    agent, shots, mixed = tmp_path / "agent.jsonl", tmp_path / "shots.jsonl", tmp_path / "mix.jsonl"
-    assert run(capsys, "trace", "build", "agentic", "--sessions", "2", "--seed", "4", "-o", agent)[0] == 0
-    assert same_trace(read_trace(agent), agentic_trace(4, 2))
-    assert run(capsys, "trace", "build", "few-shot", "--num-requests", "9", "-o", shots)[0] == 0
-    assert same_trace(read_trace(shots), few_shot_trace(0, 9))
-    assert run(capsys, "trace", "build", "mix", agent, shots, "-o", mixed)[0] == 0
-    assert same_trace(read_trace(mixed), mix_traces([read_trace(agent), read_trace(shots)], ["agent", "shots"]))
-    assert run(capsys, "trace", "build", "mix", shots, shots, "-o", mixed)[0] == 0  # one file twice: two names
-    assert {r.session_id.split("/")[0] for r in read_trace(mixed)} == {"shots", "shots#2"}
-    assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
-    assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
-    assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")
 
 
 def test_simulate_prints_dp_vs_best_other(capsys, stand_in_replay):

@@ -1,0 +1,147 @@
+"""`prefixlab trace build`, end to end through prefixlab.cli.main."""
+
+import json
+
+import numpy as np
+from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
+
+from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
+from prefixlab.sim.formats import read_trace
+
+
+def same_trace(a, b):
+    return len(a) == len(b) and all(
+        x.session_id == y.session_id and x.ts == y.ts and np.array_equal(x.tokens, y.tokens)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_trace_build_builtin(capsys, tmp_path):
+    out = tmp_path / "builtin.jsonl"
+    code, _, err = run(capsys, "trace", "build", "builtin", "-o", out)
+    assert code == 0 and f"wrote {len(builtin_trace())} requests" in err
+    assert same_trace(read_trace(out), builtin_trace())
+
+
+def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "bye": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tok.json"))
+    chats = tmp_path / "chats.jsonl"
+    chat = {"conversation": [{"role": "user", "content": "hello bye"}, {"role": "assistant", "content": "bye"}] * 2}
+    chats.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
+    out = tmp_path / "conv.jsonl"
+    code, _, _ = run(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        chats,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--rate",
+        "0.5",
+        "--max-sessions",
+        "1",
+        "-o",
+        out,
+    )
+    assert code == 0
+    expected = build_conversation_trace(chats, tmp_path / "tok.json", sessions_per_second=0.5, max_sessions=1)
+    assert same_trace(read_trace(out), expected) and len(expected) == 2
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": "hello " * n}) + "\n" for n in (3, 5, 8)))
+    out = tmp_path / "shared.jsonl"
+    code, _, _ = run(
+        capsys,
+        "trace",
+        "build",
+        "shared-prefix",
+        "--input",
+        prompts,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--num-requests",
+        "20",
+        "--rate",
+        "4",
+        "--skew",
+        "0",
+        "--seed",
+        "5",
+        "-o",
+        out,
+    )
+    assert code == 0
+    expected = build_shared_prefix_trace(
+        prompts, tmp_path / "tok.json", num_requests=20, requests_per_second=4.0, popularity_skew=0.0, seed=5
+    )
+    assert same_trace(read_trace(out), expected)
+
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        chats,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--rate",
+        "fast",
+        "-o",
+        out,
+        match="--rate 'fast' is not a number",
+    )
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "shared-prefix",
+        "--input",
+        prompts,
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "--num-requests",
+        "2.5",
+        "-o",
+        out,
+        match="not an integer",
+    )
+    assert_one_line_error(
+        capsys,
+        "trace",
+        "build",
+        "conversations",
+        "--input",
+        tmp_path / "none.jsonl",
+        "--tokenizer",
+        tmp_path / "tok.json",
+        "-o",
+        out,
+        match="does not exist",
+    )
+    assert_one_line_error(
+        capsys, "trace", "build", "builtin", "-o", tmp_path / "no" / "t.jsonl", match="does not exist"
+    )
+
+
+def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
+    from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
+
+    agent, shots, mixed = tmp_path / "agent.jsonl", tmp_path / "shots.jsonl", tmp_path / "mix.jsonl"
+    assert run(capsys, "trace", "build", "agentic", "--sessions", "2", "--seed", "4", "-o", agent)[0] == 0
+    assert same_trace(read_trace(agent), agentic_trace(4, 2))
+    assert run(capsys, "trace", "build", "few-shot", "--num-requests", "9", "-o", shots)[0] == 0
+    assert same_trace(read_trace(shots), few_shot_trace(0, 9))
+    assert run(capsys, "trace", "build", "mix", agent, shots, "-o", mixed)[0] == 0
+    assert same_trace(read_trace(mixed), mix_traces([read_trace(agent), read_trace(shots)], ["agent", "shots"]))
+    assert run(capsys, "trace", "build", "mix", shots, shots, "-o", mixed)[0] == 0  # one file twice: two names
+    assert {r.session_id.split("/")[0] for r in read_trace(mixed)} == {"shots", "shots#2"}
+    assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
+    assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
+    assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")
