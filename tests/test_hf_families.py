@@ -49,7 +49,9 @@ def assert_same(reference, served):
 
 
 def serve_workload(model, store):
-    """Three questions over a system prompt, then a second chat turn; returns the reuse of each request."""
+    """Three questions over a system prompt, then a second chat turn; returns the reuse of each request and what
+    the turn can reuse: all the previous turn fed (prompt + output[:-1]; its last sampled token is run), or only its
+    prompt where decode steps compute differently from prefills (model_info.decode_differs_from_prefill)."""
     rng = torch.Generator().manual_seed(7)
     system = torch.randint(3, 128, (1, 24), generator=rng)
     reused = []
@@ -63,7 +65,7 @@ def serve_workload(model, store):
     cache = HybridPrefixCache(store)
     assert_same(generate(model, follow_up), generate(model, follow_up, cache))
     reused.append(cache.reused_tokens)
-    return reused, served.sequences.shape[1]
+    return reused, prompt.shape[1] if store.decode_differs else served.sequences.shape[1] - 1
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -72,11 +74,10 @@ def test_reuse_is_exact(family):
     model = build(family)
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
     assert not store.records_in_kernel
-    reused, previous_length = serve_workload(model, store)
+    reused, turn_reusable = serve_workload(model, store)
     assert reused[0] == 0
     assert reused[2] >= 24, "the third question reuses the system prompt"
-    # the previous turn fed prompt + output[:-1]: all of it is reused, its last sampled token is run
-    assert reused[3] == previous_length - 1
+    assert reused[3] == turn_reusable
     store.core.check_invariants()
 
 
@@ -91,8 +92,8 @@ def test_reuse_is_exact_with_patched_recurrent_layers(family):
     model = patch(build(family))
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
     assert store.records_in_kernel
-    reused, previous_length = serve_workload(model, store)
-    assert reused[2] >= 24 and reused[3] == previous_length - 1
+    reused, turn_reusable = serve_workload(model, store)
+    assert reused[2] >= 24 and reused[3] == turn_reusable
 
 
 @pytest.mark.parametrize("family", sorted(STATE_DROPPING_MODEL_TYPES))
@@ -129,9 +130,9 @@ def test_kv_only_models_reuse_every_shared_token(family, monkeypatch):
     monkeypatch.setattr(cm.ModelSpec, "from_config", classmethod(lambda cls, config, dtype=None: spec))
     model = build(family)
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
-    reused, previous_length = serve_workload(model, store)
+    reused, turn_reusable = serve_workload(model, store)
     assert reused[1] >= 24  # the second question already reuses the whole system prompt
-    assert reused[3] == previous_length - 1
+    assert reused[3] == turn_reusable
     store.core.check_invariants()
 
 

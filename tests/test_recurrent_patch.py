@@ -34,26 +34,42 @@ def family_model(request):
     reference = forward(model, ids)
     with torch.no_grad():
         generated = model.generate(ids[:, :10], **GREEDY)
+    decoded = decode_steps(model, ids)
     patch(model)
-    yield request.param, model, ids, (reference, generated)
+    yield request.param, model, ids, (reference, generated, decoded)
     unpatch(model)
 
 
+def decode_steps(model, ids, prefill: int = 9) -> torch.Tensor:
+    """Logits of a prefill of ids[:, :prefill], then of each later token fed alone over the cache."""
+    cache = new_cache(model)
+    pieces = [forward(model, ids[:, :prefill], cache)]
+    pieces += [forward(model, ids[:, t : t + 1], cache, start=t) for t in range(prefill, ids.shape[1])]
+    return torch.cat(pieces, dim=1)
+
+
 def test_patched_forward_equals_unpatched(family_model):
-    _, model, ids, (reference, _) = family_model
+    _, model, ids, (reference, _, _) = family_model
     assert_close(forward(model, ids), reference)
     assert_close(forward(model, ids, cache=new_cache(model)), reference)
 
 
 def test_greedy_generation_is_unchanged(family_model):
-    _, model, ids, (_, generated) = family_model
+    _, model, ids, (_, generated, _) = family_model
     with torch.no_grad():
         assert torch.equal(model.generate(ids[:, :10], **GREEDY), generated)
 
 
+def test_decode_steps_equal_transformers_decode_steps(family_model):
+    """One token over a cached state is a decode step in transformers: Nemotron-H's and Zamba2's Mamba2 mixers do not
+    clamp dt to their time_step_limit there, as they do in a prefill, so the patch must not either."""
+    _, model, ids, (_, _, decoded) = family_model
+    assert_close(decode_steps(model, ids), decoded)
+
+
 def test_continuing_from_the_cache_equals_one_forward(family_model):
     """Prefill tokens[:9], then 4 tokens, 1 token and the rest, each from the cached state."""
-    _, model, ids, (reference, _) = family_model
+    _, model, ids, (reference, _, _) = family_model
     cache, pieces = new_cache(model), []
     for start, stop in [(0, 9), (9, 13), (13, 14), (14, 21)]:
         pieces.append(forward(model, ids[:, start:stop], cache, start=start))

@@ -40,3 +40,40 @@ def test_reuse_through_the_store_is_exact_with_states_recorded_in_one_pass(name)
             assert CountingCache.recorded > 0
         finally:
             store.close()
+
+
+def logits_and_tokens(model, ids, cache=None):
+    kwargs = {} if cache is None else {"past_key_values": cache}
+    with torch.no_grad():
+        out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **GREEDY, **kwargs)
+    return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "transformers-layers"])
+@pytest.mark.parametrize("name", ["zamba2", "nemotron_h"])
+def test_decode_steps_that_differ_from_prefills_are_never_served(name, patched):
+    """Nemotron-H and Zamba2 clamp dt in a prefill, not in a decode step (model_info.decode_differs_from_prefill): a
+    decoded token's state is not what a later prompt's prefill computes there. The store serves the next chat turn
+    only the prompt before it, and a repeated prompt resumes two tokens before its end (one token over a cached state
+    would run as a decode step). Unit-scale weights, where the clamp changes the logits by up to 1e-4."""
+    reference, model = build(name, seed=3), build(name, seed=3)
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
+    try:
+        assert store.decode_differs
+        for seed in range(4):
+            prompt = tokens(1, 12, seed=seed)
+            first, _ = logits_and_tokens(model, prompt, HybridPrefixCache(store))
+            turn = torch.cat([first, tokens(1, 3, seed=100 + seed)], dim=1)
+            expected = logits_and_tokens(reference, turn)
+            for served_as in ("turn", "repeat"):
+                cache = HybridPrefixCache(store)
+                sequences, logits = logits_and_tokens(model, turn, cache)
+                assert torch.equal(sequences, expected[0])
+                torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
+                # the turn resumes at the prompt's end; the repeat from the state its own prefill left 2 tokens
+                # before its end (patched layers record it; transformers' layers keep the prompt's)
+                repeat = turn.shape[1] - 2 if patched else prompt.shape[1]
+                assert cache.reused_tokens == (prompt.shape[1] if served_as == "turn" else repeat)
+        store.core.check_invariants()
+    finally:
+        store.close()

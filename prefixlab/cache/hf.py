@@ -21,7 +21,9 @@ forward:
   hold a pad column: transformers masks pads out of recurrent layers only in multi-token forwards);
 - `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
   cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
-  its final state is the one a following chat turn resumes from.
+  its final state is the one a following chat turn resumes from. Where a decode step computes differently from a
+  prefill (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted, and a prompt
+  resumes at most all but its last two tokens (one token over a cached state would run as a decode step).
 
 Batches: every row is matched on its own (on its real tokens, without its pads), then all rows resume at one common
 column c of the (left-padded) batch, generate feeding a rectangular batch. Row b with p_b leading pads resumes at
@@ -45,8 +47,6 @@ reused and why no more, and what the request admitted (cache/explain.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -56,7 +56,7 @@ from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.rows import left_pads, pad_safe_splits, real_positions, stack_rows, stack_states
 from prefixlab.cache.sharing import check_open, under_store_lock
 from prefixlab.cache.store import PrefixStore
-from prefixlab.cache.tensors import TensorKV, TensorState
+from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
 
@@ -119,6 +119,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._committed = 0
+        # where the first decode step started, on a model whose decode steps differ from prefills
+        # (model_info.decode_differs_from_prefill): nothing past it is admitted
+        self._decoded_at: int | None = None
 
     @property
     def started(self) -> bool:
@@ -193,8 +196,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
-        # c <= length - 1 leaves every row >= 1 token to yield logits
-        probes = [ids[row, pads[row]: length - 1].numpy() for row in range(batch)]
+        # c <= length - tail leaves every row >= 1 token to yield logits (>= 2 where one token over a cached state
+        # would run as a decode step, which computes differently there)
+        tail = 2 if self.store.decode_differs else 1
+        probes = [ids[row, pads[row]: length - tail].numpy() for row in range(batch)]
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
             for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
@@ -216,10 +221,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
                 common = 0
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)}
-            # length - 1: an identical prompt later reuses all but its last token. Patched layers record it within
-            # the one pass; transformers' layers would need a split there, which changes the rounding of a request
-            # that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
-            planned |= {length - 1} if self.store.records_in_kernel else set()
+            # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
+            # within the one pass; transformers' layers would need a split there, which changes the rounding of a
+            # request that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
+            planned |= {length - tail} if self.store.records_in_kernel else set()
             self._plan = sorted(p for p in planned if p > common)
             if common:
                 self._load(common, [source for _, source in found])
@@ -257,12 +262,20 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         recurrent states there can be captured (a patched model records them in one pass instead)."""
         if not self.store.layout.state_layers or self.store.records_in_kernel:
             return []
-        return pad_safe_splits([p for p in self._plan if start < p < stop], start, stop, max(self._pads, default=0))
+        # a one-token segment runs as a decode step: where those differ from prefills, anywhere; else only where a
+        # row still pads (see pad_safe_splits)
+        unsafe_below = stop if self.store.decode_differs else max(self._pads, default=0)
+        return pad_safe_splits([p for p in self._plan if start < p < stop], start, stop, unsafe_below)
 
     @under_store_lock
     def record(self, input_ids: torch.Tensor) -> None:
         """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
         self._require_started()
+        if input_ids.shape[1] == 1 and self._seen and self._decoded_at is None and self.store.decode_differs:
+            # a decode step (one token over the cached state): what it and later forwards compute is not what a
+            # prefill would, so the store gets the sequence up to here, with the state here
+            self._decoded_at = self._seen
+            self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
         self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
         stop = self._seen + self._pending
@@ -277,7 +290,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self.prefixlab_capture_positions = None
         self.store.hold(self)  # admitted on the store's next use
         if self._seen in self._plan:
-            self._captured[self._seen] = self._snapshot_states()
+            self._captured[self._seen] = snapshot_states(self.layers, self.store.layout.state_layers)
             self._plan.remove(self._seen)
 
     @under_store_lock
@@ -324,40 +337,20 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
             self.layers[layer_idx].has_previous_state[state_idx] = True
 
-    def _snapshot_states(self) -> dict[str, dict[tuple[int, int], torch.Tensor]]:
-        """Clones of every recurrent layer's states now (all rows)."""
-        conv, recurrent = {}, {}
-        for layer_idx in self.store.layout.state_layers:
-            layer = self.layers[layer_idx]
-            for i in range(layer.number_of_states):
-                if layer.is_conv_states_initialized[i]:
-                    conv[(layer_idx, i)] = layer.conv_states[i].clone()
-                if layer.is_recurrent_states_initialized[i]:
-                    recurrent[(layer_idx, i)] = layer.recurrent_states[i].clone()
-        return {"conv": conv, "recurrent": recurrent}
-
-    def _row_kv(self, row: int) -> Callable[[int, int], TensorKV]:
-        """kv(a, b): row's KV for its real tokens [a, b) (after its pad columns)."""
-        pad, layers = self._pads[row], self.store.layout.kv_layers
-
-        def kv(start: int, stop: int) -> TensorKV:
-            cut = slice(start + pad, stop + pad)
-            return TensorKV(stop - start, {i: self.layers[i].keys[row, :, cut].clone() for i in layers},
-                            {i: self.layers[i].values[row, :, cut].clone() for i in layers})
-
-        return kv
-
     @under_store_lock
     def commit(self) -> int:
         """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
-        if not self._started or self._pending or self._seen <= self._committed or not self._admit_rows:
+        end = self._seen if self._decoded_at is None else self._decoded_at
+        if not self._started or self._pending or end <= self._committed or not self._admit_rows:
             return 0
         tokens = self.held_tokens()
         if tokens.shape[1] != self._seen:  # tokens fed outside the hooks: we cannot say what the tensors hold
             return 0
-        snapshots = {**self._captured, self._seen: self._snapshot_states()}
+        snapshots = {p: snap for p, snap in self._captured.items() if p <= end}
+        if end == self._seen:
+            snapshots[end] = snapshot_states(self.layers, self.store.layout.state_layers)
         for row in self._admit_rows:
             pad = self._pads[row]  # real position = column - pad; states at or before the first real token unused
             states = {
@@ -365,11 +358,11 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
                                        {k: t[row].clone() for k, t in snap["recurrent"].items()})
                 for pos, snap in snapshots.items() if pos > pad
             }
-            if self._seen > pad:
-                self._report.add_admission(
-                    self.store.admit(tokens[row, pad:].numpy(), self._row_kv(row), states, self.namespace))
-        offered = self._seen - self._committed
-        self._committed = self._seen
+            if end > pad:
+                kv = row_kv(self.layers, self.store.layout.kv_layers, row, pad)
+                self._report.add_admission(self.store.admit(tokens[row, pad:end].numpy(), kv, states, self.namespace))
+        offered = end - self._committed
+        self._committed = end
         return offered
 
     # -- transformers batch reshaping: keep our token record in step with the tensors --------------------------------

@@ -55,16 +55,17 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
     return bool((ids[:, :, 0].cpu().long() == expected)[:, real].all())
 
 
-def pad_safe_splits(splits: list[int], start: int, stop: int, max_pads: int) -> list[int]:
+def pad_safe_splits(splits: list[int], start: int, stop: int, unsafe_below: int) -> list[int]:
     """The sorted `splits` of a forward over columns [start, stop), less those that would cut a one-token segment
-    at a column some row still pads (column < max_pads). transformers masks pads out of recurrent layers only in
-    forwards of more than one token (it takes a one-token forward for a decode step), so such a segment would feed
-    a pad into the row's state. A dropped split only loses that capture."""
+    at a column < unsafe_below. transformers takes a one-token forward over a cached state for a decode step: it
+    masks no pads there (so a segment at a column some row still pads, < its max pads, would feed a pad into the
+    row's state), and where decode steps compute differently from prefills no one-token segment is safe
+    (unsafe_below = stop). A dropped split only loses that capture."""
     kept: list[int] = []
     for split in splits:
-        if not (split - (kept[-1] if kept else start) == 1 and split - 1 < max_pads):
+        if not (split - (kept[-1] if kept else start) == 1 and split - 1 < unsafe_below):
             kept.append(split)
-    if kept and stop - kept[-1] == 1 and kept[-1] < max_pads:
+    if kept and stop - kept[-1] == 1 and kept[-1] < unsafe_below:
         kept.pop()
     return kept
 

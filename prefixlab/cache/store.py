@@ -33,6 +33,7 @@ from prefixlab.cache.hooks import attach, detach
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
+    decode_differs_from_prefill,
     model_identity,
     parse_capacity,
 )
@@ -79,6 +80,8 @@ class PrefixStore:
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
         self.layout = CacheLayout.from_config(model.config)
+        # decode steps compute differently from prefills: only prefills are admitted (see decode_differs_from_prefill)
+        self.decode_differs = decode_differs_from_prefill(model)
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
         offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")

@@ -157,3 +157,27 @@ def state_from_flat(flat: Mapping[str, torch.Tensor], prefix: str) -> TensorStat
         if len(parts) == 4 and parts[0] == prefix and parts[1] in ("conv", "recurrent"):
             (conv if parts[1] == "conv" else recurrent)[(int(parts[2]), int(parts[3]))] = tensor
     return TensorState(conv, recurrent)
+
+
+def snapshot_states(layers: list, state_layers: tuple[int, ...]) -> dict[str, dict[tuple[int, int], torch.Tensor]]:
+    """Clones of the states the cache `layers` hold now (all rows): {"conv" | "recurrent": {(layer, state): tensor}}."""
+    conv, recurrent = {}, {}
+    for layer_idx in state_layers:
+        layer = layers[layer_idx]
+        for i in range(layer.number_of_states):
+            if layer.is_conv_states_initialized[i]:
+                conv[(layer_idx, i)] = layer.conv_states[i].clone()
+            if layer.is_recurrent_states_initialized[i]:
+                recurrent[(layer_idx, i)] = layer.recurrent_states[i].clone()
+    return {"conv": conv, "recurrent": recurrent}
+
+
+def row_kv(layers: list, kv_layers: tuple[int, ...], row: int, pad: int) -> Callable[[int, int], TensorKV]:
+    """kv(a, b): batch row `row`'s KV in the cache `layers` for its real tokens [a, b) (after its `pad` columns)."""
+
+    def kv(start: int, stop: int) -> TensorKV:
+        cut = slice(start + pad, stop + pad)
+        return TensorKV(stop - start, {i: layers[i].keys[row, :, cut].clone() for i in kv_layers},
+                        {i: layers[i].values[row, :, cut].clone() for i in kv_layers})
+
+    return kv

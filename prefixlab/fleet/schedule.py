@@ -56,7 +56,9 @@ class ProcessStore:
     """One process's store as affinity plans against it: a StoreModel core fed the prompts the process is assigned,
     in the order it serves them. `peek` (the router's question) is what the process will resume of a prompt: with
     `primed` (radix_schedule) a shared prefix at least MIN_PRIME_TOKENS deep, which a prime checkpoints first; else
-    the deepest checkpoint in all but its last token. Outputs are not known when planning: only prompts are fed."""
+    the deepest checkpoint in all but its last token. Outputs are not known when planning: only prompts are fed.
+    (Where decode steps differ from prefills, model_info.decode_differs_from_prefill, a store resumes at most all
+    but the last two tokens: the plan is off by that one token per fully cached prompt.)"""
 
     __slots__ = ("core", "primed")
 

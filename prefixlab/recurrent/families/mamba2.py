@@ -4,12 +4,26 @@ with SiLU instead of the norm."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from prefixlab.recurrent.families.base import Mixed, Projected, ScanRequest, mask_padding
 from prefixlab.recurrent.ssd import ssd
+
+NO_DT_LIMIT = (0.0, math.inf)
+
+
+def dt_limit(layer: nn.Module, length: int, initial_state: torch.Tensor | None) -> tuple[float, float]:
+    """The clamp of dt transformers applies: the layer's time_step_limit in its chunked form, none in its recurrent
+    (decode) form, a one-token forward over a cached state (its selective_state_update, like mamba_ssm's, takes no
+    limit). Where the limit is not (0, inf) (Nemotron-H, Zamba2) the two forms differ: see
+    prefixlab.cache.model_info.decode_differs_from_prefill."""
+    if length == 1 and initial_state is not None:
+        return NO_DT_LIMIT
+    return NO_DT_LIMIT if layer.time_step_limit is None else tuple(layer.time_step_limit)
 
 
 class Mamba2Mixer:
@@ -52,7 +66,7 @@ class Mamba2Mixer:
             D=layer.D,
             dt_bias=layer.dt_bias,
             dt_softplus=True,
-            dt_limit=tuple(layer.time_step_limit),
+            dt_limit=dt_limit(layer, length, request.initial_state),
             initial_state=request.initial_state,
             capture=request.capture,
             chunk_size=layer.chunk_size,
