@@ -77,3 +77,27 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(name, patched):
         store.core.check_invariants()
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("own_tokens", [1, 3])
+def test_hydragen_from_the_store_leaves_a_prefill_where_decode_steps_differ(own_tokens):
+    """hydragen_cache_from_store on Nemotron-H (dt clamped in prefills only) serves at most all but the prompt's
+    last two tokens, so generate's first forward is a prefill: its logits equal the uncached model's."""
+    from prefixlab.attention.compose import hydragen_cache_from_store
+
+    reference, model = build("nemotron_h"), build("nemotron_h")
+    model.set_attn_implementation("hydragen")
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4)
+    try:
+        prefix = tokens(1, 19, seed=0)
+        logits_and_tokens(model, prefix, HybridPrefixCache(store))  # the store holds a state after 18 tokens
+        for seed in range(3):
+            prompt = torch.cat([prefix, tokens(1, own_tokens, seed=10 + seed)], dim=1)
+            cache = hydragen_cache_from_store(store, prompt, batch_size=1)
+            assert 0 < cache.get_seq_length() <= prompt.shape[1] - 2
+            sequences, logits = logits_and_tokens(model, prompt, cache)
+            expected = logits_and_tokens(reference, prompt)
+            assert torch.equal(sequences, expected[0])
+            torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
+    finally:
+        store.close()

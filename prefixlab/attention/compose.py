@@ -42,7 +42,8 @@ def hydragen_cache_from_store(
         namespace: the store namespace to match in.
         model: the model that will generate, if not `store.model`; it must have the store's config and dtype.
     Returns the cache; `cache.get_seq_length()` is the number of prompt tokens served from the store (0 on a miss:
-    plain Hydragen prefill). The store is left as it was (the match is released, nothing is admitted).
+    plain Hydragen prefill), at most all but the prompt's last token (last two on Nemotron-H / Zamba2, whose decode
+    steps differ from prefills). The store is left as it was (the match is released, nothing is admitted).
     """
     if not isinstance(store, PrefixStore):
         raise InvalidInputError(f"store must be a PrefixStore, got {type(store).__name__}")
@@ -67,7 +68,9 @@ def hydragen_cache_from_store(
     attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedPrefixLayer)]
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
-    probe = prompt_ids[0, :-1].detach().cpu().numpy()  # >= 1 token left for generate to run
+    # >= 1 token left for generate to run; >= 2 where one token over a cached state would run as a decode step,
+    # which computes differently there (model_info.decode_differs_from_prefill)
+    probe = prompt_ids[0, : -2 if store.decode_differs else -1].detach().cpu().numpy()
     match, source = store.lookup(probe, namespace)
     try:
         shared = _prefix_tensors(source, attention, model.device)

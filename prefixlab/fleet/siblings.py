@@ -52,10 +52,12 @@ class GroupResult:
 def batching_mode(model) -> str | None:
     """How siblings of `model` batch: "ragged" (every layer full attention: one padded prefill is exact), "rows"
     (attention + linear-attention layers: each row prefilled alone, then joined for one batched decode), "equal"
-    (other layer kinds: equal lengths only), or None (no attention layer HydragenCache can share)."""
+    (other layer kinds, or decode steps that differ from prefills: equal lengths only), or None (no attention layer
+    HydragenCache can share)."""
     from transformers.cache_utils import LinearAttentionLayer
 
     from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
+    from prefixlab.cache.model_info import decode_differs_from_prefill
     from prefixlab.errors import PrefixlabError
 
     try:
@@ -68,7 +70,8 @@ def batching_mode(model) -> str | None:
     if all(shared):
         return "ragged"
     joinable = all(isinstance(layer, SharedPrefixLayer) or type(layer) is LinearAttentionLayer for layer in layers)
-    return "rows" if joinable else "equal"
+    # "rows" decodes each row's last prompt token as a one-token step, not exact where those differ from prefills
+    return "rows" if joinable and not decode_differs_from_prefill(model) else "equal"
 
 
 def group_siblings(prompts: Sequence[np.ndarray], steps: Sequence[tuple[int, int]], mode: str,
@@ -160,7 +163,8 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
                                 "different lengths: batch equal lengths only (group_siblings mode 'equal')")
     if any(len(r) <= shared_length or common_prefix(r, rows[0]) < shared_length for r in rows):
         raise InvalidInputError(f"every row must start with the same {shared_length} tokens and have more")
-    head = torch.as_tensor(rows[0][:shared_length + 1], dtype=torch.long)[None]
+    # the store serves at most all but the head's last token (two where decode steps differ from prefills)
+    head = torch.as_tensor(rows[0][:shared_length + (2 if store.decode_differs else 1)], dtype=torch.long)[None]
     started = time.perf_counter()
     if mode == "rows" and ragged:  # recurrent layers must not see padding: prefill each row alone, decode together
         cache = _prefill_rows(model, store, head, rows)
