@@ -50,13 +50,38 @@ def logits_and_tokens(model, ids, cache=None):
 
 
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "transformers-layers"])
-@pytest.mark.parametrize("name", ["zamba2", "nemotron_h"])
-def test_decode_steps_that_differ_from_prefills_are_never_served(name, patched):
-    """Nemotron-H and Zamba2 clamp dt in a prefill, not in a decode step (model_info.decode_differs_from_prefill): a
-    decoded token's state is not what a later prompt's prefill computes there. The store serves the next chat turn
-    only the prompt before it, and a repeated prompt resumes two tokens before its end (one token over a cached state
-    would run as a decode step). Unit-scale weights, where the clamp changes the logits by up to 1e-4."""
-    reference, model = build(name, seed=3), build(name, seed=3)
+def test_decode_steps_that_compute_as_prefills_are_served_where_patched_layers_tell(patched):
+    """Nemotron-H with dt_bias raised so that no dt reaches the clamp: patched layers report that its decode steps
+    computed what a prefill would, so a chat turn reuses the whole previous turn; transformers' layers cannot tell, so
+    the store keeps only the prompt. Exact both ways."""
+    reference, model = build("nemotron_h", seed=3), build("nemotron_h", seed=3)
+    for each in (reference, model):
+        for layer in each.modules():
+            if hasattr(layer, "time_step_limit"):
+                layer.dt_bias.data += 8.0
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
+    try:
+        prompt = tokens(1, 12, seed=1)
+        first, _ = logits_and_tokens(model, prompt, HybridPrefixCache(store))
+        turn = torch.cat([first, tokens(1, 3, seed=2)], dim=1)
+        cache = HybridPrefixCache(store)
+        sequences, logits = logits_and_tokens(model, turn, cache)
+        expected = logits_and_tokens(reference, turn)
+        assert torch.equal(sequences, expected[0])
+        torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
+        assert cache.reused_tokens == (first.shape[1] - 1 if patched else prompt.shape[1])
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "transformers-layers"])
+def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
+    """Zamba2 (like Nemotron-H) clamps dt in a prefill, not in a decode step (model_info.decode_differs_from_prefill):
+    where the clamp bites, a decoded token's state is not what a later prompt's prefill computes there. The store
+    serves the next chat turn only the prompt before it, and a repeated prompt resumes two tokens before its end (one
+    token over a cached state would run as a decode step). Unit-scale weights: the clamp bites in these decode steps
+    and changes the logits by up to 1e-4."""
+    reference, model = build("zamba2", seed=3), build("zamba2", seed=3)
     store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
     try:
         assert store.decode_differs
@@ -70,8 +95,9 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(name, patched):
                 sequences, logits = logits_and_tokens(model, turn, cache)
                 assert torch.equal(sequences, expected[0])
                 torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
-                # the turn resumes at the prompt's end; the repeat from the state its own prefill left 2 tokens
-                # before its end (patched layers record it; transformers' layers keep the prompt's)
+                # the turn resumes at the prompt's end (patched layers saw a decode step skip a clamp); the repeat
+                # from the state its own prefill left 2 tokens before its end (patched layers record it;
+                # transformers' layers keep the prompt's)
                 repeat = turn.shape[1] - 2 if patched else prompt.shape[1]
                 assert cache.reused_tokens == (prompt.shape[1] if served_as == "turn" else repeat)
         store.core.check_invariants()

@@ -21,9 +21,10 @@ forward:
   hold a pad column: transformers masks pads out of recurrent layers only in multi-token forwards);
 - `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
   cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
-  its final state is the one a following chat turn resumes from. Where a decode step computes differently from a
-  prefill (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted, and a prompt
-  resumes at most all but its last two tokens (one token over a cached state would run as a decode step).
+  its final state is the one a following chat turn resumes from. Where a decode step may compute differently from
+  a prefill (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted if one did
+  (patched layers tell; with transformers' layers, always), and a prompt resumes at most all but its last two
+  tokens (one token over a cached state would run as a decode step).
 
 Batches: every row is matched on its own (on its real tokens, without its pads), then all rows resume at one common
 column c of the (left-padded) batch, generate feeding a rectangular batch. Row b with p_b leading pads resumes at
@@ -119,9 +120,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._committed = 0
-        # where the first decode step started, on a model whose decode steps differ from prefills
-        # (model_info.decode_differs_from_prefill): nothing past it is admitted
-        self._decoded_at: int | None = None
+        # where the first decode step started, on a model whose decode steps may differ from prefills (see record)
+        self._decode_start: int | None = None
+        self._decode_differs: torch.Tensor | bool = False
 
     @property
     def started(self) -> bool:
@@ -262,8 +263,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         recurrent states there can be captured (a patched model records them in one pass instead)."""
         if not self.store.layout.state_layers or self.store.records_in_kernel:
             return []
-        # a one-token segment runs as a decode step: where those differ from prefills, anywhere; else only where a
-        # row still pads (see pad_safe_splits)
+        # a one-token segment runs as a decode step: unsafe anywhere where those differ from prefills (pad_safe_splits)
         unsafe_below = stop if self.store.decode_differs else max(self._pads, default=0)
         return pad_safe_splits([p for p in self._plan if start < p < stop], start, stop, unsafe_below)
 
@@ -271,10 +271,12 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
     def record(self, input_ids: torch.Tensor) -> None:
         """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
         self._require_started()
-        if input_ids.shape[1] == 1 and self._seen and self._decoded_at is None and self.store.decode_differs:
-            # a decode step (one token over the cached state): what it and later forwards compute is not what a
-            # prefill would, so the store gets the sequence up to here, with the state here
-            self._decoded_at = self._seen
+        if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
+            # the first decode step (one token over the cached state): if it or a later one computes what a prefill
+            # would not, the store gets the sequence up to here, with the state here. Patched layers say whether
+            # one did (prefixlab_decode_differs); transformers' cannot, so then every decode step counts as one
+            self._decode_start = self._seen
+            self._decode_differs = not self.store.records_in_kernel
             self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
         self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
@@ -315,6 +317,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         if self._seen + offset in self._plan:
             self._plan.remove(self._seen + offset)
 
+    def prefixlab_decode_differs(self, differs: torch.Tensor) -> None:
+        """Patched layers: whether this decode step computed what a prefill would not (read at commit only)."""
+        self._decode_differs = self._decode_differs | differs
+
     # -- moving tensors in and out ----------------------------------------------------------------------------------
     def _load(self, common: int, sources: list) -> None:
         """Fill the layers with copies of each row's matched KV (its pieces concatenated) placed at the last columns
@@ -342,8 +348,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
-        end = self._seen if self._decoded_at is None else self._decoded_at
-        if not self._started or self._pending or end <= self._committed or not self._admit_rows:
+        if not self._started or self._pending or not self._admit_rows:
+            return 0
+        end = self._seen if self._decode_start is None or not bool(self._decode_differs) else self._decode_start
+        if end <= self._committed:
             return 0
         tokens = self.held_tokens()
         if tokens.shape[1] != self._seen:  # tokens fed outside the hooks: we cannot say what the tensors hold

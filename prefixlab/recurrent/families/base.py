@@ -15,6 +15,8 @@ Offsets count positions of this forward's (left-padded) input, so offset o is th
 each list is sorted and distinct. Recorded tensors are fresh clones in the layout and dtype the cache layer stores
 (conv state [B, C, K]: the last K conv inputs, zeros before the first token; recurrent_state None for conv-only
 layers).
+A cache with `prefixlab_decode_differs(flag)` is handed, by each decode step of a layer whose decode and prefill
+forms may differ (Nemotron-H, Zamba2), a bool tensor saying whether they did for this token (no device sync).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from prefixlab.recurrent.conv import causal_conv1d
 
 States = dict[int, torch.Tensor]
 CAPTURE_ATTRIBUTE = "prefixlab_capture_positions"
+DECODE_ATTRIBUTE = "prefixlab_decode_differs"  # cache.prefixlab_decode_differs(flag): see Mixed.decode_differs
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Mixed:
     output: torch.Tensor
     final_state: torch.Tensor | None
     states: States
+    # a bool tensor when this decode step may compute what a prefill would not: whether it did (families/mamba2.py)
+    decode_differs: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -208,6 +213,8 @@ def run_layer(
     request = ScanRequest(view.recurrent_state, view.positions, mask, _scan_backend(backend, hidden_states))
     mixed = family.mix(layer, conv_output.transpose(1, 2), projected, request)
     view.record(conv_states, mixed.states, view.recurrent_dtype(mixed.final_state))
+    if mixed.decode_differs is not None and hasattr(cache, DECODE_ATTRIBUTE):
+        getattr(cache, DECODE_ATTRIBUTE)(mixed.decode_differs)
     view.write(projected.conv_input, kernel_size, mixed.final_state)
     return family.finish(layer, mixed.output, projected)
 

@@ -16,14 +16,15 @@ from prefixlab.recurrent.ssd import ssd
 NO_DT_LIMIT = (0.0, math.inf)
 
 
-def dt_limit(layer: nn.Module, length: int, initial_state: torch.Tensor | None) -> tuple[float, float]:
-    """The clamp of dt transformers applies: the layer's time_step_limit in its chunked form, none in its recurrent
-    (decode) form, a one-token forward over a cached state (its selective_state_update, like mamba_ssm's, takes no
-    limit). Where the limit is not (0, inf) (Nemotron-H, Zamba2) the two forms differ: see
-    prefixlab.cache.model_info.decode_differs_from_prefill."""
-    if length == 1 and initial_state is not None:
-        return NO_DT_LIMIT
+def time_step_limit(layer: nn.Module) -> tuple[float, float]:
     return NO_DT_LIMIT if layer.time_step_limit is None else tuple(layer.time_step_limit)
+
+
+def skipped_clamp(dt: torch.Tensor, dt_bias: torch.Tensor, limit: tuple[float, float]) -> torch.Tensor:
+    """A bool tensor (no device sync): whether clamping softplus(dt + dt_bias), as ssd computes it, to `limit` would
+    change any value."""
+    dt = F.softplus(dt.float() + dt_bias.float())
+    return ((dt < limit[0]) | (dt > limit[1])).any()
 
 
 class Mamba2Mixer:
@@ -52,6 +53,9 @@ class Mamba2Mixer:
 
     def mix(self, layer: nn.Module, conv_output: torch.Tensor, projected: Projected, request: ScanRequest) -> Mixed:
         batch, length = conv_output.shape[:2]
+        # transformers clamps dt to time_step_limit in its chunked form only, not in its recurrent (decode) form, a
+        # one token forward over a cached state (its selective_state_update, like mamba_ssm's, takes no limit)
+        decode, limit = length == 1 and request.initial_state is not None, time_step_limit(layer)
         groups_state = layer.n_groups * layer.ssm_state_size
         x, B, C = torch.split(
             mask_padding(conv_output, request.mask), [layer.intermediate_size, groups_state, groups_state], dim=-1
@@ -66,13 +70,18 @@ class Mamba2Mixer:
             D=layer.D,
             dt_bias=layer.dt_bias,
             dt_softplus=True,
-            dt_limit=dt_limit(layer, length, request.initial_state),
+            dt_limit=NO_DT_LIMIT if decode else limit,
             initial_state=request.initial_state,
             capture=request.capture,
             chunk_size=layer.chunk_size,
             backend=request.backend,
         )
-        return Mixed(y.reshape(batch, length, -1), final, states)
+        # where the limit is not (0, inf) (Nemotron-H, Zamba2), a decode step that skipped a clamp computed what a
+        # prefill of its token would not (prefixlab.cache.model_info.decode_differs_from_prefill)
+        differs = None
+        if decode and limit != NO_DT_LIMIT:
+            differs = skipped_clamp(projected.extras["dt"], layer.dt_bias, limit)
+        return Mixed(y.reshape(batch, length, -1), final, states, differs)
 
     def gate(self, layer: nn.Module, mixed: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return layer.norm(mixed, gate)
