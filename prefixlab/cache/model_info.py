@@ -81,9 +81,10 @@ def decode_differs_from_prefill(model: torch.nn.Module) -> bool:
     """Whether a token decoded over a cached state is computed differently from the same token inside a prefill.
     transformers' Mamba2 mixers (like mamba_ssm's) clamp dt to their `time_step_limit` in the chunked form of a
     forward only, not in the recurrent form it takes for one token over a cached state. Where that limit is not (0,
-    inf) (Nemotron-H and Zamba2 use (time_step_min, inf)) a decoded token's state, and everything after it, is not
-    what a prefill of the same tokens computes, so a store must not serve it to later prompts, nor resume a prompt
-    one token before its end (that token would run in the recurrent form)."""
+    inf) (Nemotron-H and Zamba2 use (time_step_min, inf)) a decoded token whose dt the limit would change, and
+    everything after it, is not what a prefill of the same tokens computes: a store must not serve it to later
+    prompts (patched layers report such tokens, cache/hf.py) nor resume a prompt one token before its end (that
+    token would run in the recurrent form)."""
     for module in model.modules():
         limit = getattr(module, "time_step_limit", None)
         if limit is not None and tuple(limit) != (0.0, math.inf):
