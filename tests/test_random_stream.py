@@ -1,7 +1,7 @@
 """A randomized stream of real requests through PrefixStore, compared with the same model without prefixlab.
 
-Tiny random-init models of several families (GatedDeltaNet, Mamba2, Mamba1, KV-only), several policies, tight and
-loose capacities, patched and unpatched layers. A seeded RNG draws requests that share prefixes the way traffic
+Tiny random-init models of every family the store serves (GatedDeltaNet, KDA, Mamba2, Mamba1, short conv, KV-only),
+several policies, tight and loose capacities, patched and unpatched layers. A seeded RNG draws requests that share prefixes the way traffic
 does: questions over a few system prompts, follow-up turns of earlier conversations, and unrelated prompts, in
 left-padded batches of 1-3 rows. Every request's greedy tokens must equal the uncached model's (the same weights
 built separately, transformers' own layers, the same batch) and its fp32 logits be within 1e-5; after the stream
@@ -43,6 +43,15 @@ CASES = [
     ("nemotron_h", "dp", "loose", False),
     ("zamba2", "dp", "tight", True),  # decode steps differ from prefills (see decode_differs_from_prefill)
     ("zamba2", "sglang+", "loose", False),
+    # one case for each other family the store serves: family-specific semantics (Zamba2's clamp) show up here
+    ("qwen3_5_moe_text", "marconi", "tight", False),
+    ("qwen3_next", "sglang+", "tight", True),
+    ("olmo_hybrid", "dp", "tight", False),
+    ("kimi_linear", "vllm+", "tight", True),
+    ("mamba2", "dp", "tight", True),
+    ("falcon_h1", "marconi", "tight", False),
+    ("granitemoehybrid", "dp", "tight", True),
+    ("lfm2", "sglang+", "tight", False),
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]
