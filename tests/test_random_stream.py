@@ -1,11 +1,11 @@
 """A randomized stream of real requests through PrefixStore, compared with the same model without prefixlab.
 
 Tiny random-init models of every family the store serves (GatedDeltaNet, KDA, Mamba2, Mamba1, short conv, KV-only),
-several policies, tight and loose capacities, patched and unpatched layers. A seeded RNG draws requests that share prefixes the way traffic
-does: questions over a few system prompts, follow-up turns of earlier conversations, and unrelated prompts, in
-left-padded batches of 1-3 rows. Every request's greedy tokens must equal the uncached model's (the same weights
-built separately, transformers' own layers, the same batch) and its fp32 logits be within 1e-5; after the stream
-the store's invariants hold, no match stays locked and the budget was kept.
+several policies, tight and loose capacities, patched and unpatched layers. A seeded RNG draws requests that share
+prefixes the way traffic does: questions over a few system prompts, follow-up turns of earlier conversations, and
+unrelated prompts, in left-padded batches of 1-3 rows. Every request's greedy tokens must equal the uncached
+model's (the same weights built separately, transformers' own layers, the same batch) and its fp32 logits be within
+1e-5; after the stream the store's invariants hold, no match stays locked and the budget was kept.
 
 `PREFIXLAB_SOAK=N` runs N times more requests per case (different draws); the default run is deterministic.
 """
