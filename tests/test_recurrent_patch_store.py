@@ -62,7 +62,9 @@ def test_decode_steps_that_compute_as_prefills_are_served_where_patched_layers_t
     store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
     try:
         prompt = tokens(1, 12, seed=1)
-        first, _ = logits_and_tokens(model, prompt, HybridPrefixCache(store))
+        first_cache = HybridPrefixCache(store)
+        first, _ = logits_and_tokens(model, prompt, first_cache)
+        assert first_cache.report().decoded_left_out == (0 if patched else 3)
         turn = torch.cat([first, tokens(1, 3, seed=2)], dim=1)
         cache = HybridPrefixCache(store)
         sequences, logits = logits_and_tokens(model, turn, cache)
@@ -87,7 +89,11 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
         assert store.decode_differs
         for seed in range(4):
             prompt = tokens(1, 12, seed=seed)
-            first, _ = logits_and_tokens(model, prompt, HybridPrefixCache(store))
+            first_cache = HybridPrefixCache(store)
+            first, _ = logits_and_tokens(model, prompt, first_cache)
+            report = first_cache.report()  # commits: the 3 tokens fed after the prompt were decoded, not admitted
+            assert report.decoded_left_out == first.shape[1] - 1 - prompt.shape[1] == 3
+            assert "its last 3 decoded tokens left out" in str(report)
             turn = torch.cat([first, tokens(1, 3, seed=100 + seed)], dim=1)
             expected = logits_and_tokens(reference, turn)
             for served_as in ("turn", "repeat"):

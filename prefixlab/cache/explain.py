@@ -57,6 +57,8 @@ class RequestReport:
     admitted_tokens: int = 0  # new tokens (KV) stored
     admitted_states: int = 0  # new recurrent-state checkpoints stored
     refused_rows: int = 0  # rows the budget could not hold at all (they ran uncached; store.stats()['rejected'])
+    # decoded tokens held but not admitted: a decode step computed what a prefill would not (model_info.py)
+    decoded_left_out: int = 0
 
     @property
     def reused(self) -> int:
@@ -71,8 +73,19 @@ class RequestReport:
         self.admitted_tokens += admission.tokens
         self.admitted_states += admission.states
         self.refused_rows += 0 if admission else 1
+        self._describe()
+
+    def leave_out_decoded(self, tokens: int) -> None:
+        """The request's last `tokens` decoded tokens are not admitted (cache/hf.py commit)."""
+        self.decoded_left_out = tokens
+        if self.admission.startswith("admitted"):
+            self._describe()
+
+    def _describe(self) -> None:
         self.admission = (f"admitted {self.admitted_tokens} new tokens and {self.admitted_states} new states"
-                          + (f"; {self.refused_rows} row(s) refused for capacity" if self.refused_rows else ""))
+                          + (f"; {self.refused_rows} row(s) refused for capacity" if self.refused_rows else "")
+                          + (f"; its last {self.decoded_left_out} decoded tokens left out (a decode step of this "
+                             "model computed what a prefill would not)" if self.decoded_left_out else ""))
 
     def __str__(self) -> str:
         if not self.rows:

@@ -351,6 +351,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         if not self._started or self._pending or not self._admit_rows:
             return 0
         end = self._seen if self._decode_start is None or not bool(self._decode_differs) else self._decode_start
+        self._report.leave_out_decoded(self._seen - end)
         if end <= self._committed:
             return 0
         tokens = self.held_tokens()
