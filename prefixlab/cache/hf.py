@@ -20,11 +20,10 @@ forward:
   the one pass; with transformers' layers the hook splits the prefill there, except where a one-token segment would
   hold a pad column: transformers masks pads out of recurrent layers only in multi-token forwards);
 - `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
-  cache has consumed prompt + output[:-1] (the last sampled token is never fed), so that is the sequence admitted and
-  its final state is the one a following chat turn resumes from. Where a decode step may compute differently from
-  a prefill (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted if one did
-  (patched layers tell; with transformers' layers, always), and a prompt resumes at most all but its last two
-  tokens (one token over a cached state would run as a decode step).
+  cache has consumed prompt + output[:-1] (the last sampled token is never fed): that sequence is admitted, its final
+  state is the one a following chat turn resumes from. Where a decode step may compute differently from a prefill
+  (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted if one did (patched
+  layers tell; transformers' cannot), and a prompt resumes at most all but its last two tokens.
 
 Batches: every row is matched on its own (on its real tokens, without its pads), then all rows resume at one common
 column c of the (left-padded) batch, generate feeding a rectangular batch. Row b with p_b leading pads resumes at
@@ -35,16 +34,15 @@ model as in an uncached run). c is the largest such column (the rows are re-matc
 agree), 0 when no row can reuse anything. Rotary positions stay right: generate derives position_ids from the mask
 (cumsum), i.e. real positions, which the store's hook cuts like input_ids; a first forward whose position_ids say
 otherwise (or a padded one without position_ids on a model with attention layers, where the model would count
-columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real
-positions and taken at padded columns (shared by all rows); after generate each row is admitted as its real tokens
-(prompt without pads + output[:-1]) with its states at column - p_b. Masks that are not plain left padding (zeros
-after ones) get no reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the
-token record and pad counts with the tensors.
+columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real positions and taken
+at padded columns (shared by all rows); after generate each row is admitted as its real tokens (prompt without pads
++ output[:-1]) with its states at column - p_b. Masks that are not plain left padding (zeros after ones) get no
+reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the token record and
+pad counts with the tensors.
 
-Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`); outputs
-cover only the tokens the forward ran (after the reused prefix). Mamba2 takes its cache as `cache_params=`. Assisted
-/ speculative decoding is refused (`crop`): recurrent states cannot roll back. `cache.report()`: per row what was
-reused and why no more, and what the request admitted (cache/explain.py)."""
+Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), outputs
+covering the tokens run. Mamba2 takes its cache as `cache_params=`. Assisted decoding is refused (`crop`): recurrent
+states cannot roll back. `cache.report()`: what each row reused and why, what was admitted (cache/explain.py)."""
 
 from __future__ import annotations
 
@@ -120,9 +118,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._committed = 0
-        # where the first decode step started, on a model whose decode steps may differ from prefills (see record)
-        self._decode_start: int | None = None
-        self._decode_differs: torch.Tensor | bool = False
+        # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
+        # device (layers may sit on several) whether one differed
+        self._decode_start, self._decode_differs = None, {}
 
     @property
     def started(self) -> bool:
@@ -272,11 +270,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
         self._require_started()
         if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
-            # the first decode step (one token over the cached state): if it or a later one computes what a prefill
-            # would not, the store gets the sequence up to here, with the state here. Patched layers say whether
-            # one did (prefixlab_decode_differs); transformers' cannot, so then every decode step counts as one
+            # the first decode step: if any computes what a prefill would not (patched layers tell, through
+            # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
             self._decode_start = self._seen
-            self._decode_differs = not self.store.records_in_kernel
+            self._decode_differs = {} if self.store.records_in_kernel else {None: True}
             self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
         self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
@@ -317,9 +314,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         if self._seen + offset in self._plan:
             self._plan.remove(self._seen + offset)
 
-    def prefixlab_decode_differs(self, differs: torch.Tensor) -> None:
-        """Patched layers: whether this decode step computed what a prefill would not (read at commit only)."""
-        self._decode_differs = self._decode_differs | differs
+    def prefixlab_decode_differs(self, differs: torch.Tensor) -> None:  # patched layers, per decode step (base.py)
+        flags, device = self._decode_differs, differs.device
+        flags[device] = flags[device] | differs if device in flags else differs
 
     # -- moving tensors in and out ----------------------------------------------------------------------------------
     def _load(self, common: int, sources: list) -> None:
@@ -350,7 +347,8 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         is never committed: the cache is committed between its forwards."""
         if not self._started or self._pending or not self._admit_rows:
             return 0
-        end = self._seen if self._decode_start is None or not bool(self._decode_differs) else self._decode_start
+        differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
+        end = self._seen if self._decode_start is None or not differed else self._decode_start
         self._report.leave_out_decoded(self._seen - end)
         if end <= self._committed:
             return 0
