@@ -85,6 +85,7 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
     and changes the logits by up to 1e-4."""
     reference, model = build("zamba2", seed=3), build("zamba2", seed=3)
     store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=patched)
+    left_out = 0  # decoded tokens the requests' reports say were left out: what store.stats() counts
     try:
         assert store.decode_differs
         for seed in range(4):
@@ -94,6 +95,7 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
             report = first_cache.report()  # commits: the 3 tokens fed after the prompt were decoded, not admitted
             assert report.decoded_left_out == first.shape[1] - 1 - prompt.shape[1] == 3
             assert "its last 3 decoded tokens left out" in str(report)
+            left_out += report.decoded_left_out
             turn = torch.cat([first, tokens(1, 3, seed=100 + seed)], dim=1)
             expected = logits_and_tokens(reference, turn)
             for served_as in ("turn", "repeat"):
@@ -106,6 +108,8 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
                 # transformers' layers keep the prompt's)
                 repeat = turn.shape[1] - 2 if patched else prompt.shape[1]
                 assert cache.reused_tokens == (prompt.shape[1] if served_as == "turn" else repeat)
+                left_out += cache.report().decoded_left_out
+        assert store.stats()["decoded_tokens_left_out"] == left_out >= 12
         store.core.check_invariants()
     finally:
         store.close()

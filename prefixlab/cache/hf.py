@@ -272,8 +272,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
             # the first decode step: if any computes what a prefill would not (patched layers tell, through
             # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
-            self._decode_start = self._seen
-            self._decode_differs = {} if self.store.records_in_kernel else {None: True}
+            self._decode_start, self._decode_differs = self._seen, {} if self.store.records_in_kernel else {None: True}
             self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
         self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
@@ -349,6 +348,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         end = self._seen if self._decode_start is None or not differed else self._decode_start
+        self.store.count_left_out((self._seen - end - self._report.decoded_left_out) * len(self._admit_rows))
         self._report.leave_out_decoded(self._seen - end)
         if end <= self._committed:
             return 0

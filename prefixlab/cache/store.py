@@ -100,7 +100,7 @@ class PrefixStore:
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, object] = {}
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
-                          "offload_hits": 0}
+                          "offload_hits": 0, "decoded_tokens_left_out": 0}
         self._reasons = dict.fromkeys(REASONS, 0)
         self.closed = False
         # last, so that a store refused above leaves the model as it was
@@ -222,6 +222,10 @@ class PrefixStore:
         return why(core, as_tokens(tokens), match)
 
     @serialized
+    def count_left_out(self, tokens: int) -> None:
+        """Count decoded tokens a cache held but did not admit (a decode step computed what a prefill would not)."""
+        self._counters["decoded_tokens_left_out"] += tokens
+
     def record_request(self, rows: list) -> None:
         """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`."""
         for row in rows:
@@ -268,6 +272,7 @@ class PrefixStore:
     def stats(self) -> dict:
         """Core statistics (bytes, checkpoints, evictions, rejected admissions...) plus reuse per sequence served:
         sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store),
+        decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill),
         `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
         without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
         self.flush()
