@@ -226,6 +226,7 @@ class PrefixStore:
         """Count decoded tokens a cache held but did not admit (a decode step computed what a prefill would not)."""
         self._counters["decoded_tokens_left_out"] += tokens
 
+    @serialized
     def record_request(self, rows: list) -> None:
         """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`."""
         for row in rows:
