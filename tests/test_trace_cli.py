@@ -32,99 +32,29 @@ def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
     chats = tmp_path / "chats.jsonl"
     chat = {"conversation": [{"role": "user", "content": "hello bye"}, {"role": "assistant", "content": "bye"}] * 2}
     chats.write_text(json.dumps(chat) + "\n" + json.dumps(chat) + "\n")
+    tok = tmp_path / "tok.json"
+    conversations = ("trace", "build", "conversations", "--input", chats, "--tokenizer", tok)
     out = tmp_path / "conv.jsonl"
-    code, _, _ = run(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        chats,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--rate",
-        "0.5",
-        "--max-sessions",
-        "1",
-        "-o",
-        out,
-    )
+    code, _, _ = run(capsys, *conversations, "--rate", "0.5", "--max-sessions", "1", "-o", out)
     assert code == 0
-    expected = build_conversation_trace(chats, tmp_path / "tok.json", sessions_per_second=0.5, max_sessions=1)
+    expected = build_conversation_trace(chats, tok, sessions_per_second=0.5, max_sessions=1)
     assert same_trace(read_trace(out), expected) and len(expected) == 2
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": "hello " * n}) + "\n" for n in (3, 5, 8)))
+    shared = ("trace", "build", "shared-prefix", "--input", prompts, "--tokenizer", tok)
     out = tmp_path / "shared.jsonl"
-    code, _, _ = run(
-        capsys,
-        "trace",
-        "build",
-        "shared-prefix",
-        "--input",
-        prompts,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--num-requests",
-        "20",
-        "--rate",
-        "4",
-        "--skew",
-        "0",
-        "--seed",
-        "5",
-        "-o",
-        out,
-    )
+    code, _, _ = run(capsys, *shared, "--num-requests", "20", "--rate", "4", "--skew", "0", "--seed", "5", "-o", out)
     assert code == 0
     expected = build_shared_prefix_trace(
-        prompts, tmp_path / "tok.json", num_requests=20, requests_per_second=4.0, popularity_skew=0.0, seed=5
+        prompts, tok, num_requests=20, requests_per_second=4.0, popularity_skew=0.0, seed=5
     )
     assert same_trace(read_trace(out), expected)
 
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        chats,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--rate",
-        "fast",
-        "-o",
-        out,
-        match="--rate 'fast' is not a number",
-    )
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "shared-prefix",
-        "--input",
-        prompts,
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "--num-requests",
-        "2.5",
-        "-o",
-        out,
-        match="not an integer",
-    )
-    assert_one_line_error(
-        capsys,
-        "trace",
-        "build",
-        "conversations",
-        "--input",
-        tmp_path / "none.jsonl",
-        "--tokenizer",
-        tmp_path / "tok.json",
-        "-o",
-        out,
-        match="does not exist",
-    )
+    assert_one_line_error(capsys, *conversations, "--rate", "fast", "-o", out, match="--rate 'fast' is not a number")
+    assert_one_line_error(capsys, *shared, "--num-requests", "2.5", "-o", out, match="not an integer")
+    missing = ("trace", "build", "conversations", "--input", tmp_path / "none.jsonl", "--tokenizer", tok)
+    assert_one_line_error(capsys, *missing, "-o", out, match="does not exist")
     assert_one_line_error(
         capsys, "trace", "build", "builtin", "-o", tmp_path / "no" / "t.jsonl", match="does not exist"
     )
