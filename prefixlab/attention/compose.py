@@ -68,9 +68,7 @@ def hydragen_cache_from_store(
     attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedPrefixLayer)]
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
-    # >= 1 token left for generate to run; >= 2 where one token over a cached state would run as a decode step,
-    # which computes differently there (model_info.decode_differs_from_prefill)
-    probe = prompt_ids[0, : -2 if store.decode_differs else -1].detach().cpu().numpy()
+    probe = prompt_ids[0, : -store.min_prefill_tokens].detach().cpu().numpy()  # generate runs the rest
     match, source = store.lookup(probe, namespace)
     try:
         shared = _prefix_tensors(source, attention, model.device)

@@ -195,9 +195,8 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
-        # c <= length - tail leaves every row >= 1 token to yield logits (>= 2 where one token over a cached state
-        # would run as a decode step, which computes differently there)
-        tail = 2 if self.store.decode_differs else 1
+        # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
+        tail = self.store.min_prefill_tokens
         probes = [ids[row, pads[row]: length - tail].numpy() for row in range(batch)]
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from transformers.cache_utils import (
 
 from prefixlab.cache.hfspec import MODEL_FAMILIES
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -85,11 +85,7 @@ def decode_differs_from_prefill(model: torch.nn.Module) -> bool:
     everything after it, is not what a prefill of the same tokens computes: a store must not serve it to later
     prompts (patched layers report such tokens, cache/hf.py) nor resume a prompt one token before its end (that
     token would run in the recurrent form)."""
-    for module in model.modules():
-        limit = getattr(module, "time_step_limit", None)
-        if limit is not None and tuple(limit) != (0.0, math.inf):
-            return True
-    return False
+    return any(time_step_limit(m) != NO_DT_LIMIT for m in model.modules() if hasattr(m, "time_step_limit"))
 
 
 def model_identity(model: torch.nn.Module) -> str:

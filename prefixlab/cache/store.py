@@ -82,6 +82,9 @@ class PrefixStore:
         self.layout = CacheLayout.from_config(model.config)
         # decode steps compute differently from prefills: only prefills are admitted (see decode_differs_from_prefill)
         self.decode_differs = decode_differs_from_prefill(model)
+        # the fewest tokens of a prompt a lookup leaves to compute: 1 yields the logits; there, 1 over a cached state
+        # would run as a decode step, so 2
+        self.min_prefill_tokens = 2 if self.decode_differs else 1
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
         offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")

@@ -163,8 +163,8 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
                                 "different lengths: batch equal lengths only (group_siblings mode 'equal')")
     if any(len(r) <= shared_length or common_prefix(r, rows[0]) < shared_length for r in rows):
         raise InvalidInputError(f"every row must start with the same {shared_length} tokens and have more")
-    # the store serves at most all but the head's last token (two where decode steps differ from prefills)
-    head = torch.as_tensor(rows[0][:shared_length + (2 if store.decode_differs else 1)], dtype=torch.long)[None]
+    # the store serves the head but its last store.min_prefill_tokens: the prime's checkpoint at shared_length
+    head = torch.as_tensor(rows[0][:shared_length + store.min_prefill_tokens], dtype=torch.long)[None]
     started = time.perf_counter()
     if mode == "rows" and ragged:  # recurrent layers must not see padding: prefill each row alone, decode together
         cache = _prefill_rows(model, store, head, rows)
