@@ -1,8 +1,10 @@
 """Sibling batching (prefixlab.fleet.siblings): the grouping of a radix schedule, and one Hydragen batch per group
 giving each prompt the uncached model's greedy tokens (attention-only: ragged lengths; hybrids: equal lengths)."""
 
+import hf_models
 import numpy as np
 import pytest
+import recurrent_patch_models
 import torch
 from hf_models import build
 from hypothesis import given, settings
@@ -178,3 +180,35 @@ def test_serve_falls_back_to_one_by_one_where_the_cache_cannot_load_the_model(ca
     with torch.inference_mode():
         assert {r["id"]: r["output_ids"] for r in records} == \
             {p.id: serve.generate_uncached(model, p.tokens, 3) for p in prompts}
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon_h1", "zamba2", "jamba", "mamba2"])
+def test_kv_bytes_per_token_is_what_the_store_holds_per_token(family):
+    """The decode-KV figures of `prefixlab run` count every attention layer the model has, however its config names
+    them (Falcon-H1: attention in every layer; Zamba2: shared blocks; Mamba2: none)."""
+    model = hf_models.build(family) if family == "llama" else recurrent_patch_models.build(family)
+    store = PrefixStore(model, capacity="64MB", policy="sglang+")
+    try:
+        with torch.inference_mode():
+            serve.prime(model, store, np.arange(3, 3 + PREFIX))
+        assert siblings.kv_bytes_per_token(model) * PREFIX == store.core.tree.kv_bytes
+    finally:
+        store.close()
+
+
+def test_serve_runs_a_model_without_attention_exactly():
+    """Pure Mamba2 (no attention layer, nothing to batch): every prompt served one by one, as the uncached model."""
+    model = recurrent_patch_models.build("mamba2")
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 60, 12)
+    prompts = [Prompt(k, k, np.concatenate([prefix, rng.integers(3, 60, 1 + k)]), 3) for k in range(3)]
+    records, store = [], PrefixStore(model, capacity="64MB")
+    try:
+        stats = serve.serve(model, store, prompts, radix_schedule([p.tokens for p in prompts]), records.append)
+    finally:
+        store.close()
+    assert stats.kv_bytes_read == 0 and stats.reused_tokens > 0
+    reference = recurrent_patch_models.build("mamba2")
+    with torch.inference_mode():
+        assert {r["id"]: r["output_ids"] for r in records} == \
+            {p.id: serve.generate_uncached(reference, p.tokens, 3) for p in prompts}

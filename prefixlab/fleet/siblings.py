@@ -119,12 +119,11 @@ def group_siblings(prompts: Sequence[np.ndarray], steps: Sequence[tuple[int, int
 
 
 def kv_bytes_per_token(model) -> int:
-    """Attention K + V bytes of one token over every full-attention layer."""
-    config = model.config.get_text_config()
-    kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return sum(kind == "full_attention" for kind in kinds) * 2 * kv_heads * head_dim * model.dtype.itemsize
+    """Attention KV bytes one token holds over every attention layer, as the store counts them (the cost model's
+    per-family layout: 0 for a model without attention, MLA's latent, Zamba2's shared blocks)."""
+    from prefixlab.cache.costmodel import ModelSpec
+
+    return ModelSpec.from_config(model.config, dtype=model.dtype).kv_bytes_per_token
 
 
 def _eos_ids(model) -> set[int]:
