@@ -103,3 +103,41 @@ def test_a_model_and_its_default_store_are_garbage_collected():
     del model
     gc.collect()
     assert dead() is None
+
+
+def test_assisted_decoding_on_an_attention_only_model_is_exact_and_crops_the_record():
+    """Prompt lookup decoding (transformers' assisted generation) verifies candidates in one forward that wants
+    their logits (logits_to_keep = candidates + 1) and crops the rejected ones: the cache leaves those tokens to
+    compute, crops KV and token record alike, and a later request reuses what was admitted."""
+    model = build("llama")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 30, seed=4)
+    prompt = torch.cat([prompt, prompt[:, :10]], dim=1)  # repeats: the lookup proposes candidates
+    options = dict(prompt_lookup_num_tokens=3, max_new_tokens=8)
+    for _ in range(2):  # the second one's prompt and first candidates are all in the store
+        cache = HybridPrefixCache(store)
+        assert torch.equal(generate(model, prompt, cache, **options), generate(model, prompt, **options))
+        assert cache.get_seq_length() == cache.held_tokens().shape[1] == cache.layers[0].keys.shape[-2]
+        store.core.check_invariants()
+    assert cache.reused_tokens > 0 and store.stats()["locked_matches"] == 0
+    with pytest.raises(InvalidInputError, match="negative"):
+        cache.crop(2)
+
+
+def test_a_forward_gets_every_logit_it_asks_for_and_hybrids_refuse_to_crop():
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 20, seed=6)
+    with torch.no_grad():
+        generate(model, prompt, HybridPrefixCache(store))
+        cache = HybridPrefixCache(store)
+        got = model(input_ids=prompt, past_key_values=cache, logits_to_keep=5).logits
+        picked = model(input_ids=prompt, past_key_values=HybridPrefixCache(store),
+                       logits_to_keep=torch.tensor([2, 7])).logits  # indices name columns of the whole input
+        expected = model(input_ids=prompt).logits
+    assert 0 < cache.reused_tokens <= 15 and not cache.is_croppable
+    torch.testing.assert_close(got, expected[:, -5:], atol=1e-5, rtol=0)
+    torch.testing.assert_close(picked, expected[:, [2, 7]], atol=1e-5, rtol=0)
+    cache.crop(0)  # transformers' no-op rollback
+    with pytest.raises(InvalidInputError, match="recurrent states cannot roll back"):
+        cache.crop(-1)

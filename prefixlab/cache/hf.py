@@ -41,18 +41,20 @@ reuse and their rows are not admitted. Beam search and num_return_sequences reor
 pad counts with the tensors.
 
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), outputs
-covering the tokens run. Mamba2 takes its cache as `cache_params=`. Assisted decoding is refused (`crop`): recurrent
-states cannot roll back. `cache.report()`: what each row reused and why, what was admitted (cache/explain.py)."""
+covering the tokens run (at least the last `logits_to_keep`: those are always computed). Mamba2 takes its cache as
+`cache_params=`. Assisted decoding (prompt lookup, an assistant model: transformers allows it on attention-only
+models) crops rejected candidates; a cache with recurrent states refuses to crop (they cannot roll back).
+`cache.report()`: what each row reused and why, what was admitted (cache/explain.py)."""
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hooks import ModelDrivenCache
-from prefixlab.cache.rows import left_pads, pad_safe_splits, real_positions, stack_rows, stack_states
+from prefixlab.cache.rows import left_pads, load_rows, pad_safe_splits, real_positions
 from prefixlab.cache.sharing import check_open, under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
@@ -174,9 +176,10 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
     @under_store_lock
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None = None) -> int:
+              position_ids: torch.Tensor | None = None, logits_tokens: int = 0) -> int:
         """Start a request for `input_ids` [batch, length] (left padding allowed): load the longest prefix every row
-        can resume from (each row's own cached tokens and state, one common padded position), plan the captures.
+        can resume from (each row's own cached tokens and state, one common padded position), plan the captures;
+        the last `logits_tokens` columns are always computed (the caller wants their logits).
         Returns the number of leading (padded) columns already in the cache (the forward must run only the rest)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
@@ -196,7 +199,7 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self._admit_rows, self._pads = list(range(batch)), pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
         # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
-        tail = self.store.min_prefill_tokens
+        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
         probes = [ids[row, pads[row]: length - tail].numpy() for row in range(batch)]
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
@@ -225,7 +228,8 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
             planned |= {length - tail} if self.store.records_in_kernel else set()
             self._plan = sorted(p for p in planned if p > common)
             if common:
-                self._load(common, [source for _, source in found])
+                load_rows(self.layers, self.store.layout, common, [source for _, source in found],
+                          self.store.device)
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
@@ -317,27 +321,6 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         flags[device] = flags[device] | differs if device in flags else differs
 
     # -- moving tensors in and out ----------------------------------------------------------------------------------
-    def _load(self, common: int, sources: list) -> None:
-        """Fill the layers with copies of each row's matched KV (its pieces concatenated) placed at the last columns
-        before `common` (pad columns before it: zeros, masked out) and each row's states (zeros for fresh rows)."""
-        device = self.store.device
-        for layer_idx in self.store.layout.kv_layers:
-            layer = self.layers[layer_idx]
-            keys = stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
-            values = stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
-            if not layer.is_initialized:
-                DynamicLayer.lazy_initialization(layer, keys, values)
-            layer.keys, layer.values = keys, values
-        states: list[TensorState | None] = [source.state if source.length else None for source in sources]
-        model = next(state for state in states if state is not None) if any(states) else None
-        for layer_idx, state_idx in model.conv if model else ():
-            conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
-            self.layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
-        for layer_idx, state_idx in model.recurrent if model else ():
-            recurrent = stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
-            self.layers[layer_idx].update_recurrent_state(recurrent, state_idx)
-            self.layers[layer_idx].has_previous_state[state_idx] = True
-
     @under_store_lock
     def commit(self) -> int:
         """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.
@@ -392,8 +375,22 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         self._pads = [self._pads[i] for i in torch.as_tensor(indices).reshape(-1).tolist()] if self._pads else []
         self._admit_rows = list(range(len(self._fed[0]))) if self._admit_rows and self._fed else []
 
+    @property
+    def is_croppable(self) -> bool:  # transformers asks before it defers a stop check by a step (then crops)
+        return self.store is None or not self.store.layout.state_layers
+
+    @under_store_lock
     def crop(self, tokens_to_remove: int) -> None:
-        raise InvalidInputError(
-            "HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable assisted/speculative decoding "
-            "with this cache"
-        )
+        """Drop the last `-tokens_to_remove` tokens (assisted decoding's rejected candidates): attention KV only;
+        recurrent states cannot roll back. What the store was already given stays (its KV is exact for its tokens)."""
+        if tokens_to_remove == 0:
+            return
+        if self.store is None or self.store.layout.state_layers:
+            raise InvalidInputError("HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable "
+                                    "assisted/speculative decoding with this cache")
+        if tokens_to_remove > 0:
+            raise InvalidInputError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        keep = max(self._seen + tokens_to_remove, 0)
+        super().crop(keep - self._seen)
+        self._fed, self._seen = [self.held_tokens()[:, :keep]], keep
+        self._committed = min(self._committed, keep)

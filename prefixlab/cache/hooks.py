@@ -44,7 +44,7 @@ class ModelDrivenCache:
         raise NotImplementedError
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None) -> int:
+              position_ids: torch.Tensor | None, logits_tokens: int) -> int:
         raise NotImplementedError
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
@@ -228,12 +228,15 @@ def _start(module, cache: ModelDrivenCache, kwargs: dict) -> tuple[dict, tuple |
     """Begin the request, run the prefill up to each planned capture split; return the last segment's kwargs and,
     when the caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
     length = kwargs["input_ids"].shape[1]
-    start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"))
+    keep = kwargs.get("logits_to_keep", 0)
+    # logits the caller asked for must be computed: the last `keep` tokens, or every token (a tensor of indices
+    # names columns of the whole input)
+    logits_tokens = keep if isinstance(keep, int) else length
+    start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"), logits_tokens)
     params = forward_parameters(module)
     if "position_ids" in params:  # the segments below run at their columns, not from 0
         kwargs = with_column_positions(kwargs, 0)
     splits = cache.capture_splits(start, length)
-    keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
     collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
     if collect and not isinstance(keep, int):
