@@ -2,6 +2,7 @@
 and in direct forwards; the default store's options; the error that names the missing line."""
 
 import pytest
+import recurrent_patch_models
 import torch
 from hf_models import build, cache_argument
 
@@ -141,3 +142,26 @@ def test_a_forward_gets_every_logit_it_asks_for_and_hybrids_refuse_to_crop():
     cache.crop(0)  # transformers' no-op rollback
     with pytest.raises(InvalidInputError, match="recurrent states cannot roll back"):
         cache.crop(-1)
+
+
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5_text"])
+def test_reset_admits_what_the_cache_holds_and_serves_a_new_request(family):
+    """transformers' reset() empties a cache in place. Before the store admitted the request that cache held, that
+    put zero states into the store (pure Mamba2) or crashed the next request of any cache (hybrids). Now reset
+    admits first, and the same object then serves a new prompt as a new cache would."""
+    model = recurrent_patch_models.build(family, seed=3)  # unit-scale weights: a zero state shows in the logits
+    store = PrefixStore(model, capacity="64MB")
+    prompt, other = tokens(1, 24, seed=8) % 57 + 3, tokens(1, 20, seed=9) % 57 + 3
+    cache = HybridPrefixCache(store)
+    first = generate(model, prompt, cache)
+    cache.reset()
+    turn = torch.cat([first, tokens(1, 5, seed=10) % 57 + 3], dim=1)  # resumes where the reset cache's request ended
+    with torch.no_grad():
+        cached = HybridPrefixCache(store)
+        got = model(input_ids=turn, **{cache_argument(model): cached}).logits
+        expected = model(input_ids=turn).logits
+    assert cached.reused_tokens == first.shape[1] - 1
+    torch.testing.assert_close(got, expected[:, cached.reused_tokens:], atol=1e-5, rtol=0)
+    assert cache.get_seq_length() == 0
+    assert torch.equal(generate(model, other, cache), generate(model, other))  # the same object, a new request
+    store.core.check_invariants()

@@ -53,6 +53,7 @@ from transformers.cache_utils import DynamicCache
 
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.explain import RequestReport, RowReport
+from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.rows import left_pads, load_rows, pad_safe_splits, real_positions
 from prefixlab.cache.sharing import check_open, under_store_lock
@@ -61,7 +62,7 @@ from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
 
-class HybridPrefixCache(DynamicCache, ModelDrivenCache):
+class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     """A transformers Cache that reuses exact prefixes from a PrefixStore and admits what it computes.
 
     Args:
@@ -298,6 +299,9 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
     def forward_failed(self) -> None:
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
         reusing this cache starts a new request. The store never saw a partial state."""
+        self._forget_request()
+
+    def _forget_request(self) -> None:
         self.layers = DynamicCache(config=self.store.model.config).layers
         self.store.drop(self)
         self._clear_request()
@@ -353,44 +357,3 @@ class HybridPrefixCache(DynamicCache, ModelDrivenCache):
         offered = end - self._committed
         self._committed = end
         return offered
-
-    # -- transformers batch reshaping: keep our token record in step with the tensors --------------------------------
-    @under_store_lock
-    def reorder_cache(self, beam_idx: torch.LongTensor):
-        super().reorder_cache(beam_idx)
-        self._fed = [torch.cat(self._fed, dim=1).index_select(0, beam_idx.cpu())] if self._fed else []
-        self._pads = [self._pads[i] for i in beam_idx.tolist()] if self._pads else []
-
-    @under_store_lock
-    def batch_repeat_interleave(self, repeats: int):
-        super().batch_repeat_interleave(repeats)
-        self._fed = [torch.cat(self._fed, dim=1).repeat_interleave(repeats, dim=0)] if self._fed else []
-        self._admit_rows = [r * repeats + k for r in self._admit_rows for k in range(repeats)]
-        self._pads = [pad for pad in self._pads for _ in range(repeats)]
-
-    @under_store_lock
-    def batch_select_indices(self, indices: torch.Tensor):
-        super().batch_select_indices(indices)
-        self._fed = [torch.cat(self._fed, dim=1)[indices.cpu()]] if self._fed else []
-        self._pads = [self._pads[i] for i in torch.as_tensor(indices).reshape(-1).tolist()] if self._pads else []
-        self._admit_rows = list(range(len(self._fed[0]))) if self._admit_rows and self._fed else []
-
-    @property
-    def is_croppable(self) -> bool:  # transformers asks before it defers a stop check by a step (then crops)
-        return self.store is None or not self.store.layout.state_layers
-
-    @under_store_lock
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens (assisted decoding's rejected candidates): attention KV only;
-        recurrent states cannot roll back. What the store was already given stays (its KV is exact for its tokens)."""
-        if tokens_to_remove == 0:
-            return
-        if self.store is None or self.store.layout.state_layers:
-            raise InvalidInputError("HybridPrefixCache cannot crop: recurrent states cannot roll back. Disable "
-                                    "assisted/speculative decoding with this cache")
-        if tokens_to_remove > 0:
-            raise InvalidInputError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
-        keep = max(self._seen + tokens_to_remove, 0)
-        super().crop(keep - self._seen)
-        self._fed, self._seen = [self.held_tokens()[:, :keep]], keep
-        self._committed = min(self._committed, keep)
