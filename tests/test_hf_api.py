@@ -165,3 +165,17 @@ def test_reset_admits_what_the_cache_holds_and_serves_a_new_request(family):
     assert cache.get_seq_length() == 0
     assert torch.equal(generate(model, other, cache), generate(model, other))  # the same object, a new request
     store.core.check_invariants()
+
+
+@pytest.mark.parametrize("patch", [True, False])
+def test_a_forward_with_grad_enabled_leaves_no_autograd_graph_in_the_store(patch):
+    """A direct forward outside no_grad (a common slip) must not make the store keep the request's graph alive."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", patch=patch)
+    model(input_ids=tokens(1, 24, seed=11), past_key_values=HybridPrefixCache(store))
+    store.flush()
+    stored = [t for node in store.core.tree.nodes() if node.kv is not None
+              for t in (*node.kv.keys.values(), *node.kv.values.values())]
+    stored += [t for node in store.core.tree.nodes() for state in node.ckpt_state
+               for t in (*state.conv.values(), *state.recurrent.values())]
+    assert len(stored) > 4 and not any(t.requires_grad or t.grad_fn is not None for t in stored)

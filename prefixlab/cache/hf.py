@@ -311,12 +311,13 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     def prefixlab_record(self, layer_idx: int, offset: int, conv_state: torch.Tensor | None,
                          recurrent_state: torch.Tensor | None) -> None:
         """Called by patched recurrent layers (recurrent capture protocol) with the states after `offset` tokens of
-        the current forward; the tensors are already the caller's clones."""
+        the current forward; the tensors are already the caller's clones (detached here: with grad enabled the store
+        would otherwise keep the request's autograd graph alive)."""
         states = self._captured.setdefault(self._seen + offset, {"conv": {}, "recurrent": {}})
         if conv_state is not None:
-            states["conv"][(layer_idx, 0)] = conv_state
+            states["conv"][(layer_idx, 0)] = conv_state.detach()
         if recurrent_state is not None:
-            states["recurrent"][(layer_idx, 0)] = recurrent_state
+            states["recurrent"][(layer_idx, 0)] = recurrent_state.detach()
         if self._seen + offset in self._plan:
             self._plan.remove(self._seen + offset)
 

@@ -160,15 +160,16 @@ def state_from_flat(flat: Mapping[str, torch.Tensor], prefix: str) -> TensorStat
 
 
 def snapshot_states(layers: list, state_layers: tuple[int, ...]) -> dict[str, dict[tuple[int, int], torch.Tensor]]:
-    """Clones of the states the cache `layers` hold now (all rows): {"conv" | "recurrent": {(layer, state): tensor}}."""
+    """Clones of the states the cache `layers` hold now (all rows): {"conv" | "recurrent": {(layer, state): tensor}};
+    detached, as everything the store keeps (a forward with grad enabled must not leave its graph in the store)."""
     conv, recurrent = {}, {}
     for layer_idx in state_layers:
         layer = layers[layer_idx]
         for i in range(layer.number_of_states):
             if layer.is_conv_states_initialized[i]:
-                conv[(layer_idx, i)] = layer.conv_states[i].clone()
+                conv[(layer_idx, i)] = layer.conv_states[i].detach().clone()
             if layer.is_recurrent_states_initialized[i]:
-                recurrent[(layer_idx, i)] = layer.recurrent_states[i].clone()
+                recurrent[(layer_idx, i)] = layer.recurrent_states[i].detach().clone()
     return {"conv": conv, "recurrent": recurrent}
 
 
@@ -177,7 +178,7 @@ def row_kv(layers: list, kv_layers: tuple[int, ...], row: int, pad: int) -> Call
 
     def kv(start: int, stop: int) -> TensorKV:
         cut = slice(start + pad, stop + pad)
-        return TensorKV(stop - start, {i: layers[i].keys[row, :, cut].clone() for i in kv_layers},
-                        {i: layers[i].values[row, :, cut].clone() for i in kv_layers})
+        return TensorKV(stop - start, {i: layers[i].keys[row, :, cut].detach().clone() for i in kv_layers},
+                        {i: layers[i].values[row, :, cut].detach().clone() for i in kv_layers})
 
     return kv
