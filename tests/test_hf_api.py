@@ -179,3 +179,19 @@ def test_a_forward_with_grad_enabled_leaves_no_autograd_graph_in_the_store(patch
     stored += [t for node in store.core.tree.nodes() for state in node.ckpt_state
                for t in (*state.conv.values(), *state.recurrent.values())]
     assert len(stored) > 4 and not any(t.requires_grad or t.grad_fn is not None for t in stored)
+
+
+def test_a_model_with_active_dropout_is_refused_before_anything_is_looked_up_or_stored():
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 16, seed=12)
+    model.train()  # the test configs' dropouts are 0: training mode alone changes nothing
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
+    before = store.stats()
+    attention = next(m for m in model.modules() if hasattr(m, "attention_dropout"))
+    attention.attention_dropout = 0.1
+    with pytest.raises(InvalidInputError, match=r"dropout active .*call model.eval\(\)"):
+        generate(model, prompt, HybridPrefixCache(store))
+    assert store.stats() == before
+    model.eval()  # eval mode: dropout off whatever its rate
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))

@@ -28,7 +28,7 @@ import weakref
 
 import torch
 
-from prefixlab.cache.model_info import check_token_ids
+from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -126,6 +126,7 @@ class _ModelHooks:
             )
         if not cache.started:  # every row, before any row is looked up or a default store is created
             check_token_ids(kwargs["input_ids"], module)
+            check_deterministic(module)
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if kwargs.get("labels") is not None:
             raise InvalidInputError(

@@ -110,3 +110,23 @@ def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
             f"input_ids[{row}, {column}] = {int(ids[row, column])} is not a token id of this model (0 <= id < "
             f"{vocab}); fix the batch: nothing was looked up or admitted"
         )
+
+
+_DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d, torch.nn.AlphaDropout,
+             torch.nn.FeatureAlphaDropout)
+
+
+def check_deterministic(model: torch.nn.Module) -> None:
+    """InvalidInputError if `model` is in training mode with dropout active: its outputs are random then, so what it
+    computes can neither be stored as the prefix's KV and states nor stand in for them."""
+    if not model.training:
+        return
+    active = [name for name, module in model.named_modules() if module.training and (
+        (isinstance(module, _DROPOUTS) and module.p > 0)
+        or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))]
+    if active:
+        raise InvalidInputError(
+            f"the model is in training mode with dropout active ({', '.join(active[:3])}"
+            f"{', ...' if len(active) > 3 else ''}): its outputs are random, so prefixes cannot be reused or stored "
+            "exactly; call model.eval() before running it with a HybridPrefixCache"
+        )
