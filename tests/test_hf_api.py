@@ -195,3 +195,25 @@ def test_a_model_with_active_dropout_is_refused_before_anything_is_looked_up_or_
     assert store.stats() == before
     model.eval()  # eval mode: dropout off whatever its rate
     assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
+
+
+def test_a_model_converted_after_its_store_was_built_is_refused_with_what_to_do():
+    from prefixlab.attention import hydragen_cache_from_store
+    from prefixlab.errors import ModelMismatchError
+
+    model = build("llama")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 16, seed=13)
+    generate(model, prompt, HybridPrefixCache(store))
+    before = store.stats()
+    model.to(torch.bfloat16)  # before: a dtype error inside attention on the next reuse
+    with pytest.raises(ModelMismatchError, match=r"converted to torch.bfloat16 .*store\.close"):
+        generate(model, prompt, HybridPrefixCache(store))
+    with pytest.raises(ModelMismatchError, match="converted"):
+        hydragen_cache_from_store(store, prompt, 1)
+    assert store.stats() == before
+    store.close()
+    fresh = PrefixStore(model, capacity="64MB")
+    generate(model, prompt, HybridPrefixCache(fresh))
+    cache = HybridPrefixCache(fresh)
+    assert torch.equal(generate(model, prompt, cache), generate(model, prompt)) and cache.reused_tokens == 15

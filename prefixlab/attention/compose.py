@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
+from prefixlab.cache.defaults import check_unconverted
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
@@ -54,6 +55,7 @@ def hydragen_cache_from_store(
             f"{type(model).__name__} ({model_identity(model)[:12]}, {model.dtype}); config or dtype differ. "
             "Use the PrefixStore built for this model"
         )
+    check_unconverted(store, model)
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 \
             or prompt_ids.shape[1] == 0 or prompt_ids.is_floating_point():
         raise InvalidInputError(

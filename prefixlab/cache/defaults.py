@@ -90,7 +90,19 @@ def check_bound_store(store: PrefixStore, model: torch.nn.Module) -> None:
             f"this one ({identity[:12]}, {model.dtype}); {why}. Use a HybridPrefixCache over this model's store, or "
             "one without a store"
         )
+    check_unconverted(store, model)
     check_open(store)
+
+
+def check_unconverted(store: PrefixStore, model: torch.nn.Module) -> None:
+    """The store holds tensors in the dtype its model had when it was built: a model converted since (model.to(
+    torch.bfloat16)) would run on them (a dtype error inside attention, or silently mixed precision)."""
+    if model.dtype != store.dtype:
+        raise ModelMismatchError(
+            f"the model was converted to {model.dtype} after its PrefixStore was built: the store holds "
+            f"{store.dtype} KV and states. Close that store (store.close()) and use a new one for the converted "
+            "model, or convert the model back"
+        )
 
 
 def normalize_option(name: str, value):

@@ -79,6 +79,7 @@ class PrefixStore:
         self.model = model
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
+        self.dtype = model.dtype  # of every tensor the store holds (cache/defaults.py check_unconverted)
         self.layout = CacheLayout.from_config(model.config)
         # decode steps compute differently from prefills: only prefills are admitted (see decode_differs_from_prefill)
         self.decode_differs = decode_differs_from_prefill(model)
