@@ -135,3 +135,46 @@ def test_load_for_another_model_raises_model_mismatch(tmp_path):
 def test_store_rejects_what_is_not_a_model():
     with pytest.raises(InvalidInputError, match="transformers model"):
         PrefixStore(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("offload", [None, "64MB"])
+def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offload):
+    """An optimizer step between requests (RL rollouts, online fine-tuning): before, the next request resumed KV and
+    states of the old weights. Now the store notices (version counters) and empties both tiers, with a warning."""
+    import recurrent_patch_models  # unit-scale weights: a stale state shows in the tokens
+
+    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    store = PrefixStore(model, capacity="64MB", offload_capacity=offload)
+    prompt = torch.randint(3, 60, (1, 25), generator=torch.Generator().manual_seed(0))
+
+    def generate(cache=None):
+        extra = {} if cache is None else {"past_key_values": cache}
+        return model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
+
+    generate(HybridPrefixCache(store))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model(input_ids=prompt, labels=prompt).loss.backward()
+    optimizer.step()
+    cache = HybridPrefixCache(store)
+    with pytest.warns(RuntimeWarning, match="weights changed"):
+        assert torch.equal(generate(cache), generate())
+    assert cache.reused_tokens == 0 and store.stats()["sequences"] == 2  # counters are kept
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(cache), generate()) and cache.reused_tokens == 24  # the new weights' entries
+
+
+def test_clear_empties_the_store_between_requests_only():
+    model = build("llama")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = torch.arange(3, 23)[None]
+    model(input_ids=prompt, past_key_values=HybridPrefixCache(store))
+    match = store.match(prompt[0].tolist())
+    assert match.length == 20
+    with pytest.raises(InvalidInputError, match="between requests"):
+        store.clear()
+    store.release(match)
+    store.clear()
+    assert store.core.used_bytes == 0 and store.stats()["requests"] == 0
+    match = store.match(prompt[0].tolist())
+    assert match.length == 0
+    store.release(match)

@@ -97,6 +97,18 @@ def model_identity(model: torch.nn.Module) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def weights_version(model: torch.nn.Module) -> tuple:
+    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict) or replaced: every
+    parameter's identity and version counter (inference tensors have none: they cannot be written in place)."""
+    def version(param: torch.Tensor) -> int:
+        try:
+            return param._version
+        except RuntimeError:  # an inference tensor
+            return 0
+
+    return tuple((id(param), version(param)) for param in model.parameters())
+
+
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
     """InvalidInputError naming the first row with a token id outside the model's embedding table."""
     try:

@@ -36,6 +36,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     decode_differs_from_prefill,
     model_identity,
     parse_capacity,
+    weights_version,
 )
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
@@ -90,17 +91,12 @@ class PrefixStore:
         self.capacity_bytes = parse_capacity(capacity)
         offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")
         core_options = {"explain": True} | core_options
-        self.core = PrefixCacheCore(self.capacity_bytes, policy=policy, spec=self.spec, block_size=block_size,
-                                    **core_options)
-        self.offload = None
-        self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
-        if offload_bytes is not None:
-            self.offload = PrefixCacheCore(offload_bytes, policy=policy, spec=self.spec, block_size=block_size,
-                                           **core_options)
-            self._evict_to_host(self.core.eviction)
         # what the store was built with, as `HybridPrefixCache(**options)` compares them
         self.options = {"capacity": self.capacity_bytes, "policy": policy, "offload_capacity": offload_bytes,
                         "block_size": block_size, "patch": patch, **core_options}
+        self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
+        self._build_tiers()
+        self._weights = weights_version(model)  # what the entries were computed with (clear)
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, object] = {}
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
@@ -147,10 +143,48 @@ class PrefixStore:
                     let_go(self.model)
                     self._holds_patch = False
 
+    def _build_tiers(self) -> None:
+        """Empty device (and host) tiers from `options`."""
+        options = dict(self.options)
+        capacity, offload_bytes = options.pop("capacity"), options.pop("offload_capacity")
+        policy, block_size = options.pop("policy"), options.pop("block_size")
+        options.pop("patch")
+        self.core = PrefixCacheCore(capacity, policy=policy, spec=self.spec, block_size=block_size, **options)
+        self.offload = None
+        if offload_bytes is not None:
+            self.offload = PrefixCacheCore(offload_bytes, policy=policy, spec=self.spec, block_size=block_size,
+                                           **options)
+            self._evict_to_host(self.core.eviction)
+
+    @serialized
+    def clear(self) -> None:
+        """Drop every entry of both tiers and what open caches hold: after the model's weights changed (the store
+        also does it by itself at the next lookup: an optimizer step or load_state_dict bumps the weights' version
+        counters). Between requests: refused while a request holds a match. Counters (`stats()`) are kept."""
+        if self.core._live or (self.offload is not None and self.offload._live):
+            raise InvalidInputError("PrefixStore.clear() while a request holds cached entries; call it between "
+                                    "requests")
+        self._open, self._host_matches = {}, set()
+        self._build_tiers()
+        self._weights = weights_version(self.model)
+
+    def _check_weights(self) -> None:
+        """Entries computed with other weights are stale: drop them all before anything is admitted or reused."""
+        if weights_version(self.model) != self._weights:
+            if self.core._live or (self.offload is not None and self.offload._live):
+                raise InvalidInputError(
+                    "the model's weights changed while requests were running over this PrefixStore; its entries "
+                    "are stale: finish those requests, then call store.clear()")
+            self.clear()
+            warnings.warn("PrefixStore: the model's weights changed since its entries were computed; the store was "
+                          "emptied (its entries would not match the new weights)", RuntimeWarning, stacklevel=3)
+
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     @serialized
     def match(self, tokens: Sequence[int], namespace: str = "default"):
-        """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first."""
+        """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first
+        (dropping everything if the model's weights changed since: `clear`)."""
+        self._check_weights()
         self.flush()
         return self.core.match(tokens, namespace=namespace)
 
