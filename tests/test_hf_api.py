@@ -217,3 +217,14 @@ def test_a_model_converted_after_its_store_was_built_is_refused_with_what_to_do(
     generate(model, prompt, HybridPrefixCache(fresh))
     cache = HybridPrefixCache(fresh)
     assert torch.equal(generate(model, prompt, cache), generate(model, prompt)) and cache.reused_tokens == 15
+
+
+def test_copying_a_cache_is_refused_with_the_stores_way_to_reuse_a_prefix():
+    import copy
+
+    model = build("llama")
+    cache = HybridPrefixCache(PrefixStore(model, capacity="64MB"))
+    model(input_ids=tokens(1, 12, seed=14), past_key_values=cache)
+    for duplicate in (copy.deepcopy, copy.copy):
+        with pytest.raises(InvalidInputError, match=r"new HybridPrefixCache\(store\)"):
+            duplicate(cache)

@@ -1,5 +1,6 @@
 """transformers' in-place edits of a cache (beam reorder, repeat, select, crop, reset) on HybridPrefixCache: each keeps
-the cache's token record (the tokens fed, per-row pads and admitted rows, tokens held) in step with the tensors."""
+the cache's token record (the tokens fed, per-row pads and admitted rows, tokens held) in step with the tensors.
+Copies are refused (one cache object is one request; the store shares prefixes)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ from prefixlab.errors import InvalidInputError
 
 class TensorEdits:
     """Mixed into HybridPrefixCache before DynamicCache (whose methods edit the tensors)."""
+
+    def __deepcopy__(self, memo):
+        raise InvalidInputError(
+            "a HybridPrefixCache is not copied (the DynamicCache idiom copy.deepcopy(prompt_cache) for prefix reuse): "
+            "its PrefixStore already reuses prefixes across requests. Give each request a new HybridPrefixCache(store) "
+            "and its whole prompt; it resumes from the longest prefix the store holds"
+        )
+
+    def __copy__(self):
+        return self.__deepcopy__({})
 
     @under_store_lock
     def reset(self) -> None:
