@@ -228,3 +228,37 @@ def test_copying_a_cache_is_refused_with_the_stores_way_to_reuse_a_prefix():
     for duplicate in (copy.deepcopy, copy.copy):
         with pytest.raises(InvalidInputError, match=r"new HybridPrefixCache\(store\)"):
             duplicate(cache)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
+def test_chunked_prefill_resumes_past_its_first_chunk(family):
+    """generate(prefill_chunk_size=...) shows the cache its prompt one chunk at a time: each chunk's forward resumes
+    from the deepest checkpoint of the tokens so far (before: at most the first chunk), in padded batches too, and
+    the store counts each request once with what it finally reused."""
+    from transformers import DynamicCache
+
+    model = build(family) if family == "llama" else recurrent_patch_models.build(family, seed=3)
+    store = PrefixStore(model, capacity="64MB")
+    system = tokens(1, 30, seed=15) % 57 + 3
+    reused = []
+    for k in range(4):
+        prompt = torch.cat([system, tokens(1, 4 + k, seed=16 + k) % 57 + 3], dim=1)
+        cache = HybridPrefixCache(store)
+        got = generate(model, prompt, cache, prefill_chunk_size=8)
+        assert torch.equal(got, generate(model, prompt, DynamicCache(config=model.config), prefill_chunk_size=8))
+        assert cache.report().rows[0].reused == cache.reused_tokens
+        reused.append(cache.reused_tokens)
+    assert reused[0] == 0 and reused[-1] == 30  # the branch point, in the fourth chunk
+    rows = [torch.cat([system, tokens(1, n, seed=20 + n) % 57 + 3], dim=1)[0] for n in (3, 9)]
+    ids = torch.zeros(2, 39, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, 39 - len(row):], mask[i, 39 - len(row):] = row, 1
+    cache = HybridPrefixCache(store)
+    got = generate(model, ids, cache, attention_mask=mask, prefill_chunk_size=8)
+    assert torch.equal(got, generate(model, ids, DynamicCache(config=model.config), attention_mask=mask,
+                                     prefill_chunk_size=8))
+    assert cache.rows_reused == [24, 30]  # one column for both rows: 30 + 6 pads = 36 is past row 1's branch point
+    stats = store.stats()
+    assert stats["sequences"] == 6 and stats["reused_tokens"] == sum(reused) + 54
+    store.core.check_invariants()

@@ -41,9 +41,11 @@ reuse and their rows are not admitted. Beam search and num_return_sequences reor
 pad counts with the tensors.
 
 Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), outputs
-covering the tokens run (at least the last `logits_to_keep`: those are always computed). Mamba2 takes its cache as
-`cache_params=`. Assisted decoding (prompt lookup, an assistant model: transformers allows it on attention-only
-models) crops rejected candidates; a cache with recurrent states refuses to crop (they cannot roll back).
+covering the tokens run (at least the last `logits_to_keep`: those are always computed). A later multi-token forward
+(generate's chunked prefill, a turn continued on the same cache) resumes further where the store holds more. Mamba2
+takes its cache as `cache_params=`. Assisted decoding (prompt lookup, an assistant model: transformers allows it on
+attention-only models) crops rejected candidates; a cache with recurrent states refuses to crop (they cannot roll
+back).
 `cache.report()`: what each row reused and why, what was admitted (cache/explain.py)."""
 
 from __future__ import annotations
@@ -198,10 +200,48 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             self.store.record_request(self._report.rows)
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
+        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
+        common, rows = self._resume(ids, tail, 0)
+        # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
+        # within the one pass; transformers' layers would need a split there, which changes the rounding of a
+        # request that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
+        if self.store.records_in_kernel and length - tail > common:
+            self._plan = sorted({*self._plan, length - tail})
+        self._report = RequestReport(rows)
+        self._fed.append(ids[:, :common])
+        self._seen = common
+        self.store.record_request(rows)
+        return common
+
+    @under_store_lock
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int) -> int:
+        """A forward continuing this request over `input_ids` [batch, t]: where the store holds a checkpoint of the
+        tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
+        it. The last `logits_tokens` columns are always computed. Returns the leading columns now held."""
+        if not self._admit_rows or self._pending:
+            return 0
+        ids = torch.cat([self.held_tokens(), input_ids.detach().cpu()], dim=1)
+        tail = max(self.store.min_prefill_tokens, min(logits_tokens, input_ids.shape[1]))
+        if ids.shape[1] - tail <= self._seen:
+            return 0
+        seen = self._seen
+        common, rows = self._resume(ids, tail, seen)
+        if common <= seen:
+            return 0
+        self.store.record_request(rows, replacing=self._report.rows)
+        self._report = RequestReport(rows)
+        self._fed.append(ids[:, seen:common])
+        self._seen = common
+        return common - seen
+
+    def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport]]:
+        """Look up every row of `ids` [batch, length] (all but its last `tail` columns), align the rows on one
+        column and, if deeper than the `held` columns, load the store's KV and states there (and take the rows'
+        reuse); plan the captures after it. Returns (the column the cache holds now, the rows' reports)."""
+        length, pads = ids.shape[1], self._pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
         # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
-        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
-        probes = [ids[row, pads[row]: length - tail].numpy() for row in range(batch)]
+        probes = [ids[row, pad: length - tail].numpy() for row, pad in enumerate(pads)]
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
             for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
@@ -221,14 +261,11 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             rows_reused = [source.length for _, source in found]
             if not any(rows_reused):
                 common = 0
+            common = max(common, held)
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)}
-            # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
-            # within the one pass; transformers' layers would need a split there, which changes the rounding of a
-            # request that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
-            planned |= {length - tail} if self.store.records_in_kernel else set()
-            self._plan = sorted(p for p in planned if p > common)
-            if common:
+            self._plan = sorted(p for p in {*self._plan, *planned} if p > common)
+            if common > held:
                 load_rows(self.layers, self.store.layout, common, [source for _, source in found],
                           self.store.device)
         finally:
@@ -238,13 +275,9 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             row.reused = reused
             if reused < row.checkpoint:
                 row.reason = "batch_alignment"
-        self._report = RequestReport(rows)
-        self.reused_tokens = max(rows_reused)
-        self.rows_reused = rows_reused
-        self._fed.append(ids[:, :common])
-        self._seen = common
-        self.store.record_request(rows)
-        return common
+        if common > held or not held:
+            self.reused_tokens, self.rows_reused = max(rows_reused), rows_reused
+        return common, rows
 
     def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
         """A row's report before batch alignment: what the store shares and why it reuses no more."""

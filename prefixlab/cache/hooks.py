@@ -59,6 +59,9 @@ class ModelDrivenCache:
     def held_tokens(self) -> torch.Tensor:  # [batch, n] the tokens the cache's tensors describe
         raise NotImplementedError
 
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int) -> int:  # columns of input_ids now held
+        raise NotImplementedError
+
     def forward_done(self) -> None:
         raise NotImplementedError
 
@@ -222,6 +225,16 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict) -> dict:
             "continue them (its positions start elsewhere: a new prompt would run on the old one's states); use a "
             "new HybridPrefixCache(store) per request. This cache is reset now"
         )
+    length = kwargs["input_ids"].shape[1]
+    if length > 1:  # more of a prompt (generate's chunked prefill, a later turn): the store may hold it already
+        keep = kwargs.get("logits_to_keep", 0)
+        skip = cache.resume_further(kwargs["input_ids"], keep if isinstance(keep, int) else length)
+        if skip:  # per-token inputs lose their first `skip` columns; the mask spans held + new columns as before
+            kwargs = dict(kwargs)
+            for name in ("input_ids", "position_ids", "token_type_ids"):
+                value = kwargs.get(name)
+                if isinstance(value, torch.Tensor) and value.shape[-1] == length:
+                    kwargs[name] = value[..., skip:]
     return kwargs
 
 

@@ -265,15 +265,16 @@ class PrefixStore:
         self._counters["decoded_tokens_left_out"] += tokens
 
     @serialized
-    def record_request(self, rows: list) -> None:
-        """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`."""
-        for row in rows:
-            self._counters["sequences"] += 1
-            self._counters["hit_sequences"] += 1 if row.reused else 0
-            self._counters["reused_tokens"] += row.reused
-            self._counters["reused_bytes"] += (row.reused * self.spec.kv_bytes_per_token
-                                               + (self.spec.state_bytes if row.reused else 0))
-            self._reasons[row.reason] += 1
+    def record_request(self, rows: list, replacing: list = ()) -> None:
+        """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`; `replacing`: the
+        rows this request was counted with before (it resumed further, mid-request)."""
+        for row, sign in (*((r, -1) for r in replacing), *((r, 1) for r in rows)):
+            self._counters["sequences"] += sign
+            self._counters["hit_sequences"] += sign if row.reused else 0
+            self._counters["reused_tokens"] += sign * row.reused
+            self._counters["reused_bytes"] += sign * (row.reused * self.spec.kv_bytes_per_token
+                                                      + (self.spec.state_bytes if row.reused else 0))
+            self._reasons[row.reason] += sign
 
     def hold(self, cache) -> None:
         """Keep `cache` (anything with `commit()`) to admit on the store's next use."""
