@@ -246,7 +246,9 @@ def test_chunked_prefill_resumes_past_its_first_chunk(family):
         cache = HybridPrefixCache(store)
         got = generate(model, prompt, cache, prefill_chunk_size=8)
         assert torch.equal(got, generate(model, prompt, DynamicCache(config=model.config), prefill_chunk_size=8))
-        assert cache.report().rows[0].reused == cache.reused_tokens
+        report = cache.report()
+        assert report.rows[0].reused == cache.reused_tokens
+        assert report.admitted_tokens == got.shape[1] - 1 - (30 if k else 0)  # mid-request admissions kept
         reused.append(cache.reused_tokens)
     assert reused[0] == 0 and reused[-1] == 30  # the branch point, in the fourth chunk
     rows = [torch.cat([system, tokens(1, n, seed=20 + n) % 57 + 3], dim=1)[0] for n in (3, 9)]

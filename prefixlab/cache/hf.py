@@ -229,7 +229,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         if common <= seen:
             return 0
         self.store.record_request(rows, replacing=self._report.rows)
-        self._report = RequestReport(rows)
+        self._report.rows = rows  # (what the request admitted so far stays counted)
         self._fed.append(ids[:, seen:common])
         self._seen = common
         return common - seen
