@@ -32,15 +32,17 @@ def workload():
     return model, prompts, [model.generate(prompt, **GREEDY) for prompt in prompts]
 
 
-def serve_concurrently(model, store, prompts) -> tuple[dict, list]:
-    """Every prompt served once, split over THREADS threads started together; (outputs by index, errors)."""
+def serve_concurrently(model, store, prompts, chunk=None) -> tuple[dict, list]:
+    """Every prompt served once, split over THREADS threads started together (every other one in prefill chunks of
+    `chunk` tokens, if given); (outputs by index, errors)."""
     outputs, errors, start = {}, [], threading.Barrier(THREADS)
 
     def worker(first):
         start.wait()
         for i in range(first, len(prompts), THREADS):
             try:
-                outputs[i] = model.generate(prompts[i], past_key_values=HybridPrefixCache(store), **GREEDY)
+                chunked = {"prefill_chunk_size": chunk} if chunk and i % 2 else {}
+                outputs[i] = model.generate(prompts[i], past_key_values=HybridPrefixCache(store), **GREEDY, **chunked)
             except Exception as err:  # reported below: the test fails on any
                 errors.append(f"request {i}: {err!r}")
 
@@ -60,14 +62,17 @@ def serve_concurrently(model, store, prompts) -> tuple[dict, list]:
 @pytest.mark.parametrize("options", [
     dict(policy="marconi"),  # patched layers: states captured inside the one prefill
     dict(policy="dp", patch=False, offload_capacity=256 * 1024),  # split prefills, evictions move to the host tier
-], ids=["patched", "split+offload"])
+    dict(policy="dp", chunk=5),  # chunked prefills resume at every chunk while other threads admit and evict
+], ids=["patched", "split+offload", "chunked"])
 def test_threads_sharing_an_evicting_store_get_exact_outputs(workload, options):
     model, prompts, expected = workload
+    options = dict(options)
+    chunk = options.pop("chunk", None)
     store = PrefixStore(model, capacity=160 * 1024, block_size=4, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the tight budget refuses some entries: they run uncached
         for _ in range(2):  # the second round starts from a full store
-            outputs, errors = serve_concurrently(model, store, prompts)
+            outputs, errors = serve_concurrently(model, store, prompts, chunk)
             assert errors == []
             assert [i for i in range(len(prompts)) if not torch.equal(outputs[i], expected[i])] == []
         stats = store.stats()
