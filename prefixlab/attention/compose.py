@@ -71,6 +71,7 @@ def hydragen_cache_from_store(
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
     probe = prompt_ids[0, : -store.min_prefill_tokens].detach().cpu().numpy()  # generate runs the rest
+    store.check_weights()
     match, source = store.lookup(probe, namespace)
     try:
         shared = _prefix_tensors(source, attention, model.device)

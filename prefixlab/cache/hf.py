@@ -200,6 +200,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             self.store.record_request(self._report.rows)
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
+        self.store.check_weights()
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
         common, rows = self._resume(ids, tail, 0)
         # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it

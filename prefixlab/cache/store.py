@@ -168,8 +168,10 @@ class PrefixStore:
         self._build_tiers()
         self._weights = weights_version(self.model)
 
-    def _check_weights(self) -> None:
-        """Entries computed with other weights are stale: drop them all before anything is admitted or reused."""
+    @serialized
+    def check_weights(self) -> None:
+        """Entries computed with other weights are stale: drop them all before anything is admitted or reused
+        (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store)."""
         if weights_version(self.model) != self._weights:
             if self.core._live or (self.offload is not None and self.offload._live):
                 raise InvalidInputError(
@@ -182,9 +184,7 @@ class PrefixStore:
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     @serialized
     def match(self, tokens: Sequence[int], namespace: str = "default"):
-        """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first
-        (dropping everything if the model's weights changed since: `clear`)."""
-        self._check_weights()
+        """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first."""
         self.flush()
         return self.core.match(tokens, namespace=namespace)
 
