@@ -221,6 +221,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         it. The last `logits_tokens` columns are always computed. Returns the leading columns now held."""
         if not self._admit_rows or self._pending:
             return 0
+        self.store.drop(self)  # its own lookups would commit it: a state at every chunk's end (held again after)
         ids = torch.cat([self.held_tokens(), input_ids.detach().cpu()], dim=1)
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, input_ids.shape[1]))
         if ids.shape[1] - tail <= self._seen:
@@ -263,9 +264,11 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             if not any(rows_reused):
                 common = 0
             common = max(common, held)
+            # a continuing forward plans over the tokens so far, replacing what earlier forwards planned past them;
+            # their end is not the request's (the state at the request's end is taken at commit): not planned
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
-                       for p in self.store.plan(ids[row, pads[row]:].numpy(), match)}
-            self._plan = sorted(p for p in {*self._plan, *planned} if p > common)
+                       for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
+            self._plan = sorted(p for p in planned if p > common)
             if common > held:
                 load_rows(self.layers, self.store.layout, common, [source for _, source in found],
                           self.store.device)

@@ -77,6 +77,7 @@ class _ModelHooks:
         self.cache_arg = cache_keyword(model)
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
+        self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
         self.handles = [
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
@@ -137,12 +138,16 @@ class _ModelHooks:
                 "labels cannot line up; compute the loss without the cache"
             )
         if not cache.started:
-            kwargs, segments = _start(module, cache, kwargs)
+            self.splitting.add(cache)  # its segments continue the request: not a lookup each (resume_further)
+            try:
+                kwargs, segments = _start(module, cache, kwargs)
+            finally:
+                self.splitting.discard(cache)
             self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
             if segments is not None:
                 self.segment_logits[cache] = segments
         else:
-            kwargs = _continuing(cache, kwargs)
+            kwargs = _continuing(cache, kwargs, resume=cache not in self.splitting)
             if "position_ids" in forward_parameters(module):
                 kwargs = with_column_positions(kwargs, cache.get_seq_length())
         cache.record(kwargs["input_ids"])
@@ -208,7 +213,7 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _continuing(cache: ModelDrivenCache, kwargs: dict) -> dict:
+def _continuing(cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
     and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
     forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
@@ -226,7 +231,7 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict) -> dict:
             "new HybridPrefixCache(store) per request. This cache is reset now"
         )
     length = kwargs["input_ids"].shape[1]
-    if length > 1:  # more of a prompt (generate's chunked prefill, a later turn): the store may hold it already
+    if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
         keep = kwargs.get("logits_to_keep", 0)
         skip = cache.resume_further(kwargs["input_ids"], keep if isinstance(keep, int) else length)
         if skip:  # per-token inputs lose their first `skip` columns; the mask spans held + new columns as before
