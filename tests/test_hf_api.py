@@ -230,15 +230,16 @@ def test_copying_a_cache_is_refused_with_the_stores_way_to_reuse_a_prefix():
             duplicate(cache)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5_text"])
-def test_chunked_prefill_resumes_past_its_first_chunk(family):
+@pytest.mark.parametrize(("family", "patch"), [("llama", True), ("qwen3_5_text", True), ("qwen3_5_text", False)])
+def test_chunked_prefill_resumes_past_its_first_chunk(family, patch):
     """generate(prefill_chunk_size=...) shows the cache its prompt one chunk at a time: each chunk's forward resumes
     from the deepest checkpoint of the tokens so far (before: at most the first chunk), in padded batches too, and
-    the store counts each request once with what it finally reused."""
+    the store counts each request once with what it finally reused. With transformers' layers (patch=False) a chunk
+    is split where a state is planned inside it, as a first forward is."""
     from transformers import DynamicCache
 
     model = build(family) if family == "llama" else recurrent_patch_models.build(family, seed=3)
-    store = PrefixStore(model, capacity="64MB")
+    store = PrefixStore(model, capacity="64MB", patch=patch)
     system = tokens(1, 30, seed=15) % 57 + 3
     reused = []
     for k in range(4):

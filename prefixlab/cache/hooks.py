@@ -137,19 +137,28 @@ class _ModelHooks:
                 "HybridPrefixCache serves inference: the forward runs only the tokens after the reused prefix, so "
                 "labels cannot line up; compute the loss without the cache"
             )
+        splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
+            keep = kwargs.get("logits_to_keep", 0)
+            # logits the caller asked for must be computed: the last `keep` tokens, or every token (a tensor of
+            # indices names columns of the whole input)
+            start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
+                                keep if isinstance(keep, int) else kwargs["input_ids"].shape[1])
+            offset = 0
+        else:
+            kwargs = _continuing(cache, kwargs, resume=not splitting)
+            start = offset = cache.get_seq_length()
+        if "position_ids" in forward_parameters(module):  # the forward (or its segments) at its columns
+            kwargs = with_column_positions(kwargs, offset)
+        if not splitting:
+            self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
             self.splitting.add(cache)  # its segments continue the request: not a lookup each (resume_further)
             try:
-                kwargs, segments = _start(module, cache, kwargs)
+                kwargs, segments = _run_splits(module, cache, kwargs, start, offset)
             finally:
                 self.splitting.discard(cache)
-            self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
             if segments is not None:
                 self.segment_logits[cache] = segments
-        else:
-            kwargs = _continuing(cache, kwargs, resume=cache not in self.splitting)
-            if "position_ids" in forward_parameters(module):
-                kwargs = with_column_positions(kwargs, cache.get_seq_length())
         cache.record(kwargs["input_ids"])
         return (), kwargs
 
@@ -243,33 +252,28 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> d
     return kwargs
 
 
-def _start(module, cache: ModelDrivenCache, kwargs: dict) -> tuple[dict, tuple | None]:
-    """Begin the request, run the prefill up to each planned capture split; return the last segment's kwargs and,
-    when the caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
-    length = kwargs["input_ids"].shape[1]
-    keep = kwargs.get("logits_to_keep", 0)
-    # logits the caller asked for must be computed: the last `keep` tokens, or every token (a tensor of indices
-    # names columns of the whole input)
-    logits_tokens = keep if isinstance(keep, int) else length
-    start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"), logits_tokens)
+def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int) -> tuple[dict, tuple | None]:
+    """Run the forward's tokens up to each planned capture split (`kwargs` holds the tokens of columns [offset,
+    offset + n), the first `start - offset` of them already held); return the last segment's kwargs and, when the
+    caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
+    length = offset + kwargs["input_ids"].shape[1]
     params = forward_parameters(module)
-    if "position_ids" in params:  # the segments below run at their columns, not from 0
-        kwargs = with_column_positions(kwargs, 0)
     splits = cache.capture_splits(start, length)
+    keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
     collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
     if collect and not isinstance(keep, int):
         raise InvalidInputError("with HybridPrefixCache(store) on patch=False, logits_to_keep must be an int")
     logits = []
     for stop in splits:
-        segment = _slice_inputs(kwargs, start, stop, length)
+        segment = _slice_inputs(kwargs, start, stop, length, offset)
         if "logits_to_keep" in params:
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)
         if collect:
             logits.append(output.logits)
         start = stop
-    last = _slice_inputs(kwargs, start, length, length)
+    last = _slice_inputs(kwargs, start, length, length, offset)
     if collect and "logits_to_keep" in params:
         last["logits_to_keep"] = 0
     return last, (logits, keep) if collect else None
@@ -293,14 +297,14 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
 
 
-def _slice_inputs(kwargs: dict, start: int, stop: int, length: int) -> dict:
-    """Model inputs for tokens [start, stop) of a `length`-token call: per-token inputs are cut, the 2D attention
-    mask keeps every column up to `stop` (it spans cached + new tokens)."""
+def _slice_inputs(kwargs: dict, start: int, stop: int, length: int, offset: int = 0) -> dict:
+    """Model inputs for columns [start, stop) of a call over columns [offset, length): per-token inputs are cut, the
+    2D attention mask keeps every column up to `stop` (it spans cached + new tokens)."""
     out = dict(kwargs)
     for name in ("input_ids", "position_ids", "token_type_ids"):
         value = kwargs.get(name)
-        if isinstance(value, torch.Tensor) and value.shape[-1] == length:
-            out[name] = value[..., start:stop]
+        if isinstance(value, torch.Tensor) and value.shape[-1] == length - offset:
+            out[name] = value[..., start - offset:stop - offset]
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2:
         out["attention_mask"] = mask[:, :stop]
