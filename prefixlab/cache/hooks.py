@@ -4,11 +4,13 @@
 always-called post-hook (one pair per model, shared by every store and cache on it). The hooks know only the
 `ModelDrivenCache` protocol below:
 - pre-hook, first forward of a cache: `prefixlab_bind(model)` (an unbound cache picks the model's default store, a
-  bound one checks it belongs to this model), `begin(...)` -> columns already cached, the prefill split at
-  `capture_splits(...)`, and the model runs on the rest;
-- pre-hook, every forward: `record(input_ids)`; post-hook: `forward_done()` or, if the forward raised,
-  `forward_failed()`; a later forward must continue what the cache holds (`held_tokens()` fed again are cut off,
-  positions that start elsewhere are refused: a new prompt over a used cache).
+  bound one checks it belongs to this model), `begin(...)` -> columns already cached;
+- pre-hook, a later forward: it must continue what the cache holds (`held_tokens()` fed again are cut off,
+  positions that start elsewhere are refused: a new prompt over a used cache); one of several tokens (a chunk of a
+  chunked prefill, a turn continued on the cache) first skips what the store holds (`resume_further(...)`);
+- pre-hook, every forward: the tokens left run in segments split at `capture_splits(...)` (transformers' layers
+  capture states only at a forward's end), then `record(input_ids)`; post-hook: `forward_done()` or, if the forward
+  raised, `forward_failed()`.
 Faults: torch runs the always-called post-hook only for `Exception`s, so a `KeyboardInterrupt` (or any other
 BaseException) raised inside a forward would leave a cache half advanced; the hooks therefore also wrap the model's
 forward (the forward guard) and call `forward_failed()` on the started caches it was given, whatever it raised. A
