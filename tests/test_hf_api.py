@@ -252,28 +252,34 @@ def test_chunked_prefill_resumes_past_its_first_chunk(family, patch):
         assert report.admitted_tokens == got.shape[1] - 1 - (30 if k else 0)  # mid-request admissions kept
         reused.append(cache.reused_tokens)
     assert reused[0] == 0 and reused[-1] == 30  # the branch point, in the fourth chunk
-    rows = [torch.cat([system, tokens(1, n, seed=20 + n) % 57 + 3], dim=1)[0] for n in (3, 9)]
-    ids = torch.zeros(2, 39, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, 39 - len(row):], mask[i, 39 - len(row):] = row, 1
-    cache = HybridPrefixCache(store)
-    got = generate(model, ids, cache, attention_mask=mask, prefill_chunk_size=8)
-    assert torch.equal(got, generate(model, ids, DynamicCache(config=model.config), attention_mask=mask,
-                                     prefill_chunk_size=8))
-    # both rows resume at one column (row 0 has 6 pads), past the first chunk
-    assert cache.rows_reused[0] + 6 == cache.rows_reused[1] > 8
+    for lengths in ((5, 5), (3, 9)):  # a batch: both rows at the branch point; rows resuming at one padded column
+        rows = [torch.cat([system, tokens(1, n, seed=20 + n + i) % 57 + 3], dim=1)[0] for i, n in enumerate(lengths)]
+        width = max(map(len, rows))
+        ids = torch.zeros(2, width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, row in enumerate(rows):
+            ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+        cache = HybridPrefixCache(store)
+        got = generate(model, ids, cache, attention_mask=mask, prefill_chunk_size=8)
+        assert torch.equal(got, generate(model, ids, DynamicCache(config=model.config), attention_mask=mask,
+                                         prefill_chunk_size=8))
+        pads = [width - len(row) for row in rows]
+        assert cache.rows_reused[0] + pads[0] == cache.rows_reused[1] + pads[1]
+        reused += cache.rows_reused
+    assert reused[4:6] == [30, 30]  # past the first chunk
     stats = store.stats()
-    assert stats["sequences"] == 6 and stats["reused_tokens"] == sum(reused) + sum(cache.rows_reused)
+    assert stats["sequences"] == 8 and stats["reused_tokens"] == sum(reused)
     store.core.check_invariants()
 
 
-def test_chunked_prefill_stores_what_one_prefill_would_not_a_state_per_chunk():
-    """The chunks' own lookups must not admit the request at every chunk's end (each would store a state there)."""
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
+def test_chunked_prefill_stores_what_one_prefill_would_not_a_state_per_chunk(policy):
+    """The chunks' own lookups must not admit the request at every chunk's end (each would store a state there), and
+    what dp placed over a shorter part of the prompt is dropped where the next chunk's plan moves it."""
     model = recurrent_patch_models.build("qwen3_5_text", seed=3)
     counts = []
     for chunk in (None, 8):
-        store = PrefixStore(model, capacity="256MB", policy="marconi")
+        store = PrefixStore(model, capacity="256MB", policy=policy)
         system = tokens(1, 100, seed=30) % 57 + 3
         for k in range(3):
             generate(model, torch.cat([system, tokens(1, 5 + k, seed=31 + k) % 57 + 3], dim=1),

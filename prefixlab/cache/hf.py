@@ -122,6 +122,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._pads: list[int] = []  # per row: leading pad columns (left padding)
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
+        self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
@@ -228,12 +229,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             return 0
         seen = self._seen
         common, rows = self._resume(ids, tail, seen)
-        if common <= seen:
-            return 0
-        self.store.record_request(rows, replacing=self._report.rows)
-        self._report.rows = rows  # (what the request admitted so far stays counted)
-        self._fed.append(ids[:, seen:common])
-        self._seen = common
+        if common > seen:
+            self.store.record_request(rows, replacing=self._report.rows)
+            self._report.rows, self._seen = rows, common  # (what the request admitted so far stays counted)
+            self._fed.append(ids[:, seen:common])
         return common - seen
 
     def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport]]:
@@ -269,6 +268,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
             self._plan = sorted(p for p in planned if p > common)
+            if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped
+                for position in self._provisional - planned:
+                    self._captured.pop(position, None)
+                self._provisional = (self._provisional & planned) | set(self._plan)
             if common > held:
                 load_rows(self.layers, self.store.layout, common, [source for _, source in found],
                           self.store.device)
