@@ -141,11 +141,8 @@ class _ModelHooks:
             )
         splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
-            keep = kwargs.get("logits_to_keep", 0)
-            # logits the caller asked for must be computed: the last `keep` tokens, or every token (a tensor of
-            # indices names columns of the whole input)
             start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                                keep if isinstance(keep, int) else kwargs["input_ids"].shape[1])
+                                _logits_tokens(kwargs))
             offset = 0
         else:
             kwargs = _continuing(cache, kwargs, resume=not splitting)
@@ -243,15 +240,18 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> d
         )
     length = kwargs["input_ids"].shape[1]
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
-        keep = kwargs.get("logits_to_keep", 0)
-        skip = cache.resume_further(kwargs["input_ids"], keep if isinstance(keep, int) else length)
-        if skip:  # per-token inputs lose their first `skip` columns; the mask spans held + new columns as before
-            kwargs = dict(kwargs)
-            for name in ("input_ids", "position_ids", "token_type_ids"):
-                value = kwargs.get(name)
-                if isinstance(value, torch.Tensor) and value.shape[-1] == length:
-                    kwargs[name] = value[..., skip:]
+        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs))
+        if skip:  # columns [seen, seen + length) run from seen + skip
+            kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen)
     return kwargs
+
+
+def _logits_tokens(kwargs: dict) -> int:
+    """The forward's last tokens whose logits the caller asked for, which must be computed: `logits_to_keep` (0: none
+    in particular, the outputs cover the tokens run), or every token (a tensor of indices names columns of the whole
+    input)."""
+    keep = kwargs.get("logits_to_keep", 0)
+    return keep if isinstance(keep, int) else kwargs["input_ids"].shape[1]
 
 
 def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int) -> tuple[dict, tuple | None]:
