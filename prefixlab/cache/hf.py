@@ -203,7 +203,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._admit_rows, self._pads = list(range(batch)), pads
         self.store.check_weights()
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
-        common, rows = self._resume(ids, tail, 0)
+        common, rows, self.rows_reused = self._resume(ids, tail, 0)
+        self.reused_tokens = max(self.rows_reused)
         # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
         # within the one pass; transformers' layers would need a split there, which changes the rounding of a
         # request that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
@@ -228,17 +229,18 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         if ids.shape[1] - tail <= self._seen:
             return 0
         seen = self._seen
-        common, rows = self._resume(ids, tail, seen)
+        common, rows, rows_reused = self._resume(ids, tail, seen)
         if common > seen:
             self.store.record_request(rows, replacing=self._report.rows)
             self._report.rows, self._seen = rows, common  # (what the request admitted so far stays counted)
+            self.rows_reused, self.reused_tokens = rows_reused, max(rows_reused)
             self._fed.append(ids[:, seen:common])
         return common - seen
 
-    def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport]]:
+    def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport], list[int]]:
         """Look up every row of `ids` [batch, length] (all but its last `tail` columns), align the rows on one
-        column and, if deeper than the `held` columns, load the store's KV and states there (and take the rows'
-        reuse); plan the captures after it. Returns (the column the cache holds now, the rows' reports)."""
+        column and, if deeper than the `held` columns, load the store's KV and states there; plan the captures
+        after it. Returns (the column the cache holds now, the rows' reports, each row's reused tokens)."""
         length, pads = ids.shape[1], self._pads
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
         # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
@@ -282,9 +284,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             row.reused = reused
             if reused < row.checkpoint:
                 row.reason = "batch_alignment"
-        if common > held or not held:
-            self.reused_tokens, self.rows_reused = max(rows_reused), rows_reused
-        return common, rows
+        return common, rows, rows_reused
 
     def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
         """A row's report before batch alignment: what the store shares and why it reuses no more."""

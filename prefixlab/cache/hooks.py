@@ -77,6 +77,7 @@ class _ModelHooks:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.cache_arg = cache_keyword(model)
+        self.parameters = forward_parameters(model)  # (the guard below keeps the signature: functools.wraps)
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
@@ -147,13 +148,14 @@ class _ModelHooks:
         else:
             kwargs = _continuing(cache, kwargs, resume=not splitting)
             start = offset = cache.get_seq_length()
-        if "position_ids" in forward_parameters(module):  # the forward (or its segments) at its columns
+        if "position_ids" in self.parameters:  # the forward (or its segments) at its columns
             kwargs = with_column_positions(kwargs, offset)
         if not splitting:
             self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
+        if not splitting and kwargs["input_ids"].shape[1] > 1:  # (a decode step has nothing to split)
             self.splitting.add(cache)  # its segments continue the request: not a lookup each (resume_further)
             try:
-                kwargs, segments = _run_splits(module, cache, kwargs, start, offset)
+                kwargs, segments = _run_splits(module, cache, kwargs, start, offset, self.parameters)
             finally:
                 self.splitting.discard(cache)
             if segments is not None:
@@ -254,12 +256,12 @@ def _logits_tokens(kwargs: dict) -> int:
     return keep if isinstance(keep, int) else kwargs["input_ids"].shape[1]
 
 
-def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int) -> tuple[dict, tuple | None]:
+def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int,
+                params: frozenset[str]) -> tuple[dict, tuple | None]:
     """Run the forward's tokens up to each planned capture split (`kwargs` holds the tokens of columns [offset,
     offset + n), the first `start - offset` of them already held); return the last segment's kwargs and, when the
     caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
     length = offset + kwargs["input_ids"].shape[1]
-    params = forward_parameters(module)
     splits = cache.capture_splits(start, length)
     keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's

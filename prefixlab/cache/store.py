@@ -161,19 +161,22 @@ class PrefixStore:
         """Drop every entry of both tiers and what open caches hold: after the model's weights changed (the store
         also does it by itself at the next lookup: an optimizer step or load_state_dict bumps the weights' version
         counters). Between requests: refused while a request holds a match. Counters (`stats()`) are kept."""
-        if self.core._live or (self.offload is not None and self.offload._live):
+        if self._requests_running():
             raise InvalidInputError("PrefixStore.clear() while a request holds cached entries; call it between "
                                     "requests")
         self._open, self._host_matches = {}, set()
         self._build_tiers()
         self._weights = weights_version(self.model)
 
+    def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
+        return bool(self.core._live or (self.offload is not None and self.offload._live))
+
     @serialized
     def check_weights(self) -> None:
         """Entries computed with other weights are stale: drop them all before anything is admitted or reused
         (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store)."""
         if weights_version(self.model) != self._weights:
-            if self.core._live or (self.offload is not None and self.offload._live):
+            if self._requests_running():
                 raise InvalidInputError(
                     "the model's weights changed while requests were running over this PrefixStore; its entries "
                     "are stale: finish those requests, then call store.clear()")
