@@ -137,10 +137,11 @@ def test_store_rejects_what_is_not_a_model():
         PrefixStore(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("offload", [None, "64MB"])
-def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offload):
-    """An optimizer step between requests (RL rollouts, online fine-tuning): before, the next request resumed KV and
-    states of the old weights. Now the store notices (version counters) and empties both tiers, with a warning."""
+@pytest.mark.parametrize("offload,change", [(None, "step"), ("64MB", "step"), (None, "data")])
+def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offload, change):
+    """An optimizer step between requests (RL rollouts, online fine-tuning), or new tensors assigned to `.data` (weight
+    syncing code does): before, the next request resumed KV and states of the old weights. Now the store notices
+    (version counters, storage addresses) and empties both tiers, with a warning."""
     import recurrent_patch_models  # unit-scale weights: a stale state shows in the tokens
 
     model = recurrent_patch_models.build("qwen3_5_text", seed=3)
@@ -152,9 +153,14 @@ def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offloa
         return model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
 
     generate(HybridPrefixCache(store))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    model(input_ids=prompt, labels=prompt).loss.backward()
-    optimizer.step()
+    if change == "step":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        model(input_ids=prompt, labels=prompt).loss.backward()
+        optimizer.step()
+    else:
+        noise = torch.Generator().manual_seed(1)
+        for param in model.parameters():
+            param.data = param.data + 0.05 * torch.randn(param.shape, generator=noise)
     cache = HybridPrefixCache(store)
     with pytest.warns(RuntimeWarning, match="weights changed"):
         assert torch.equal(generate(cache), generate())

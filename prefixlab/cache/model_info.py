@@ -98,15 +98,16 @@ def model_identity(model: torch.nn.Module) -> str:
 
 
 def weights_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict) or replaced: every
-    parameter's identity and version counter (inference tensors have none: they cannot be written in place)."""
+    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
+    storage (`param.data = ...`, moved to another device): every parameter's identity, version counter (inference
+    tensors have none: they cannot be written in place) and storage address."""
     def version(param: torch.Tensor) -> int:
         try:
             return param._version
         except RuntimeError:  # an inference tensor
             return 0
 
-    return tuple((id(param), version(param)) for param in model.parameters())
+    return tuple((id(param), version(param), param.data_ptr()) for param in model.parameters())
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:

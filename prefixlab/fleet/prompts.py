@@ -72,9 +72,12 @@ def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_t
 
 
 def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = None, *, max_new_tokens: int = 16,
-                 on_error: str = "stop", vocab_size: int | None = None) -> list[Prompt]:
+                 on_error: str = "stop", vocab_size: int | None = None,
+                 max_positions: int | None = None) -> list[Prompt]:
     """The prompts of a JSONL file. A malformed line raises InvalidInputError naming file:line (`on_error="stop"`)
-    or is reported on stderr and left out (`"skip"`); duplicate ids always raise."""
+    or is reported on stderr and left out (`"skip"`); duplicate ids always raise. With `vocab_size` a token id
+    outside the vocabulary is a malformed line, with `max_positions` (the model's context) so is a prompt whose
+    tokens plus max_new_tokens exceed it (as serving engines refuse what the model was not built for)."""
     if on_error not in ON_ERROR_CHOICES:
         raise InvalidInputError(f"--on-error {on_error!r}: use one of {', '.join(ON_ERROR_CHOICES)}")
     path = Path(path)
@@ -90,6 +93,10 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
                 prompt_id, tokens, new_tokens = _parse(json.loads(line), encode, max_new_tokens)
                 if vocab_size is not None and tokens.max() >= vocab_size:
                     raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
+                if max_positions is not None and len(tokens) + new_tokens > max_positions:
+                    raise ValueError(f"{len(tokens)} prompt tokens + {new_tokens} new tokens exceed the model's "
+                                     f"context of {max_positions} (max_position_embeddings): shorten the prompt or "
+                                     "lower max_new_tokens")
             except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
                 message = f"{path}:{number}: {err}"
                 if on_error == "stop":

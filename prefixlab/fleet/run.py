@@ -95,8 +95,10 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     encode, decode = _encoder(args.tokenizer)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
     batching = _hydragen_mode(model) if args.hydragen else None
+    text_config = model.config.get_text_config()
     prompts = read_prompts(args.prompts, encode, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
-                           vocab_size=model.config.get_text_config().vocab_size)
+                           vocab_size=text_config.vocab_size,
+                           max_positions=getattr(text_config, "max_position_embeddings", None))
     if len(prompts) < processes:
         raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
                                 f"{len(prompts)} processes")
