@@ -35,6 +35,27 @@ def test_cpu_kernel_matches_reference_and_sdpa(masked):
         assert torch.isneginf(lse[0, :, 2]).all() and (out[0, :, 2] == 0).all()
 
 
+@pytest.mark.parametrize("operand", ["q", "k", "v"])
+def test_cpu_kernel_reads_a_non_unit_stride_head_dim(operand):
+    """A transposed K cache (or any tensor whose head dim is not unit-stride): the raw fused CPU kernel used to read it
+    as if it were, giving outputs off by O(1) without an error."""
+    qkv = dict(zip("qkv", _qkv(2), strict=True))
+    ref_out, ref_lse = attention_with_lse_reference(*qkv.values(), None, scale=0.3)
+    qkv[operand] = qkv[operand].transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, head dim strided
+    out, lse = attention_with_lse(*qkv.values(), scale=0.3)
+    torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
+
+
+def test_float64_stays_float64_through_the_lse_and_the_combine():
+    q, k, v = (x.double() for x in _qkv(3))
+    exact = F.scaled_dot_product_attention(q, k, v, scale=0.3, enable_gqa=True)
+    halves = [attention_with_lse(q, k[:, :, part], v[:, :, part], scale=0.3) for part in (slice(0, 3), slice(3, 7))]
+    assert all(lse.dtype == torch.float64 for _, lse in halves)
+    merged = combine_partials(torch.stack([o for o, _ in halves]), torch.stack([lse for _, lse in halves]))
+    torch.testing.assert_close(merged, exact, atol=1e-12, rtol=0)  # a float32 combine is off by ~1e-7
+
+
 def test_kernel_refuses_empty_keys():
     q, k, v = _qkv(0, length=0)
     with pytest.raises(InvalidInputError, match="at least one key"):

@@ -80,6 +80,19 @@ def test_public_api_methods_agree(queries, slots):
         torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
 
 
+def test_compiled_packed_path_on_cpu_over_changing_query_and_key_lengths():
+    """torch's CPU flex template fails to build once both lengths are dynamic (the second shape change of a
+    process): the CPU path compiles static shapes, so each new shape compiles (or runs eager past dynamo's limit)."""
+    for queries, lengths in [(1, (5, 3, 4)), (3, (5, 3, 4)), (1, (6, 3, 4)), (2, (7, 2, 4))]:
+        q, levels, sk, sv = _case(4, queries=queries, slots=4, lengths=lengths)
+        ref = hydragen_attention(q, levels, sk, sv, seq_levels=[1, 2, 0], method="sdpa")
+        out = hydragen_attention(q, levels, sk, sv, seq_levels=[1, 2, 0], method="packed")
+        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    with pytest.raises(InvalidInputError, match="method='split'"):
+        hydragen_attention(q.double(), [SharedLevel(lv.keys.double(), lv.values.double(), lv.parent) for lv in levels],
+                           sk.double(), sv.double(), method="packed")
+
+
 def test_varlen_prefill_without_padding():
     """Prompts of 3, 5 and 2 tokens packed back to back, two of them after a shared level: causal per prompt."""
     g = torch.Generator().manual_seed(7)

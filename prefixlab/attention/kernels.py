@@ -21,6 +21,11 @@ import torch
 from prefixlab.errors import InvalidInputError
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores, LSEs and the combine run in float32, or in float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
     return x.repeat_interleave(q_heads // x.shape[1], dim=1)
 
@@ -28,15 +33,16 @@ def _expand_kv_heads(x: torch.Tensor, q_heads: int) -> torch.Tensor:
 def attention_with_lse_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (N, H, M, D), lse (N, H, M) float32); `mask` (N or 1, 1, M, L) bool, True = may attend."""
+    """(out (N, H, M, D), lse (N, H, M), float32 or float64); `mask` (N or 1, 1, M, L) bool, True = may attend."""
     k, v = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    acc = accumulate_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # exp(-inf - -inf) is nan: rows that see nothing get weight 0 instead
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
-    return torch.matmul(probs, v.float()).to(q.dtype), lse
+    return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
 
 
 def _attention_with_lse_cpu(
@@ -45,11 +51,14 @@ def _attention_with_lse_cpu(
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    # the raw kernel reads the head dim as unit-stride without checking (F.scaled_dot_product_attention checks it
+    # before choosing this kernel): a transposed K cache would give silently wrong outputs
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive, scale=scale)
     if mask is not None:
         # the kernel reports lse = 0 for a row that sees nothing; the combine needs -inf there
         lse = lse.masked_fill(~mask.any(-1), float("-inf"))
-    return out, lse.float()
+    return out, lse.to(accumulate_dtype(q.dtype))
 
 
 @functools.cache
@@ -77,7 +86,7 @@ def _attention_with_lse_flex(
     out, aux = _compiled_flex()(
         q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
-    return out, aux.lse.float()
+    return out, aux.lse.to(accumulate_dtype(q.dtype))
 
 
 def attention_with_lse(
@@ -104,7 +113,7 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
     weights = torch.exp(lses - lse_max)  # exp(-inf) = 0 for sets a query does not see
     total = weights.sum(dim=0)
     weights = weights / torch.where(total > 0, total, torch.ones_like(total))
-    return (weights.unsqueeze(-1) * outs.float()).sum(dim=0).to(outs.dtype)
+    return (weights.unsqueeze(-1) * outs.to(accumulate_dtype(outs.dtype))).sum(dim=0).to(outs.dtype)
 
 
 @functools.cache

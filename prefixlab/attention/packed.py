@@ -88,12 +88,17 @@ def pack_batch(q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffi
     return q_packed, torch.cat(keys, dim=1)[None], torch.cat(values, dim=1)[None], layout
 
 
+CPU_FLEX_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what inductor's CPU flex template builds
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
-    # default (automatic) dynamic shapes: a decode loop's growing suffix recompiles once, not every step
-    return torch.compile(flex_attention)
+    # CUDA: automatic dynamic shapes (a decode loop's growing suffix recompiles once, not every step). CPU: static,
+    # since torch 2.13's C++ flex template fails to build once both the query and key lengths are dynamic
+    # (tests/test_hydragen_attention.py); CPU never picks this path on its own (api.choose_method)
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
 def packed_attention(
@@ -102,8 +107,11 @@ def packed_attention(
     """One FlexAttention call over packed q (1, Hq, Nq, D) and k/v (1, Hkv, Nk, D) under `layout`."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    if compiled and q.device.type == "cpu" and q.dtype not in CPU_FLEX_DTYPES:
+        raise InvalidInputError(f"compiled FlexAttention on CPU takes float32, float16 or bfloat16, not {q.dtype}: "
+                                "use method='split' (or 'sdpa') for this dtype")
     block_mask = create_block_mask(layout.mask_mod(), None, None, q.shape[2], k.shape[2], device=q.device)
-    attend = _compiled_flex() if compiled else flex_attention
+    attend = _compiled_flex(q.device.type) if compiled else flex_attention
     return attend(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
