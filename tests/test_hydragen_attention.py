@@ -163,6 +163,9 @@ def _bad(**overrides):
         (dict(levels=[SharedLevel(torch.randn(2, 3, 8, device="meta"), torch.randn(2, 3, 8))]), "device"),
         (dict(suffix_mask=torch.ones(3, 2, 3, dtype=torch.bool)), "suffix_mask has shape"),
         (dict(method="fast"), "method='fast'"),
+        (dict(suffix_lengths=[2.5, 3, 4]), "must be integers"),
+        (dict(scale=float("nan")), "finite number"),
+        (dict(scale="0.3"), "finite number"),
     ],
 )
 def test_bad_input_raises_clear_error(overrides, match):

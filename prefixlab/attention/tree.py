@@ -177,6 +177,8 @@ def plan_tree(
         if suffix_mask is not None:
             raise InvalidInputError("give suffix_mask or suffix_lengths, not both")
         lengths_t = torch.as_tensor(suffix_lengths).reshape(-1)
+        if lengths_t.is_floating_point() or lengths_t.is_complex() or lengths_t.dtype == torch.bool:
+            raise InvalidInputError(f"suffix_lengths must be integers, got {lengths_t.tolist()} ({lengths_t.dtype})")
         if lengths_t.numel() != batch:
             raise InvalidInputError(f"suffix_lengths has {lengths_t.numel()} entries for a batch of {batch}")
         if bool(((lengths_t < queries) | (lengths_t > slots)).any()):
