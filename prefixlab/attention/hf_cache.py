@@ -226,7 +226,14 @@ class HydragenCache(Cache):
                 f"the model uses attn_implementation={implementation!r}, which cannot read shared KV: call "
                 "model.set_attn_implementation('hydragen') (import prefixlab.attention) before building HydragenCache"
             )
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+        text_config = config.get_text_config(decoder=True)
+        if getattr(text_config, "kv_lora_rank", None) is not None:  # Kimi Linear, DeepSeek V2/V3
+            raise InvalidInputError(
+                f"{text_config.model_type} uses multi-head latent attention: its cache holds compressed latents that "
+                "each layer expands before attending, so HydragenCache cannot hand it shared KV; use "
+                "HybridPrefixCache (or DynamicCache) for this model"
+            )
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             SharedPrefixLayer(share_new_tokens) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
             for kind, kw in zip(layer_types, layer_kwargs, strict=True)
