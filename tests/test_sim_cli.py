@@ -147,10 +147,11 @@ def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
     [
         (["--policy", "lru"], "valid policies: vllm+, sglang+, marconi, dp"),
         (["--policy", ","], "--policy is empty; use one or more of vllm+"),
-        (["--capacity-gb", "0"], "--capacity-gb '0' must be > 0"),
-        (["--capacity-gb", "1,-2"], "must be > 0"),
+        (["--capacity-gb", "0"], "--capacity-gb '0' must be a finite number > 0"),
+        (["--capacity-gb", "1,-2"], "must be a finite number > 0"),
         (["--capacity-gb", "big"], "--capacity-gb 'big' is not a number"),
-        (["--capacity-gb", "nan"], "must be > 0"),
+        (["--capacity-gb", "nan"], "must be a finite number > 0"),
+        (["--capacity-gb", "inf"], "must be a finite number > 0"),
         (["--capacity-gb", "1e-12"], "below one byte"),
         (["--model", "gpt-9"], "gpt-9"),
         (["--model", "/nonexistent/config.json"], "no such config file"),
@@ -181,6 +182,7 @@ def test_usage_errors_are_one_line(capsys, argv, match):
 
 def test_simulate_missing_trace_file(capsys, tmp_path):
     assert_one_line_error(capsys, "simulate", tmp_path / "absent.jsonl", match="does not exist")
+    assert_one_line_error(capsys, "simulate", tmp_path, match="is a folder")
 
 
 def test_model_from_hf_config(capsys, tmp_path, stand_in_replay):

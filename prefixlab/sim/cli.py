@@ -44,7 +44,7 @@ def parse_number(text: str, option: str, *, integer: bool = False, minimum: floa
         kind = "an integer" if integer else "a number"
         raise InvalidInputError(f"{option} {text!r} is not {kind}") from None
     if not math.isfinite(value) or (value <= minimum if strict else value < minimum):
-        raise InvalidInputError(f"{option} {text!r} must be {'>' if strict else '>='} {minimum:g}")
+        raise InvalidInputError(f"{option} {text!r} must be a finite number {'>' if strict else '>='} {minimum:g}")
     return value
 
 

@@ -82,7 +82,8 @@ def existing_file(path: str | Path, on_error: str = "stop") -> Path:
         raise InvalidInputError(f"on_error must be one of {ON_ERROR_CHOICES}, got {on_error!r}")
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"file {str(path)!r} does not exist; pass the path of a JSONL file")
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise InvalidInputError(f"file {str(path)!r} {what}; pass the path of a JSONL file")
     return path
 
 
