@@ -287,3 +287,26 @@ def test_chunked_prefill_stores_what_one_prefill_would_not_a_state_per_chunk(pol
         counts.append(store.stats()["checkpoints"])
         store.close()
     assert counts[1] <= counts[0]
+
+
+def test_a_compiled_model_reuses_exactly():
+    """`model.compile()` compiles the module call, forward hooks included: dynamo traced the cache's bookkeeping and
+    failed on its data-dependent lookups (DynamicOutputShapeException). The hooks run eagerly now."""
+    model = build("qwen3_5")
+    prefix = torch.randint(3, 120, (30,), generator=torch.Generator().manual_seed(2))
+    prompts = [torch.cat([prefix, torch.tensor([5 + k, 9, 11 + k])])[None] for k in range(3)]
+    expected = [model.generate(p, max_new_tokens=4, do_sample=False, pad_token_id=0) for p in prompts]
+
+    def serve() -> list[int]:
+        store, reused = PrefixStore(model, capacity="64MB"), []
+        for prompt, reference in zip(prompts, expected, strict=True):
+            cache = HybridPrefixCache(store)
+            assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                                              past_key_values=cache), reference)
+            reused.append(cache.reused_tokens)
+        store.close()
+        return reused
+
+    eager = serve()
+    model.compile()
+    assert serve() == eager and min(eager[1:]) > 0

@@ -104,6 +104,7 @@ class _ModelHooks:
         cache = kwargs.get(self.cache_arg, kwargs.get("past_key_values"))
         return cache if isinstance(cache, ModelDrivenCache) else None
 
+    @torch.compiler.disable  # bookkeeping on token ids and the store (model.compile() would trace it): eager
     def before_forward(self, module, args: tuple, kwargs: dict):
         cache = self._cache(kwargs)
         if cache is None:
@@ -163,6 +164,7 @@ class _ModelHooks:
         cache.record(kwargs["input_ids"])
         return (), kwargs
 
+    @torch.compiler.disable
     def after_forward(self, module, args: tuple, kwargs: dict, output) -> None:
         cache = self._cache(kwargs)
         if cache is None or not cache.started:
