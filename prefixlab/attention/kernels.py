@@ -51,9 +51,6 @@ def _attention_with_lse_cpu(
     additive = None
     if mask is not None:
         additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-    # the raw kernel reads the head dim as unit-stride without checking (F.scaled_dot_product_attention checks it
-    # before choosing this kernel): a transposed K cache would give silently wrong outputs
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive, scale=scale)
     if mask is not None:
         # the kernel reports lse = 0 for a row that sees nothing; the combine needs -inf there
@@ -96,6 +93,9 @@ def attention_with_lse(
     if k.shape[2] == 0:
         raise InvalidInputError("attention_with_lse needs at least one key; drop empty key sets before calling")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    # the fused kernels read the head dim as unit-stride (ATen's CPU one without checking; SDPA checks before choosing
+    # it): a transposed K cache gave silently wrong outputs
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     if q.device.type == "cpu":
         return _attention_with_lse_cpu(q, k, v, mask, scale)
     if q.device.type == "cuda":
