@@ -40,13 +40,11 @@ at padded columns (shared by all rows); after generate each row is admitted as i
 reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the token record and
 pad counts with the tensors.
 
-Direct forward calls work the same way (`model(input_ids=..., past_key_values=HybridPrefixCache(store))`), outputs
-covering the tokens run (at least the last `logits_to_keep`: those are always computed). A later multi-token forward
-(generate's chunked prefill, a turn continued on the same cache) resumes further where the store holds more. Mamba2
-takes its cache as `cache_params=`. Assisted decoding (prompt lookup, an assistant model: transformers allows it on
-attention-only models) crops rejected candidates; a cache with recurrent states refuses to crop (they cannot roll
-back).
-`cache.report()`: what each row reused and why, what was admitted (cache/explain.py)."""
+Direct forwards work the same way, outputs covering the tokens run (at least the last `logits_to_keep`). A later
+multi-token forward (chunked prefill, a continued turn) resumes further where the store holds more. Mamba2 takes its
+cache as `cache_params=`. Assisted decoding crops rejected candidates (a cache with recurrent states refuses: they
+cannot roll back). Multimodal prompts reuse and admit only the text before their first image / video / audio
+placeholder (multimodal.py). `cache.report()`: what each row reused and why, what was admitted (explain.py)."""
 
 from __future__ import annotations
 
@@ -124,6 +122,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
+        self._admit_limit: float = float("inf")  # columns that may be admitted (multimodal.py: none past an image)
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
         self._decode_start, self._decode_differs = None, {}
@@ -180,10 +179,11 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
     @under_store_lock
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None = None, logits_tokens: int = 0) -> int:
+              position_ids: torch.Tensor | None = None, logits_tokens: int = 0, reusable: int | None = None) -> int:
         """Start a request for `input_ids` [batch, length] (left padding allowed): load the longest prefix every row
         can resume from (each row's own cached tokens and state, one common padded position), plan the captures;
-        the last `logits_tokens` columns are always computed (the caller wants their logits).
+        the last `logits_tokens` columns are always computed (the caller wants their logits), and only the first
+        `reusable` columns (if given: multimodal.py) are looked up or admitted.
         Returns the number of leading (padded) columns already in the cache (the forward must run only the rest)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
@@ -202,7 +202,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         self.store.check_weights()
-        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length))
+        self._admit_limit = float("inf") if reusable is None else reusable
+        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length), length - self._admit_limit)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)
         # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
@@ -217,15 +218,19 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         return common
 
     @under_store_lock
-    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int) -> int:
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int, reusable: int | None = None) -> int:
         """A forward continuing this request over `input_ids` [batch, t]: where the store holds a checkpoint of the
         tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
-        it. The last `logits_tokens` columns are always computed. Returns the leading columns now held."""
+        it. The last `logits_tokens` columns are always computed, columns past `reusable` neither looked up nor
+        admitted (as in `begin`). Returns the leading columns now held."""
         if not self._admit_rows or self._pending:
             return 0
+        if reusable is not None:
+            self._admit_limit = min(self._admit_limit, self._seen + reusable)
         self.store.drop(self)  # its own lookups would commit it: a state at every chunk's end (held again after)
         ids = torch.cat([self.held_tokens(), input_ids.detach().cpu()], dim=1)
-        tail = max(self.store.min_prefill_tokens, min(logits_tokens, input_ids.shape[1]))
+        tail = max(self.store.min_prefill_tokens, min(logits_tokens, input_ids.shape[1]),
+                   ids.shape[1] - self._admit_limit)
         if ids.shape[1] - tail <= self._seen:
             return 0
         seen = self._seen
@@ -269,7 +274,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             # their end is not the request's (the state at the request's end is taken at commit): not planned
             planned = {pads[row] + p for row, (match, _) in enumerate(found)
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
-            self._plan = sorted(p for p in planned if p > common)
+            self._plan = sorted(p for p in planned if common < p <= self._admit_limit)  # (none past an image)
             if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped
                 for position in self._provisional - planned:
                     self._captured.pop(position, None)
@@ -374,7 +379,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         if not self._started or self._pending or not self._admit_rows:
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
-        end = self._seen if self._decode_start is None or not differed else self._decode_start
+        end = min(self._seen if self._decode_start is None or not differed else self._decode_start, self._admit_limit)
         self.store.count_left_out((self._seen - end - self._report.decoded_left_out) * len(self._admit_rows))
         self._report.leave_out_decoded(self._seen - end)
         if end <= self._committed:

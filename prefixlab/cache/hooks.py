@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
+from prefixlab.cache.multimodal import reusable_columns, text_only
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -46,7 +47,7 @@ class ModelDrivenCache:
         raise NotImplementedError
 
     def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None, logits_tokens: int) -> int:
+              position_ids: torch.Tensor | None, logits_tokens: int, reusable: int | None) -> int:
         raise NotImplementedError
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
@@ -61,7 +62,8 @@ class ModelDrivenCache:
     def held_tokens(self) -> torch.Tensor:  # [batch, n] the tokens the cache's tensors describe
         raise NotImplementedError
 
-    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int) -> int:  # columns of input_ids now held
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int,
+                       reusable: int | None) -> int:  # columns of input_ids now held
         raise NotImplementedError
 
     def forward_done(self) -> None:
@@ -144,10 +146,10 @@ class _ModelHooks:
         splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
             start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                                _logits_tokens(kwargs))
+                                _logits_tokens(kwargs), reusable_columns(module, kwargs))
             offset = 0
         else:
-            kwargs = _continuing(cache, kwargs, resume=not splitting)
+            kwargs = _continuing(module, cache, kwargs, resume=not splitting)
             start = offset = cache.get_seq_length()
         if "position_ids" in self.parameters:  # the forward (or its segments) at its columns
             kwargs = with_column_positions(kwargs, offset)
@@ -225,7 +227,7 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _continuing(cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> dict:
+def _continuing(module, cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
     and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
     forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
@@ -244,7 +246,7 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> d
         )
     length = kwargs["input_ids"].shape[1]
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
-        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs))
+        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs), reusable_columns(module, kwargs))
         if skip:  # columns [seen, seen + length) run from seen + skip
             kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen)
     return kwargs
@@ -272,7 +274,8 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
         raise InvalidInputError("with HybridPrefixCache(store) on patch=False, logits_to_keep must be an int")
     logits = []
     for stop in splits:
-        segment = _slice_inputs(kwargs, start, stop, length, offset)
+        # splits come before any image placeholder (the cache plans none past it): plain text, run without images
+        segment = text_only(_slice_inputs(kwargs, start, stop, length, offset))
         if "logits_to_keep" in params:
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)

@@ -1,0 +1,95 @@
+"""Multimodal prompts: placeholder tokens whose KV depends on the image, not only on their ids. Reuse and admission
+stop at the first placeholder; every request is checked against the same model without prefixlab."""
+
+import pytest
+import torch
+import transformers as tf
+from hf_models import config as text_config
+
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.cache.multimodal import placeholder_token_ids, reusable_columns
+
+IMAGE, VIDEO, START, END = 120, 121, 122, 123
+GRID = torch.tensor([[1, 2, 2]])  # one 28 x 28 image: 4 patches of 14, merged 2 x 2 into one placeholder token
+TEXT = list(range(5, 13))  # the text before the image: what may be reused
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny Qwen3.5 with its vision tower (Gated DeltaNet + attention layers, as the real one)."""
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    config = tf.Qwen3_5Config(text_config=text_config("qwen3_5").to_dict(), vision_config=vision,
+                              image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                              vision_end_token_id=END)
+    torch.manual_seed(0)
+    return tf.Qwen3_5ForConditionalGeneration(config).eval()
+
+
+def pixels(seed):
+    return torch.randn(4, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, ids, image=None, cache=None):
+    extra = {} if image is None else {"pixel_values": pixels(image), "image_grid_thw": GRID}
+    if cache is not None:
+        extra["past_key_values"] = cache
+    out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True, output_scores=True, **extra)
+    return out.sequences, torch.stack(out.scores)
+
+
+def assert_same(reference, served):
+    assert torch.equal(reference[0], served[0])
+    torch.testing.assert_close(reference[1], served[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("patch", [True, False])
+def test_a_prefix_is_reused_up_to_the_image_and_never_past_it(model, patch):
+    """Before: the second image's request reused the first's placeholder KV, and generate failed ("Image features
+    and image tokens do not match"); with the same ids and no pixel check the outputs would have been the first
+    image's. Now both images, the same image again, and a text prompt spelling the placeholder ids are exact."""
+    prompt = TEXT + [START, IMAGE, END] + list(range(20, 40))
+    store = PrefixStore(model, capacity="64MB", patch=patch)
+    for image in (1, 2, 1, None):  # the last: text only, the placeholder ids as plain tokens
+        cache = HybridPrefixCache(store)
+        assert_same(generate(model, prompt, image), generate(model, prompt, image, cache))
+        if store.stats()["requests"] > 1:  # patched layers record the state at the image; unpatched, the plan's
+            assert cache.reused_tokens == len(TEXT) if patch else 0 < cache.reused_tokens <= len(TEXT)
+    match = store.match(prompt)
+    assert match.length <= len(TEXT)  # nothing past the first placeholder was admitted
+    store.release(match)
+    store.close()
+
+
+def test_text_before_a_later_image_is_reused_past_a_shared_prefix(model):
+    store = PrefixStore(model, capacity="64MB")
+    shared = TEXT + list(range(20, 40))
+    for k, image in enumerate((1, 2, 1)):  # the image comes after each prompt's own text
+        prompt = shared + [60 + k, 61, START, IMAGE, END, 50]
+        cache = HybridPrefixCache(store)
+        assert_same(generate(model, prompt, image), generate(model, prompt, image, cache))
+        assert (cache.reused_tokens > 0) == (k > 0)
+    store.close()
+
+
+def test_placeholders_are_read_from_the_config_and_unknown_ones_stop_all_reuse(model):
+    assert placeholder_token_ids(model.config) == [IMAGE, VIDEO, START, END]
+    assert placeholder_token_ids(tf.LlavaConfig()) == [32000]
+    assert placeholder_token_ids(text_config("qwen3_5")) == []
+    ids = torch.tensor([[5, 6, START, IMAGE, 7], [5, 6, 7, 8, START]])
+    assert reusable_columns(model, {"input_ids": ids}) == 2  # the earliest placeholder of any row
+    text_only = tf.Qwen3_5ForCausalLM(text_config("qwen3_5"))
+    assert reusable_columns(text_only, {"input_ids": ids}) is None
+    assert reusable_columns(text_only, {"input_ids": ids, "pixel_values": pixels(0)}) == 0
+
+
+def test_a_text_only_prompt_on_the_multimodal_model_reuses_everything(model):
+    """generate hands every first forward of this model `mm_encoder_outputs`: an empty dict when there is no image."""
+    store = PrefixStore(model, capacity="64MB")
+    prompt = TEXT + list(range(20, 40))
+    for _ in range(2):
+        cache = HybridPrefixCache(store)
+        assert_same(generate(model, prompt), generate(model, prompt, cache=cache))
+    assert cache.reused_tokens == len(prompt) - 1
+    store.close()
