@@ -78,10 +78,9 @@ def test_placeholders_are_read_from_the_config_and_unknown_ones_stop_all_reuse(m
     assert placeholder_token_ids(tf.LlavaConfig()) == [32000]
     assert placeholder_token_ids(text_config("qwen3_5")) == []
     ids = torch.tensor([[5, 6, START, IMAGE, 7], [5, 6, 7, 8, START]])
-    assert reusable_columns(model, {"input_ids": ids}) == 2  # the earliest placeholder of any row
-    text_only = tf.Qwen3_5ForCausalLM(text_config("qwen3_5"))
-    assert reusable_columns(text_only, {"input_ids": ids}) is None
-    assert reusable_columns(text_only, {"input_ids": ids, "pixel_values": pixels(0)}) == 0
+    assert reusable_columns(placeholder_token_ids(model.config), {"input_ids": ids}) == 2  # the earliest of any row
+    assert reusable_columns([], {"input_ids": ids}) is None  # a text-only model
+    assert reusable_columns([], {"input_ids": ids, "pixel_values": pixels(0)}) == 0
 
 
 def test_a_text_only_prompt_on_the_multimodal_model_reuses_everything(model):

@@ -36,15 +36,14 @@ agree), 0 when no row can reuse anything. Rotary positions stay right: generate 
 otherwise (or a padded one without position_ids on a model with attention layers, where the model would count
 columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real positions and taken
 at padded columns (shared by all rows); after generate each row is admitted as its real tokens (prompt without pads
-+ output[:-1]) with its states at column - p_b. Masks that are not plain left padding (zeros after ones) get no
-reuse and their rows are not admitted. Beam search and num_return_sequences reorder / repeat the token record and
-pad counts with the tensors.
++ output[:-1]) with its states at column - p_b. Masks that are not plain left padding get no reuse and are not
+admitted. Beam search and num_return_sequences reorder / repeat the token record and pad counts with the tensors.
 
 Direct forwards work the same way, outputs covering the tokens run (at least the last `logits_to_keep`). A later
 multi-token forward (chunked prefill, a continued turn) resumes further where the store holds more. Mamba2 takes its
 cache as `cache_params=`. Assisted decoding crops rejected candidates (a cache with recurrent states refuses: they
 cannot roll back). Multimodal prompts reuse and admit only the text before their first image / video / audio
-placeholder (multimodal.py). `cache.report()`: what each row reused and why, what was admitted (explain.py)."""
+placeholder (multimodal.py). `cache.report()`: what each row reused and why, what was admitted."""
 
 from __future__ import annotations
 

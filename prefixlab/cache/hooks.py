@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
-from prefixlab.cache.multimodal import reusable_columns, text_only
+from prefixlab.cache.multimodal import placeholder_token_ids, reusable_columns, text_only
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -80,6 +80,7 @@ class _ModelHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.cache_arg = cache_keyword(model)
         self.parameters = forward_parameters(model)  # (the guard below keeps the signature: functools.wraps)
+        self.placeholders = placeholder_token_ids(model.config)  # multimodal.py: read once per model, not per request
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
@@ -146,10 +147,10 @@ class _ModelHooks:
         splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
             start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                                _logits_tokens(kwargs), reusable_columns(module, kwargs))
+                                _logits_tokens(kwargs), reusable_columns(self.placeholders, kwargs))
             offset = 0
         else:
-            kwargs = _continuing(module, cache, kwargs, resume=not splitting)
+            kwargs = _continuing(cache, kwargs, self.placeholders, resume=not splitting)
             start = offset = cache.get_seq_length()
         if "position_ids" in self.parameters:  # the forward (or its segments) at its columns
             kwargs = with_column_positions(kwargs, offset)
@@ -227,7 +228,7 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _continuing(module, cache: ModelDrivenCache, kwargs: dict, resume: bool = True) -> dict:
+def _continuing(cache: ModelDrivenCache, kwargs: dict, placeholders: list[int], resume: bool = True) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
     and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
     forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
@@ -246,7 +247,8 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, resume: bool = Tr
         )
     length = kwargs["input_ids"].shape[1]
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
-        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs), reusable_columns(module, kwargs))
+        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs),
+                                    reusable_columns(placeholders, kwargs))
         if skip:  # columns [seen, seen + length) run from seen + skip
             kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen)
     return kwargs

@@ -44,10 +44,11 @@ def _present(value) -> bool:
     return value is not None
 
 
-def reusable_columns(model: torch.nn.Module, kwargs: dict) -> int | None:
+def reusable_columns(placeholders: list[int], kwargs: dict) -> int | None:
     """Leading columns of this forward's input_ids that may come from (and go to) the store: up to the first
-    placeholder token of any row; 0 for multimodal inputs on a model whose placeholders are unknown; None: all."""
-    ids, placeholders = kwargs["input_ids"], placeholder_token_ids(model.config)
+    `placeholders` token (placeholder_token_ids) of any row; 0 for multimodal inputs on a model whose placeholders
+    are unknown; None: all."""
+    ids = kwargs["input_ids"]
     if placeholders:
         hits = torch.isin(ids, torch.tensor(placeholders, device=ids.device))
         rows = hits.any(dim=1)
