@@ -92,3 +92,56 @@ def test_a_text_only_prompt_on_the_multimodal_model_reuses_everything(model):
         assert_same(generate(model, prompt), generate(model, prompt, cache=cache))
     assert cache.reused_tokens == len(prompt) - 1
     store.close()
+
+
+GRID_4 = torch.tensor([[1, 4, 4]])  # 16 patches merged 2 x 2: four placeholder tokens, whose M-RoPE positions are 2D
+
+
+def image_inputs(ids: list[int], seed: int) -> dict:
+    """A direct forward's inputs for one prompt with one 4-token image (as the processor returns them)."""
+    return {"input_ids": torch.tensor([ids]), "image_grid_thw": GRID_4,
+            "pixel_values": torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(seed)),
+            "mm_token_type_ids": torch.tensor([[int(t == IMAGE) for t in ids]])}
+
+
+def forward_and_decode(model, inputs: dict, cache=None, steps: int = 3) -> torch.Tensor:
+    """A caller's own loop: one forward over the prompt, then greedy one-token forwards (no positions given)."""
+    out = model(**inputs, past_key_values=cache, use_cache=True)
+    logits = [out.logits[:, -1]]
+    past = cache if cache is not None else out.past_key_values
+    for _ in range(steps):
+        out = model(input_ids=logits[-1].argmax(-1, keepdim=True), past_key_values=past, use_cache=True)
+        logits.append(out.logits[:, -1])
+    return torch.stack(logits)
+
+
+@torch.no_grad()
+def test_a_direct_forward_with_an_image_gets_the_models_own_positions(model):
+    """Before: with no position_ids the hooks gave every column its index, so the image's tokens and everything after
+    them ran at text positions instead of M-RoPE's (logits off by 0.08 on the very first request, nothing reused),
+    and the decode steps after were off too. Now the model's own positions are used, and the text before the image
+    is reused."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    for k, image in enumerate((1, 1, 2)):
+        cache = HybridPrefixCache(store)
+        served = forward_and_decode(model, image_inputs(prompt, image), cache)
+        torch.testing.assert_close(served, forward_and_decode(model, image_inputs(prompt, image)), atol=1e-5, rtol=0)
+        assert cache.reused_tokens == (len(TEXT) if k else 0)
+    store.close()
+
+
+def test_generate_reuses_the_text_before_a_multi_token_image(model):
+    """Before: generate's M-RoPE positions (offset past the image) made the request look like custom positions, so
+    nothing was looked up or admitted."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    for k, image in enumerate((1, 2, 1)):
+        inputs = image_inputs(prompt, image)
+        cache = HybridPrefixCache(store)
+        options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                       output_scores=True)
+        outputs = [model.generate(**inputs, **options, **extra) for extra in ({}, {"past_key_values": cache})]
+        assert_same(*[(out.sequences, torch.stack(out.scores)) for out in outputs])
+        assert cache.reused_tokens == (len(TEXT) if k else 0)
+    store.close()

@@ -189,7 +189,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         ids = input_ids.detach().cpu()  # token ids were checked by the hooks (hooks.py), every row before any lookup
         batch, length = ids.shape
         pads = left_pads(attention_mask, batch, length)
-        if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers)):
+        if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers),
+                                                   reusable):
             pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing

@@ -31,7 +31,13 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
-from prefixlab.cache.multimodal import placeholder_token_ids, reusable_columns, text_only
+from prefixlab.cache.multimodal import (
+    computes_positions,
+    model_positions,
+    placeholder_token_ids,
+    reusable_columns,
+    text_only,
+)
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -81,6 +87,7 @@ class _ModelHooks:
         self.cache_arg = cache_keyword(model)
         self.parameters = forward_parameters(model)  # (the guard below keeps the signature: functools.wraps)
         self.placeholders = placeholder_token_ids(model.config)  # multimodal.py: read once per model, not per request
+        self.own_positions = computes_positions(model)  # M-RoPE: positions follow the images, not the columns
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
@@ -146,14 +153,17 @@ class _ModelHooks:
             )
         splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
+            if self.own_positions and kwargs.get("position_ids") is None:  # what the model would compute, whole
+                positions = model_positions(module, kwargs)
+                kwargs = kwargs if positions is None else kwargs | {"position_ids": positions}
             start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
                                 _logits_tokens(kwargs), reusable_columns(self.placeholders, kwargs))
             offset = 0
         else:
             kwargs = _continuing(cache, kwargs, self.placeholders, resume=not splitting)
             start = offset = cache.get_seq_length()
-        if "position_ids" in self.parameters:  # the forward (or its segments) at its columns
-            kwargs = with_column_positions(kwargs, offset)
+        if "position_ids" in self.parameters and not (offset and self.own_positions):  # (M-RoPE: the model's own)
+            kwargs = with_column_positions(kwargs, offset)  # the forward (or its segments) at its columns
         if not splitting:
             self.segment_logits.pop(cache, None)  # a split forward interrupted before its post-hook left one
         if not splitting and kwargs["input_ids"].shape[1] > 1:  # (a decode step has nothing to split)

@@ -36,6 +36,26 @@ def text_only(kwargs: dict) -> dict:
     return {name: value for name, value in kwargs.items() if not _INPUT.search(name)}
 
 
+def model_positions(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
+    """The positions a vision-language model with M-RoPE (Qwen2/2.5/3-VL, Qwen3.5, GLM-4V, ...) gives a first forward
+    that passes none: [3, batch, length], an image's tokens sharing positions, so its later tokens' positions are
+    not their columns. Computing them also sets the rope offset the model keeps for its decode steps, as its own
+    forward would. None where the model counts columns (no M-RoPE, or no image in the forward)."""
+    owner = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "compute_3d_position_ids")), None)
+    if owner is None:
+        return None
+    return owner.compute_3d_position_ids(
+        input_ids=kwargs["input_ids"], inputs_embeds=None, image_grid_thw=kwargs.get("image_grid_thw"),
+        video_grid_thw=kwargs.get("video_grid_thw"), attention_mask=kwargs.get("attention_mask"),
+        past_key_values=None, mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+
+
+def computes_positions(model: torch.nn.Module) -> bool:
+    """Whether `model` derives positions from its inputs (M-RoPE): a forward continuing its cache must then not be
+    given column positions (after an image they are offset)."""
+    return any(hasattr(m, "compute_3d_position_ids") for m in (model, getattr(model, "model", None)))
+
+
 def _present(value) -> bool:
     if isinstance(value, dict):
         return any(_present(v) for v in value.values())

@@ -25,17 +25,20 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
     return pads.tolist()
 
 
-def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool) -> bool:
-    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at): position_ids
-    [batch, length] or [k, batch, length] must say so on real columns; without them the model counts columns, which
-    is right only without pads (or without attention layers, where positions do not matter)."""
+def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool,
+                   cached: int | None = None) -> bool:
+    """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at) on the first
+    `cached` columns (all by default; those the store may serve or take: past an image M-RoPE positions are offset):
+    position_ids [batch, length] or [k, batch, length] must say so on real columns; without them the model counts
+    columns, which is right only without pads (or without attention layers, where positions do not matter)."""
     if position_ids is None:
         return not has_attention or not any(pads)
     ids = position_ids.detach().cpu().long()
     ids = ids[None] if ids.dim() == 2 else ids
     if ids.dim() != 3 or tuple(ids.shape[1:]) != (len(pads), length):
         return False
-    return all(torch.equal(ids[:, row, pad:], torch.arange(length - pad).expand(ids.shape[0], -1))
+    stop = length if cached is None else cached
+    return all(torch.equal(ids[:, row, pad:stop], torch.arange(max(stop - pad, 0)).expand(ids.shape[0], -1))
                for row, pad in enumerate(pads))
 
 
@@ -48,6 +51,10 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
         return True
     ids = position_ids.detach()
     ids = ids[None] if ids.dim() == 2 else ids
+    if ids.dim() == 3 and len(ids) in (3, 4):  # M-RoPE: past an image its rows are offset from the columns
+        if len(ids) == 3:  # (they alone: cannot be told)
+            return True
+        ids = ids[:1]  # 4 rows: the first counts text positions
     if ids.dim() != 3 or ids.shape[1] not in (1, len(pads)) or (ids.shape[1] == 1 and len(set(pads)) > 1):
         return True
     expected = torch.tensor([seen - pad for pad in pads[: ids.shape[1]]])
