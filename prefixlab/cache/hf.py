@@ -54,6 +54,7 @@ from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hooks import ModelDrivenCache
+from prefixlab.cache.multimodal import first_key
 from prefixlab.cache.rows import left_pads, load_rows, pad_safe_splits, real_positions
 from prefixlab.cache.sharing import check_open, under_store_lock
 from prefixlab.cache.store import PrefixStore
@@ -113,6 +114,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     def _clear_request(self) -> None:
         self._started = False
         self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
+        self._prompt: torch.Tensor | None = None  # the first forward's ids as the store sees them (multimodal.py keys)
         self._seen = 0  # tokens the cache tensors describe
         self._pending = 0  # tokens of the forward in flight
         self._admit_rows: list[int] = []  # rows we may admit (all, unless the mask is not plain left padding)
@@ -190,7 +192,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         batch, length = ids.shape
         pads = left_pads(attention_mask, batch, length)
         if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers),
-                                                   reusable):
+                                                   min(reusable if reusable is not None else length, first_key(ids))):
             pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
@@ -213,6 +215,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             self._plan = sorted({*self._plan, length - tail})
         self._report = RequestReport(rows)
         self._fed.append(ids[:, :common])
+        self._prompt = ids
         self._seen = common
         self.store.record_request(rows)
         return common
@@ -323,8 +326,9 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
             self._decode_start, self._decode_differs = self._seen, {} if self.store.records_in_kernel else {None: True}
             self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
-        self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
+        keyed = self._prompt is not None and self._seen + self._pending <= self._prompt.shape[1]
+        self._fed.append(self._prompt[:, self._seen:self._seen + self._pending] if keyed else input_ids.detach().cpu())
         stop = self._seen + self._pending
         offsets = [p - self._seen for p in self._plan if self._seen <= p <= stop]
         self.prefixlab_capture_positions = offsets or None

@@ -31,13 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
-from prefixlab.cache.multimodal import (
-    computes_positions,
-    model_positions,
-    placeholder_token_ids,
-    reusable_columns,
-    text_only,
-)
+from prefixlab.cache.multimodal import MediaTokens, computes_positions, model_positions, reusable_columns, text_only
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -86,7 +80,7 @@ class _ModelHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.cache_arg = cache_keyword(model)
         self.parameters = forward_parameters(model)  # (the guard below keeps the signature: functools.wraps)
-        self.placeholders = placeholder_token_ids(model.config)  # multimodal.py: read once per model, not per request
+        self.media = MediaTokens(model)  # multimodal.py: placeholders read once per model, not per request
         self.own_positions = computes_positions(model)  # M-RoPE: positions follow the images, not the columns
         self.owners: set[int] = set()
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
@@ -156,12 +150,14 @@ class _ModelHooks:
             if self.own_positions and kwargs.get("position_ids") is None:  # what the model would compute, whole
                 positions = model_positions(module, kwargs)
                 kwargs = kwargs if positions is None else kwargs | {"position_ids": positions}
-            start = cache.begin(kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
-                                _logits_tokens(kwargs), reusable_columns(self.placeholders, kwargs))
-            offset = 0
+            kwargs, keys = self.media.keyed(module, kwargs)  # the ids the store sees: images keyed by content
+            start = cache.begin(kwargs["input_ids"] if keys is None else keys, kwargs.get("attention_mask"),
+                                kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs, keys))
+            offset, keyed = 0, keys is not None
         else:
-            kwargs = _continuing(cache, kwargs, self.placeholders, resume=not splitting)
+            kwargs = _continuing(cache, kwargs, self.media.placeholders, resume=not splitting)
             start = offset = cache.get_seq_length()
+            keyed = False
         if "position_ids" in self.parameters and not (offset and self.own_positions):  # (M-RoPE: the model's own)
             kwargs = with_column_positions(kwargs, offset)  # the forward (or its segments) at its columns
         if not splitting:
@@ -169,7 +165,8 @@ class _ModelHooks:
         if not splitting and kwargs["input_ids"].shape[1] > 1:  # (a decode step has nothing to split)
             self.splitting.add(cache)  # its segments continue the request: not a lookup each (resume_further)
             try:
-                kwargs, segments = _run_splits(module, cache, kwargs, start, offset, self.parameters)
+                kwargs, segments = _run_splits(module, cache, kwargs, start, offset, self.parameters,
+                                               self.media if keyed else None)
             finally:
                 self.splitting.discard(cache)
             if segments is not None:
@@ -272,11 +269,12 @@ def _logits_tokens(kwargs: dict) -> int:
     return keep if isinstance(keep, int) else kwargs["input_ids"].shape[1]
 
 
-def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int,
-                params: frozenset[str]) -> tuple[dict, tuple | None]:
+def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offset: int, params: frozenset[str],
+                media: MediaTokens | None = None) -> tuple[dict, tuple | None]:
     """Run the forward's tokens up to each planned capture split (`kwargs` holds the tokens of columns [offset,
     offset + n), the first `start - offset` of them already held); return the last segment's kwargs and, when the
-    caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep)."""
+    caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep). `media`: the
+    forward's images are keyed (multimodal.py), so each part gets the features of its own placeholders."""
     length = offset + kwargs["input_ids"].shape[1]
     splits = cache.capture_splits(start, length)
     keep = kwargs.get("logits_to_keep", 0)
@@ -286,15 +284,15 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
         raise InvalidInputError("with HybridPrefixCache(store) on patch=False, logits_to_keep must be an int")
     logits = []
     for stop in splits:
-        # splits come before any image placeholder (the cache plans none past it): plain text, run without images
-        segment = text_only(_slice_inputs(kwargs, start, stop, length, offset))
+        # unkeyed: splits come before any placeholder (the cache plans none past it): plain text, run without media
+        segment = text_only(_slice_inputs(kwargs, start, stop, length, offset, media), keep_features=bool(media))
         if "logits_to_keep" in params:
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)
         if collect:
             logits.append(output.logits)
         start = stop
-    last = _slice_inputs(kwargs, start, length, length, offset)
+    last = _slice_inputs(kwargs, start, length, length, offset, media)
     if collect and "logits_to_keep" in params:
         last["logits_to_keep"] = 0
     return last, (logits, keep) if collect else None
@@ -318,10 +316,12 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
 
 
-def _slice_inputs(kwargs: dict, start: int, stop: int, length: int, offset: int = 0) -> dict:
-    """Model inputs for columns [start, stop) of a call over columns [offset, length): per-token inputs are cut, the
-    2D attention mask keeps every column up to `stop` (it spans cached + new tokens)."""
-    out = dict(kwargs)
+def _slice_inputs(kwargs: dict, start: int, stop: int, length: int, offset: int = 0,
+                  media: MediaTokens | None = None) -> dict:
+    """Model inputs for columns [start, stop) of a call over columns [offset, length): per-token inputs are cut (with
+    `media`, the pre-encoded features too), the 2D attention mask keeps every column up to `stop` (it spans cached +
+    new tokens)."""
+    out = dict(kwargs) if media is None else media.sliced(kwargs, start - offset, stop - offset)
     for name in ("input_ids", "position_ids", "token_type_ids"):
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.shape[-1] == length - offset:

@@ -1,28 +1,43 @@
 """Multimodal prompts: placeholder tokens (image, video, audio) whose KV depends on more than their token ids.
 
-Two requests with the same placeholder ids may carry different images, so a prefix is reused, and admitted, only up
-to the first placeholder of any row: what precedes it is plain text (causal attention), what follows it is not.
+Two requests with the same placeholder ids may carry different images. Where a model takes pre-encoded features
+(`mm_encoder_outputs`, as generate() passes them) and positions images itself (M-RoPE: Qwen3.5 and its MoE), each
+image's placeholder tokens are keyed by its content instead: the store sees ids above any vocabulary derived from a
+digest of the image's features (and the shape of its positions), so the same image again is reused, past it too, and
+another image never is; the forward after a reused prefix gets the features of the placeholders it still runs, as
+generate's chunked prefill does. Elsewhere (videos, audio, other models) a prefix is reused, and admitted, only up to
+the first placeholder of any row: what precedes it is plain text (causal attention), what follows it is not.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import re
 
+import numpy as np
 import torch
 
 _PLACEHOLDER = re.compile(r"(image|video|audio|vision|boi|eoi|boa|eoa|media).*_token_(id|ids|index)$")
+_DELIMITER = re.compile(r"(start|end|boi|eoi|boa|eoa)")  # tokens around media: embedded like text
 _INPUT = re.compile(r"pixel|image|video|audio|input_features|encoder_outputs")
+KEY_BASE = 1 << 40  # content keys of placeholder tokens lie in [KEY_BASE, KEY_BASE + 2**62): no vocabulary reaches it
+_STEP = np.uint64(0x9E3779B97F4A7C15)  # spreads a digest over an image's tokens
+
+
+def _named_ids(config, delimiters: bool) -> list[int]:
+    found: set[int] = set()
+    for part in (config, config.get_text_config()):
+        for name, value in vars(part).items():
+            if _PLACEHOLDER.search(name) and (delimiters or not _DELIMITER.search(name)):
+                values = value if isinstance(value, list | tuple) else [value]
+                found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+    return sorted(found)
 
 
 def placeholder_token_ids(config) -> list[int]:
     """The token ids a (multimodal) config names as image / video / audio placeholders or their delimiters."""
-    found: set[int] = set()
-    for part in (config, config.get_text_config()):
-        for name, value in vars(part).items():
-            if _PLACEHOLDER.search(name):
-                values = value if isinstance(value, list | tuple) else [value]
-                found.update(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-    return sorted(found)
+    return _named_ids(config, delimiters=True)
 
 
 def has_multimodal_inputs(kwargs: dict) -> bool:
@@ -31,9 +46,11 @@ def has_multimodal_inputs(kwargs: dict) -> bool:
     return any(_present(value) and _INPUT.search(name) for name, value in kwargs.items())
 
 
-def text_only(kwargs: dict) -> dict:
-    """The inputs of a forward segment that holds no placeholder (before the first: plain text), without the images."""
-    return {name: value for name, value in kwargs.items() if not _INPUT.search(name)}
+def text_only(kwargs: dict, keep_features: bool = False) -> dict:
+    """The inputs of a forward segment without its media inputs (before the first placeholder: plain text), or
+    with only its (sliced, MediaTokens.sliced) pre-encoded features."""
+    return {name: value for name, value in kwargs.items()
+            if not _INPUT.search(name) or (keep_features and name == "mm_encoder_outputs")}
 
 
 def model_positions(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
@@ -54,6 +71,125 @@ def computes_positions(model: torch.nn.Module) -> bool:
     """Whether `model` derives positions from its inputs (M-RoPE): a forward continuing its cache must then not be
     given column positions (after an image they are offset)."""
     return any(hasattr(m, "compute_3d_position_ids") for m in (model, getattr(model, "model", None)))
+
+
+class MediaTokens:
+    """What the hooks need to know of one model's placeholders (read once from its config; holds no model)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = model.config
+        self.placeholders = placeholder_token_ids(config)
+        self.modality_ids = {m: v for m in ("image", "video") if isinstance(v := _config_id(config, m), int)}
+        keyable = ("mm_encoder_outputs" in inspect.signature(model.forward).parameters and computes_positions(model)
+                   and hasattr(getattr(model, "model", model), "get_image_features"))
+        self.image_id = self.modality_ids.get("image") if keyable else None
+        # with images keyed, what still stops reuse: the other media's placeholders (not their delimiters)
+        self.unkeyed = [t for t in _named_ids(config, delimiters=False) if t != self.image_id]
+
+    def keyed(self, module: torch.nn.Module, kwargs: dict) -> tuple[dict, torch.Tensor | None]:
+        """A first forward's inputs (raw pixels encoded as generate() would, so that they can be sliced) and the ids
+        the store sees for its columns: image placeholders keyed by content. (kwargs, None) where nothing is keyed."""
+        if self.image_id is None or not bool((kwargs["input_ids"] == self.image_id).any()):
+            return kwargs, None
+        outputs = dict(kwargs.get("mm_encoder_outputs") or {})
+        if kwargs.get("pixel_values") is not None:
+            if outputs.get("image") is not None:
+                return kwargs, None  # both given: the model's own error
+            base = getattr(module, "model", module)
+            outputs["image"] = base.get_image_features(kwargs["pixel_values"], kwargs.get("image_grid_thw"),
+                                                       return_dict=True)
+            kwargs = {k: v for k, v in kwargs.items() if k != "pixel_values"} | {"mm_encoder_outputs": outputs}
+        if outputs.get("image") is None:
+            return kwargs, None
+        keys = content_keys(kwargs["input_ids"], self.image_id, outputs["image"], kwargs.get("position_ids"))
+        return kwargs, keys
+
+    def reusable(self, kwargs: dict, keys: torch.Tensor | None) -> int | None:
+        """reusable_columns of a forward, its images keyed by `keys` (if given)."""
+        if keys is None:
+            return reusable_columns(self.placeholders, kwargs)
+        others = {m: v for m, v in kwargs["mm_encoder_outputs"].items() if m != "image"}
+        rest = {k: v for k, v in kwargs.items() if not _INPUT.search(k)} | {"mm_encoder_outputs": others}
+        return reusable_columns(self.unkeyed, rest | {"input_ids": keys})
+
+    def sliced(self, kwargs: dict, start: int, stop: int) -> dict:
+        """`kwargs` with its pre-encoded features cut to the placeholders in columns [start, stop) of its input_ids
+        (in the (row, column) order the model fills them)."""
+        outputs = kwargs.get("mm_encoder_outputs")
+        if not outputs or (start == 0 and stop == kwargs["input_ids"].shape[1]):
+            return kwargs
+        cut = {}
+        for modality, output in outputs.items():
+            if output is None or modality not in self.modality_ids:
+                cut[modality] = output
+                continue
+            mask = kwargs["input_ids"] == self.modality_ids[modality]
+            rows = (mask.flatten().cumsum(0) - 1).view_as(mask)[:, start:stop][mask[:, start:stop]]
+            if len(rows):
+                cut[modality] = _take_rows(output, rows)
+        return kwargs | {"mm_encoder_outputs": cut}
+
+
+def _config_id(config, modality: str):
+    for part in (config, config.get_text_config()):
+        for name in (f"{modality}_token_id", f"{modality}_token_index"):
+            if isinstance(value := getattr(part, name, None), int):
+                return value
+    return None
+
+
+def _flat(features) -> torch.Tensor:
+    return torch.cat([f.reshape(-1, f.shape[-1]) for f in features]) if isinstance(features, list | tuple) \
+        else features.reshape(-1, features.shape[-1])
+
+
+def _take_rows(output, rows: torch.Tensor):
+    """An encoder output holding only the feature `rows` (of its placeholders, flattened) the models read."""
+    parts = {"pooler_output": [_flat(output["pooler_output"])[rows]]}
+    if (deepstack := output.get("deepstack_features")) is not None:
+        parts["deepstack_features"] = [[_flat(layer)[rows]] for layer in deepstack]
+    return type(output)(**parts)
+
+
+def content_keys(input_ids: torch.Tensor, image_id: int, output, position_ids: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """`input_ids` with each run of `image_id` placeholders replaced by ids derived from a digest of its features
+    (and deepstack features) and of its positions relative to its first token; None if the features do not match
+    the placeholders (the model raises its own error)."""
+    ids = input_ids.detach().cpu()
+    features = [_flat(output["pooler_output"])]
+    if (deepstack := output.get("deepstack_features")) is not None:
+        features += [_flat(layer) for layer in deepstack]
+    mask = ids == image_id
+    if any(len(f) != int(mask.sum()) for f in features):
+        return None
+    features = [f.detach().cpu().contiguous() for f in features]
+    positions = None if position_ids is None or position_ids.dim() != 3 else position_ids[-3:].detach().cpu()
+    keys, first = ids.clone(), 0
+    for row in range(ids.shape[0]):
+        columns = mask[row].nonzero().flatten()
+        for run in torch.tensor_split(columns, (torch.diff(columns) != 1).nonzero().flatten() + 1):
+            if not len(run):
+                continue
+            digest = hashlib.blake2b(digest_size=8)
+            for f in features:
+                part = f[first:first + len(run)]
+                digest.update(str((part.shape, part.dtype)).encode() + part.view(torch.uint8).numpy().tobytes())
+            if positions is not None:
+                digest.update((positions[:, row, run] - positions[:, row, run[:1]]).numpy().tobytes())
+            spread = (np.uint64(int.from_bytes(digest.digest(), "little")) + np.arange(len(run), dtype=np.uint64)
+                      * _STEP) % np.uint64(1 << 62)
+            keys[row, run] = torch.from_numpy((spread + np.uint64(KEY_BASE)).astype(np.int64))
+            first += len(run)
+    return keys
+
+
+def first_key(ids: torch.Tensor) -> int:
+    """The first column of [batch, length] ids (CPU) holding a content key in any row (length if none): positions
+    past it follow the image (M-RoPE), which the key covers."""
+    keyed = ids >= KEY_BASE
+    rows = keyed.any(dim=1)
+    return int(keyed[rows].int().argmax(dim=1).min()) if bool(rows.any()) else ids.shape[1]
 
 
 def _present(value) -> bool:
