@@ -102,3 +102,55 @@ def test_demo_workload_prefill_time_saved(benchmark, model, capsys):
     base = sum(s.baseline_cpu_seconds for s in served)
     cached = sum(s.cached_cpu_seconds for s in served)
     assert identical and base / cached >= 5
+
+
+def test_questions_about_images_reuse_the_images(benchmark):
+    """Many questions about a few images (tiny Qwen3.5 with its vision tower): each image's placeholders are keyed by
+    its content, so a later question about it reuses the system prompt, the image and nothing of another image."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from prefixlab.demo import tiny_hybrid_config
+
+    image, start, end, grid = 50277, 50278, 50279, torch.tensor([[1, 16, 16]])  # 256 patches: 64 tokens
+    vision = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2, out_hidden_size=256, patch_size=14,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    config = Qwen3_5Config(text_config=tiny_hybrid_config(50281).to_dict(), vision_config=vision,
+                           image_token_id=image, video_token_id=50276, vision_start_token_id=start,
+                           vision_end_token_id=end)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    tokens = torch.Generator().manual_seed(1)
+    system = torch.randint(3, 50000, (512,), generator=tokens).tolist()
+    pixels = [torch.randn(256, 1176, generator=torch.Generator().manual_seed(10 + k)) for k in range(4)]
+    requests = [(k, torch.randint(3, 50000, (24,), generator=tokens).tolist()) for _ in range(5) for k in range(4)]
+
+    def inputs(k, question):
+        ids = torch.tensor([system + [start] + [image] * 64 + [end] + question])
+        return dict(input_ids=ids, pixel_values=pixels[k], image_grid_thw=grid, mm_token_type_ids=(ids == image).int(),
+                    max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    def run():
+        store = PrefixStore(model, capacity="1GB", policy="dp")
+        plain = cached = 0.0
+        prompt_tokens = prefilled = identical = 0
+        with torch.inference_mode():
+            for k, question in requests:
+                start_cpu = time.process_time()
+                reference = model.generate(**inputs(k, question))
+                plain += time.process_time() - start_cpu
+                cache = HybridPrefixCache(store)
+                start_cpu = time.process_time()
+                served = model.generate(**inputs(k, question), past_key_values=cache)
+                cached += time.process_time() - start_cpu
+                identical += torch.equal(reference, served)
+                prompt_tokens += inputs(k, question)["input_ids"].shape[1]
+                prefilled += inputs(k, question)["input_ids"].shape[1] - cache.reused_tokens
+        store.close()
+        return plain, cached, prompt_tokens, prefilled, identical
+
+    plain, cached, prompt_tokens, prefilled, identical = benchmark.pedantic(run, rounds=1, iterations=1)
+    print(f"\n{len(requests)} questions about 4 images (512 system + 66 image + 24 question tokens each): prefilled "
+          f"{prefilled} of {prompt_tokens} prompt tokens ({prompt_tokens / prefilled:.1f}x fewer); generate CPU "
+          f"{plain:.2f} s without prefixlab, {cached:.2f} s with ({plain / cached:.2f}x; the vision tower runs in "
+          f"both); {identical} of {len(requests)} outputs identical")
+    assert identical == len(requests) and prompt_tokens / prefilled >= 5
