@@ -158,3 +158,54 @@ def test_generate_reuses_the_text_before_a_multi_token_image(model):
         if k == 2:  # the first image again: past it
             assert cache.reused_tokens > prompt.index(END)
     store.close()
+
+
+def test_a_random_stream_of_image_requests_is_exact(model):
+    """Requests drawn from a few system prompts, images (1 or 4 tokens, one or two a prompt, or none), questions;
+    batches of 1-2 left-padded rows; generate or a direct forward; patched and unpatched stores: every output equals
+    the model's own, and later repeats of an image reuse past it."""
+    draw = torch.Generator().manual_seed(7)
+
+    def pick(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=draw))
+
+    systems = [list(range(5, 5 + n)) for n in (6, 9)]
+    sizes = {1: torch.tensor([1, 2, 2]), 4: torch.tensor([1, 4, 4])}  # placeholder tokens -> grid (t, h, w)
+    pool = [(size, seed) for size in (1, 4) for seed in (1, 2)]  # (placeholder tokens, pixels' seed)
+
+    def row() -> tuple[list[int], list[tuple[int, int]]]:
+        ids, images = list(systems[pick(2)]), [pool[pick(4)] for _ in range(pick(3))]
+        for size, _ in images:
+            ids += [START] + [IMAGE] * size + [END] + [30 + pick(3)]
+        return ids + [40 + pick(20) for _ in range(1 + pick(4))], images
+
+    reused_past_an_image = 0
+    for patch in (True, False):
+        store = PrefixStore(model, capacity="64MB", patch=patch)
+        for _ in range(14):
+            rows = [row() for _ in range(1 + (pick(3) == 0))]
+            width = max(len(ids) for ids, _ in rows)
+            pads = torch.tensor([width - len(ids) for ids, _ in rows])
+            ids = torch.tensor([[0] * int(pad) + r for pad, (r, _) in zip(pads, rows, strict=True)])
+            inputs = {"input_ids": ids, "attention_mask": (torch.arange(width)[None] >= pads[:, None]).long()}
+            images = [image for _, row_images in rows for image in row_images]
+            if images:
+                inputs |= {"pixel_values": torch.cat([torch.randn(size * 4, 3 * 2 * 14 * 14, generator=torch.Generator()
+                                                                  .manual_seed(seed)) for size, seed in images]),
+                           "image_grid_thw": torch.stack([sizes[size] for size, _ in images]),
+                           "mm_token_type_ids": (ids == IMAGE).int()}
+            cache = HybridPrefixCache(store)
+            if pick(2):
+                options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                               output_scores=True)
+                outputs = [model.generate(**inputs, **options, **extra) for extra in ({}, {"past_key_values": cache})]
+                assert_same(*[(out.sequences, torch.stack(out.scores)) for out in outputs])
+            else:
+                with torch.no_grad():
+                    reference, served = (model(**inputs, **extra).logits[:, -1]
+                                         for extra in ({}, {"past_key_values": cache}))
+                torch.testing.assert_close(served, reference, atol=1e-5, rtol=0)
+            reused_past_an_image += sum(reused > r.index(IMAGE) for (r, row_images), reused
+                                        in zip(rows, cache.rows_reused, strict=True) if row_images)
+        store.close()
+    assert reused_past_an_image >= 2
