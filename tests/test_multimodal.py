@@ -209,3 +209,26 @@ def test_a_random_stream_of_image_requests_is_exact(model):
                                         in zip(rows, cache.rows_reused, strict=True) if row_images)
         store.close()
     assert reused_past_an_image >= 2
+
+
+@torch.no_grad()
+def test_a_video_stops_reuse_and_is_served_with_a_keyed_image(model):
+    """Videos are not keyed: reuse stops at the first video token, keyed images before it are reused. Before: a direct
+    forward with an image and a video failed (the image encoded for its key, the video left raw: "You cannot specify
+    both pixel_values/pixel_values_videos and mm_encoder_outputs")."""
+    frames = [START, VIDEO, VIDEO, END, START, VIDEO, VIDEO, END]  # two temporal patches of 2 x 4, merged 2 x 2
+    for video_first in (False, True):
+        parts = [frames, [START] + [IMAGE] * 4 + [END]][:: 1 if video_first else -1]
+        ids = torch.tensor([TEXT + parts[0] + [50, 51] + parts[1] + list(range(20, 26))])
+        store = PrefixStore(model, capacity="64MB")
+        for image, video in ((1, 1), (1, 1), (1, 2)):
+            inputs = {"input_ids": ids, "image_grid_thw": GRID_4, "video_grid_thw": torch.tensor([[2, 2, 4]]),
+                      "pixel_values": torch.randn(16, 1176, generator=torch.Generator().manual_seed(image)),
+                      "pixel_values_videos": torch.randn(16, 1176, generator=torch.Generator().manual_seed(9 + video)),
+                      "mm_token_type_ids": (ids == IMAGE).int() + 2 * (ids == VIDEO).int()}
+            cache = HybridPrefixCache(store)
+            served = model(**inputs, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(served, model(**inputs).logits[:, -1], atol=1e-5, rtol=0)
+            assert cache.reused_tokens <= ids[0].tolist().index(VIDEO)
+        assert cache.reused_tokens == ids[0].tolist().index(VIDEO)  # past the keyed image when it comes first
+        store.close()

@@ -80,8 +80,9 @@ class MediaTokens:
         config = model.config
         self.placeholders = placeholder_token_ids(config)
         self.modality_ids = {m: v for m in ("image", "video") if isinstance(v := _config_id(config, m), int)}
+        base = getattr(model, "model", model)
         keyable = ("mm_encoder_outputs" in inspect.signature(model.forward).parameters and computes_positions(model)
-                   and hasattr(getattr(model, "model", model), "get_image_features"))
+                   and hasattr(base, "get_image_features") and hasattr(base, "get_video_features"))
         self.image_id = self.modality_ids.get("image") if keyable else None
         # with images keyed, what still stops reuse: the other media's placeholders (not their delimiters)
         self.unkeyed = [t for t in _named_ids(config, delimiters=False) if t != self.image_id]
@@ -92,13 +93,17 @@ class MediaTokens:
         if self.image_id is None or not bool((kwargs["input_ids"] == self.image_id).any()):
             return kwargs, None
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
-        if kwargs.get("pixel_values") is not None:
-            if outputs.get("image") is not None:
-                return kwargs, None  # both given: the model's own error
-            base = getattr(module, "model", module)
-            outputs["image"] = base.get_image_features(kwargs["pixel_values"], kwargs.get("image_grid_thw"),
-                                                       return_dict=True)
-            kwargs = {k: v for k, v in kwargs.items() if k != "pixel_values"} | {"mm_encoder_outputs": outputs}
+        raw = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+        if any(kwargs.get(pixels) is not None for pixels, _ in raw.values()):
+            if outputs:
+                return kwargs, None  # pixels and features both given: the model's own error
+            base = getattr(module, "model", module)  # the model takes features or pixels: all of them encoded
+            for modality, (pixels, grid) in raw.items():
+                if kwargs.get(pixels) is not None:
+                    encode = getattr(base, f"get_{modality}_features")
+                    outputs[modality] = encode(kwargs[pixels], kwargs.get(grid), return_dict=True)
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "pixel_values_videos")}
+            kwargs |= {"mm_encoder_outputs": outputs}
         if outputs.get("image") is None:
             return kwargs, None
         keys = content_keys(kwargs["input_ids"], self.image_id, outputs["image"], kwargs.get("position_ids"))
