@@ -232,3 +232,24 @@ def test_a_video_stops_reuse_and_is_served_with_a_keyed_image(model):
             assert cache.reused_tokens <= ids[0].tolist().index(VIDEO)
         assert cache.reused_tokens == ids[0].tolist().index(VIDEO)  # past the keyed image when it comes first
         store.close()
+
+
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_a_chunked_prefill_reuses_an_image_seen_before(model, chunk):
+    """generate(prefill_chunk_size=...) hands each chunk the features of its own placeholders: every chunk's image
+    tokens are keyed (each token by its own feature row and position), so the same image is reused past it whatever
+    the chunking, and another image is not."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+                   prefill_chunk_size=chunk)
+    for k, image in enumerate((1, 2, 1, 1)):  # (a chunked request stores no state at its prompt's end: its repeat does)
+        cache = HybridPrefixCache(store)
+        outputs = [model.generate(**image_inputs(prompt, image), **options, **extra)
+                   for extra in ({}, {"past_key_values": cache})]
+        assert_same(*[(out.sequences, torch.stack(out.scores)) for out in outputs])
+        if k == 1:
+            assert cache.reused_tokens <= prompt.index(IMAGE)
+        if k == 3:
+            assert cache.reused_tokens > prompt.index(END)
+    store.close()

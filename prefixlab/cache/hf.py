@@ -114,7 +114,6 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     def _clear_request(self) -> None:
         self._started = False
         self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
-        self._prompt: torch.Tensor | None = None  # the first forward's ids as the store sees them (multimodal.py keys)
         self._seen = 0  # tokens the cache tensors describe
         self._pending = 0  # tokens of the forward in flight
         self._admit_rows: list[int] = []  # rows we may admit (all, unless the mask is not plain left padding)
@@ -215,7 +214,6 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             self._plan = sorted({*self._plan, length - tail})
         self._report = RequestReport(rows)
         self._fed.append(ids[:, :common])
-        self._prompt = ids
         self._seen = common
         self.store.record_request(rows)
         return common
@@ -319,16 +317,16 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
 
     @under_store_lock
     def record(self, input_ids: torch.Tensor) -> None:
-        """A forward is about to run over `input_ids` [batch, t]; offsets to record are set for patched layers."""
+        """A forward is about to run over `input_ids` [batch, t] (as the store sees them: images keyed by content,
+        multimodal.py); offsets to record are set for patched layers."""
         self._require_started()
         if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
             # the first decode step: if any computes what a prefill would not (patched layers tell, through
             # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
             self._decode_start, self._decode_differs = self._seen, {} if self.store.records_in_kernel else {None: True}
             self._captured.setdefault(self._seen, snapshot_states(self.layers, self.store.layout.state_layers))
+        self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
-        keyed = self._prompt is not None and self._seen + self._pending <= self._prompt.shape[1]
-        self._fed.append(self._prompt[:, self._seen:self._seen + self._pending] if keyed else input_ids.detach().cpu())
         stop = self._seen + self._pending
         offsets = [p - self._seen for p in self._plan if self._seen <= p <= stop]
         self.prefixlab_capture_positions = offsets or None

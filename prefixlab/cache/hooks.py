@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
-from prefixlab.cache.multimodal import MediaTokens, computes_positions, model_positions, reusable_columns, text_only
+from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, model_positions, text_only
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -150,14 +150,13 @@ class _ModelHooks:
             if self.own_positions and kwargs.get("position_ids") is None:  # what the model would compute, whole
                 positions = model_positions(module, kwargs)
                 kwargs = kwargs if positions is None else kwargs | {"position_ids": positions}
-            kwargs, keys = self.media.keyed(module, kwargs)  # the ids the store sees: images keyed by content
-            start = cache.begin(kwargs["input_ids"] if keys is None else keys, kwargs.get("attention_mask"),
-                                kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs, keys))
-            offset, keyed = 0, keys is not None
+            kwargs = self.media.keyed(module, kwargs, first=True)  # the ids the store sees: images keyed by content
+            start = cache.begin(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), kwargs.get("attention_mask"),
+                                kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs))
+            offset = 0
         else:
-            kwargs = _continuing(cache, kwargs, self.media.placeholders, resume=not splitting)
+            kwargs = _continuing(module, cache, kwargs, self.media, resume=not splitting)
             start = offset = cache.get_seq_length()
-            keyed = False
         if "position_ids" in self.parameters and not (offset and self.own_positions):  # (M-RoPE: the model's own)
             kwargs = with_column_positions(kwargs, offset)  # the forward (or its segments) at its columns
         if not splitting:
@@ -165,13 +164,14 @@ class _ModelHooks:
         if not splitting and kwargs["input_ids"].shape[1] > 1:  # (a decode step has nothing to split)
             self.splitting.add(cache)  # its segments continue the request: not a lookup each (resume_further)
             try:
-                kwargs, segments = _run_splits(module, cache, kwargs, start, offset, self.parameters,
-                                               self.media if keyed else None)
+                kwargs, segments = _run_splits(module, cache, kwargs, start, offset, self.parameters, self.media)
             finally:
                 self.splitting.discard(cache)
             if segments is not None:
                 self.segment_logits[cache] = segments
-        cache.record(kwargs["input_ids"])
+        kwargs = dict(kwargs)
+        keys = kwargs.pop(TOKEN_KEYS, None)  # (the hooks' own: never the model's)
+        cache.record(kwargs["input_ids"] if keys is None else keys)
         return (), kwargs
 
     @torch.compiler.disable
@@ -235,7 +235,7 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _continuing(cache: ModelDrivenCache, kwargs: dict, placeholders: list[int], resume: bool = True) -> dict:
+def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaTokens, resume: bool = True) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
     and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
     forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
@@ -254,10 +254,11 @@ def _continuing(cache: ModelDrivenCache, kwargs: dict, placeholders: list[int], 
         )
     length = kwargs["input_ids"].shape[1]
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
-        skip = cache.resume_further(kwargs["input_ids"], _logits_tokens(kwargs),
-                                    reusable_columns(placeholders, kwargs))
+        kwargs = media.keyed(module, kwargs, first=False)
+        skip = cache.resume_further(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), _logits_tokens(kwargs),
+                                    media.reusable(kwargs))
         if skip:  # columns [seen, seen + length) run from seen + skip
-            kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen)
+            kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen, media=media)
     return kwargs
 
 
@@ -274,7 +275,7 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     """Run the forward's tokens up to each planned capture split (`kwargs` holds the tokens of columns [offset,
     offset + n), the first `start - offset` of them already held); return the last segment's kwargs and, when the
     caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep). `media`: the
-    forward's images are keyed (multimodal.py), so each part gets the features of its own placeholders."""
+    forward's placeholders: each part gets the features of its own (multimodal.py)."""
     length = offset + kwargs["input_ids"].shape[1]
     splits = cache.capture_splits(start, length)
     keep = kwargs.get("logits_to_keep", 0)
@@ -285,7 +286,8 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     logits = []
     for stop in splits:
         # unkeyed: splits come before any placeholder (the cache plans none past it): plain text, run without media
-        segment = text_only(_slice_inputs(kwargs, start, stop, length, offset, media), keep_features=bool(media))
+        segment = _slice_inputs(kwargs, start, stop, length, offset, media)
+        segment = text_only(segment, keep_features=TOKEN_KEYS in segment)
         if "logits_to_keep" in params:
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)
@@ -321,8 +323,8 @@ def _slice_inputs(kwargs: dict, start: int, stop: int, length: int, offset: int 
     """Model inputs for columns [start, stop) of a call over columns [offset, length): per-token inputs are cut (with
     `media`, the pre-encoded features too), the 2D attention mask keeps every column up to `stop` (it spans cached +
     new tokens)."""
-    out = dict(kwargs) if media is None else media.sliced(kwargs, start - offset, stop - offset)
-    for name in ("input_ids", "position_ids", "token_type_ids"):
+    out = dict(kwargs if media is None else media.sliced(kwargs, start - offset, stop - offset))  # (never the caller's)
+    for name in ("input_ids", "position_ids", "token_type_ids", TOKEN_KEYS):
         value = kwargs.get(name)
         if isinstance(value, torch.Tensor) and value.shape[-1] == length - offset:
             out[name] = value[..., start - offset:stop - offset]

@@ -15,14 +15,13 @@ import hashlib
 import inspect
 import re
 
-import numpy as np
 import torch
 
 _PLACEHOLDER = re.compile(r"(image|video|audio|vision|boi|eoi|boa|eoa|media).*_token_(id|ids|index)$")
 _DELIMITER = re.compile(r"(start|end|boi|eoi|boa|eoa)")  # tokens around media: embedded like text
 _INPUT = re.compile(r"pixel|image|video|audio|input_features|encoder_outputs")
 KEY_BASE = 1 << 40  # content keys of placeholder tokens lie in [KEY_BASE, KEY_BASE + 2**62): no vocabulary reaches it
-_STEP = np.uint64(0x9E3779B97F4A7C15)  # spreads a digest over an image's tokens
+TOKEN_KEYS = "prefixlab_token_keys"  # the hooks' own input beside input_ids: the ids the store sees (never the model)
 
 
 def _named_ids(config, delimiters: bool) -> list[int]:
@@ -84,19 +83,25 @@ class MediaTokens:
         keyable = ("mm_encoder_outputs" in inspect.signature(model.forward).parameters and computes_positions(model)
                    and hasattr(base, "get_image_features") and hasattr(base, "get_video_features"))
         self.image_id = self.modality_ids.get("image") if keyable else None
-        # with images keyed, what still stops reuse: the other media's placeholders (not their delimiters)
+        # with images keyed, what still stops reuse: the other media's placeholders (not their delimiters, embedded
+        # as text), and an image's in a forward not keyed
         self.unkeyed = [t for t in _named_ids(config, delimiters=False) if t != self.image_id]
+        self.stops = self.placeholders if self.image_id is None else sorted({*self.unkeyed, self.image_id})
 
-    def keyed(self, module: torch.nn.Module, kwargs: dict) -> tuple[dict, torch.Tensor | None]:
-        """A first forward's inputs (raw pixels encoded as generate() would, so that they can be sliced) and the ids
-        the store sees for its columns: image placeholders keyed by content. (kwargs, None) where nothing is keyed."""
+    def keyed(self, module: torch.nn.Module, kwargs: dict, first: bool) -> dict:
+        """A forward's inputs (raw pixels encoded as generate() would, so that they can be sliced) with TOKEN_KEYS,
+        the ids the store sees for its columns: image placeholders keyed by content. Unchanged where nothing is
+        keyed (no image, or a later forward of a request without the text positions generate passes)."""
         if self.image_id is None or not bool((kwargs["input_ids"] == self.image_id).any()):
-            return kwargs, None
+            return kwargs
+        text = _text_positions(kwargs, first)
+        if text is None:
+            return kwargs
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
         raw = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
         if any(kwargs.get(pixels) is not None for pixels, _ in raw.values()):
             if outputs:
-                return kwargs, None  # pixels and features both given: the model's own error
+                return kwargs  # pixels and features both given: the model's own error
             base = getattr(module, "model", module)  # the model takes features or pixels: all of them encoded
             for modality, (pixels, grid) in raw.items():
                 if kwargs.get(pixels) is not None:
@@ -104,17 +109,16 @@ class MediaTokens:
                     outputs[modality] = encode(kwargs[pixels], kwargs.get(grid), return_dict=True)
             kwargs = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "pixel_values_videos")}
             kwargs |= {"mm_encoder_outputs": outputs}
-        if outputs.get("image") is None:
-            return kwargs, None
-        keys = content_keys(kwargs["input_ids"], self.image_id, outputs["image"], kwargs.get("position_ids"))
-        return kwargs, keys
+        keys = content_keys(kwargs["input_ids"], self.image_id, outputs.get("image"), kwargs["position_ids"], text)
+        return kwargs if keys is None else kwargs | {TOKEN_KEYS: keys}
 
-    def reusable(self, kwargs: dict, keys: torch.Tensor | None) -> int | None:
-        """reusable_columns of a forward, its images keyed by `keys` (if given)."""
-        if keys is None:
-            return reusable_columns(self.placeholders, kwargs)
+    def reusable(self, kwargs: dict) -> int | None:
+        """reusable_columns of a forward, its images keyed (TOKEN_KEYS) or not."""
+        if (keys := kwargs.get(TOKEN_KEYS)) is None:
+            return reusable_columns(self.stops, kwargs)
         others = {m: v for m, v in kwargs["mm_encoder_outputs"].items() if m != "image"}
-        rest = {k: v for k, v in kwargs.items() if not _INPUT.search(k)} | {"mm_encoder_outputs": others}
+        rest = {k: v for k, v in kwargs.items() if not _INPUT.search(k) and k != TOKEN_KEYS}
+        rest |= {"mm_encoder_outputs": others}
         return reusable_columns(self.unkeyed, rest | {"input_ids": keys})
 
     def sliced(self, kwargs: dict, start: int, stop: int) -> dict:
@@ -156,36 +160,44 @@ def _take_rows(output, rows: torch.Tensor):
     return type(output)(**parts)
 
 
-def content_keys(input_ids: torch.Tensor, image_id: int, output, position_ids: torch.Tensor | None
-                 ) -> torch.Tensor | None:
-    """`input_ids` with each run of `image_id` placeholders replaced by ids derived from a digest of its features
-    (and deepstack features) and of its positions relative to its first token; None if the features do not match
-    the placeholders (the model raises its own error)."""
-    ids = input_ids.detach().cpu()
-    features = [_flat(output["pooler_output"])]
-    if (deepstack := output.get("deepstack_features")) is not None:
-        features += [_flat(layer) for layer in deepstack]
-    mask = ids == image_id
-    if any(len(f) != int(mask.sum()) for f in features):
+def _text_positions(kwargs: dict, first: bool) -> torch.Tensor | None:
+    """[batch, t] each column's position as text (its index among the row's real tokens): generate's first row of
+    four, or, in a request's first forward, counted from the left-padding mask."""
+    positions = kwargs.get("position_ids")
+    if positions is None or positions.dim() != 3:
         return None
-    features = [f.detach().cpu().contiguous() for f in features]
-    positions = None if position_ids is None or position_ids.dim() != 3 else position_ids[-3:].detach().cpu()
-    keys, first = ids.clone(), 0
-    for row in range(ids.shape[0]):
-        columns = mask[row].nonzero().flatten()
-        for run in torch.tensor_split(columns, (torch.diff(columns) != 1).nonzero().flatten() + 1):
-            if not len(run):
-                continue
-            digest = hashlib.blake2b(digest_size=8)
-            for f in features:
-                part = f[first:first + len(run)]
-                digest.update(str((part.shape, part.dtype)).encode() + part.view(torch.uint8).numpy().tobytes())
-            if positions is not None:
-                digest.update((positions[:, row, run] - positions[:, row, run[:1]]).numpy().tobytes())
-            spread = (np.uint64(int.from_bytes(digest.digest(), "little")) + np.arange(len(run), dtype=np.uint64)
-                      * _STEP) % np.uint64(1 << 62)
-            keys[row, run] = torch.from_numpy((spread + np.uint64(KEY_BASE)).astype(np.int64))
-            first += len(run)
+    if len(positions) == 4:
+        return positions[0]
+    if not first:
+        return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape == kwargs["input_ids"].shape:
+        return mask.long().cumsum(-1) - 1
+    return torch.arange(kwargs["input_ids"].shape[1]).expand_as(kwargs["input_ids"])
+
+
+def content_keys(input_ids: torch.Tensor, image_id: int, output, position_ids: torch.Tensor,
+                 text_positions: torch.Tensor) -> torch.Tensor | None:
+    """`input_ids` with each `image_id` placeholder replaced by an id drawn from a digest of its feature row (and
+    deepstack rows) and of its M-RoPE position less its position as text. What precedes a token is keyed by the ids
+    before it, so equal keys mean equal KV, at any depth of an image and whatever the forward's chunking. None if the
+    features do not match the placeholders (the model raises its own error)."""
+    ids = input_ids.detach().cpu()
+    mask = ids == image_id
+    features = [] if output is None else [_flat(output["pooler_output"])]
+    if output is not None and (deepstack := output.get("deepstack_features")) is not None:
+        features += [_flat(layer) for layer in deepstack]
+    if not features or any(len(f) != int(mask.sum()) for f in features) or position_ids.shape[-1] != ids.shape[1]:
+        return None
+    tag = str([(f.dtype, f.shape[-1]) for f in features]).encode()
+    rows = [f.detach().cpu().contiguous().view(torch.uint8).numpy() for f in features]
+    offsets = (position_ids[-3:].detach().cpu().long() - text_positions.detach().cpu().long()).numpy()
+    keys = ids.clone()
+    for k, (row, column) in enumerate(mask.nonzero().tolist()):  # (row, column) order: the model's fill order
+        digest = hashlib.blake2b(tag + offsets[:, row, column].tobytes(), digest_size=8)
+        for f in rows:
+            digest.update(f[k].tobytes())
+        keys[row, column] = KEY_BASE + (int.from_bytes(digest.digest(), "little") >> 2)
     return keys
 
 
