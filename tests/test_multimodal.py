@@ -253,3 +253,26 @@ def test_a_chunked_prefill_reuses_an_image_seen_before(model, chunk):
         if k == 3:
             assert cache.reused_tokens > prompt.index(END)
     store.close()
+
+
+@torch.no_grad()
+def test_images_that_do_not_fit_their_placeholders_get_a_clear_error_and_leave_the_store(model):
+    """Before: a bare RuntimeError from inside M-RoPE's position code ("The expanded size of the tensor (13) must
+    match ..."). Now an InvalidInputError saying what to pass; nothing is looked up or admitted."""
+    from prefixlab.errors import InvalidInputError
+
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    model(**image_inputs(prompt, 1), past_key_values=HybridPrefixCache(store))
+    store.flush()
+    before = store.stats()
+    bad = [image_inputs(TEXT + [START] + [IMAGE] * 3 + [END], 1),  # one placeholder short of the image's 4
+           image_inputs(prompt, 1) | {"image_grid_thw": torch.tensor([[1, 2, 2]])}]  # a grid that is not the image's
+    for inputs in bad:
+        with pytest.raises(InvalidInputError, match="processor returns them"):
+            model(**inputs, past_key_values=HybridPrefixCache(store))
+    assert store.stats() == before
+    cache = HybridPrefixCache(store)
+    model(**image_inputs(prompt, 1), past_key_values=cache)
+    assert cache.reused_tokens > prompt.index(END)
+    store.close()
