@@ -276,3 +276,46 @@ def test_images_that_do_not_fit_their_placeholders_get_a_clear_error_and_leave_t
     model(**image_inputs(prompt, 1), past_key_values=cache)
     assert cache.reused_tokens > prompt.index(END)
     store.close()
+
+
+def test_a_repeated_image_skips_the_vision_tower(model):
+    """The encoder's outputs are kept by their pixels (media_memo.py): a repeated image runs no vision tower, in
+    generate and in a direct forward; outputs equal a copy of the model that never carried a store; an image over the
+    budget pushes out the least recently used; media_cache=0 keeps none; close() takes the memo off the model."""
+    import copy
+
+    clean = copy.deepcopy(model)
+    runs = []
+    hook = model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    try:
+        for media_cache, expected_runs in (("4000B", [1, 0, 1, 1, 0]), (0, [1, 1, 1, 1, 1])):  # one image's 3 kB fit
+            store = PrefixStore(model, capacity="64MB", media_cache=media_cache)
+            for image, expected in zip((1, 1, 2, 1, 1), expected_runs, strict=True):
+                runs.clear()
+                served = model.generate(**image_inputs(prompt, image), **options,
+                                        past_key_values=HybridPrefixCache(store))
+                assert len(runs) == expected
+                reference = clean.generate(**image_inputs(prompt, image), **options)
+                assert_same((reference.sequences, torch.stack(reference.scores)),
+                            (served.sequences, torch.stack(served.scores)))
+            runs.clear()
+            with torch.no_grad():  # a direct forward encodes through the same memo
+                served = model(**image_inputs(prompt, 1), past_key_values=HybridPrefixCache(store)).logits
+                torch.testing.assert_close(served[:, -1], clean(**image_inputs(prompt, 1)).logits[:, -1], atol=1e-5,
+                                           rtol=0)
+            assert len(runs) == (0 if media_cache else 1)
+            store.close()
+        assert "get_image_features" not in vars(model.model)
+    finally:
+        hook.remove()
+
+
+@pytest.mark.parametrize("bad", ["lots", -1, True, 1.5])
+def test_a_bad_media_cache_is_refused_before_the_model_is_touched(model, bad):
+    from prefixlab.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="media_cache"):
+        PrefixStore(model, capacity="64MB", media_cache=bad)
+    assert "get_image_features" not in vars(model.model)

@@ -30,6 +30,7 @@ import weakref
 
 import torch
 
+from prefixlab.cache.media_memo import FeatureMemo, install, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, model_positions, text_only
 from prefixlab.cache.rows import continues_at
@@ -82,7 +83,10 @@ class _ModelHooks:
         self.parameters = forward_parameters(model)  # (the guard below keeps the signature: functools.wraps)
         self.media = MediaTokens(model)  # multimodal.py: placeholders read once per model, not per request
         self.own_positions = computes_positions(model)  # M-RoPE: positions follow the images, not the columns
-        self.owners: set[int] = set()
+        self.owners: dict[int, int] = {}  # owner -> the encoder memo's bytes it asks for (media_memo.py)
+        self.memo = FeatureMemo(0)
+        if self.media.image_id is not None:  # keyed images: a repeated one need not be encoded again either
+            install(getattr(model, "model", model), self.memo)
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
         self.handles = [
@@ -97,6 +101,7 @@ class _ModelHooks:
     def remove(self, model: torch.nn.Module) -> None:
         for handle in self.handles:
             handle.remove()
+        uninstall(getattr(model, "model", model))
         guard = vars(model).get("forward")
         if guard is not None and guard is self.guard():  # else something wrapped it since (torch.compile): keep it
             if guard.prefixlab_replaced is None:
@@ -214,14 +219,15 @@ _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Mod
 _HOOKS_LOCK = threading.Lock()  # stores on one model may be built and closed from several threads
 
 
-def attach(model: torch.nn.Module, owner: object) -> None:
+def attach(model: torch.nn.Module, owner: object, media_cache_bytes: int = 0) -> None:
     """Make sure `model` carries the hooks; `owner` (a store, or the model itself for `prefixlab.patch`) keeps
-    them there until it calls `detach`."""
+    them there until it calls `detach`. The encoder memo holds the most any owner asks for."""
     with _HOOKS_LOCK:
         hooks = _HOOKS.get(model)
         if hooks is None:
             hooks = _HOOKS[model] = _ModelHooks(model)
-        hooks.owners.add(id(owner))
+        hooks.owners[id(owner)] = media_cache_bytes
+        hooks.memo.resize(max(hooks.owners.values()))
 
 
 def detach(model: torch.nn.Module, owner: object) -> None:
@@ -230,10 +236,12 @@ def detach(model: torch.nn.Module, owner: object) -> None:
         hooks = _HOOKS.get(model)
         if hooks is None:
             return
-        hooks.owners.discard(id(owner))
+        hooks.owners.pop(id(owner), None)
         if not hooks.owners:
             hooks.remove(model)
             del _HOOKS[model]
+        else:
+            hooks.memo.resize(max(hooks.owners.values()))
 
 
 def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:

@@ -27,9 +27,10 @@ import torch
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.defaults import default_for, register, unregister
+from prefixlab.cache.defaults import default_for, normalize_option, register, unregister
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
 from prefixlab.cache.hooks import attach, detach
+from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
@@ -59,6 +60,9 @@ class PrefixStore:
             captured inside the one prefill pass and Jamba-style layers resume from cached states; `close()` undoes
             it. With patch=False transformers' layers run and planned states are captured by splitting the prefill
             (a model another store patched stays patched while this one is open).
+        media_cache: on models whose images are keyed by content (cache/multimodal.py: Qwen3.5), the bytes of encoded
+            images kept by their pixels so that a repeated image skips the vision tower (cache/media_memo.py; the
+            model's memo holds the most any open store asks for); 0 keeps none.
 
     Thread-safe: several threads may run `generate` with their own HybridPrefixCache over one store; model forwards
     run concurrently, store bookkeeping is serialised by `lock` (see the module docstring). After `close()` every
@@ -67,7 +71,7 @@ class PrefixStore:
 
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
-                 **core_options):
+                 media_cache: int | str = MEDIA_CACHE_BYTES, **core_options):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
         already_patched = bool(getattr(model, "prefixlab_patched", False))
@@ -93,7 +97,9 @@ class PrefixStore:
         core_options = {"explain": True} | core_options
         # what the store was built with, as `HybridPrefixCache(**options)` compares them
         self.options = {"capacity": self.capacity_bytes, "policy": policy, "offload_capacity": offload_bytes,
-                        "block_size": block_size, "patch": patch, **core_options}
+                        "block_size": block_size, "patch": patch, "media_cache": normalize_option("media_cache",
+                                                                                                   media_cache),
+                        **core_options}
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
         self._build_tiers()
         self._weights = weights_version(model)  # what the entries were computed with (clear)
@@ -105,7 +111,7 @@ class PrefixStore:
         self.closed = False
         # last, so that a store refused above leaves the model as it was
         self._holds_patch = hold_patch(model, patch)
-        attach(model, self)
+        attach(model, self, self.options["media_cache"])
         register(self)  # the model's default store if it has none (cache/defaults.py)
 
     @classmethod
@@ -148,7 +154,7 @@ class PrefixStore:
         options = dict(self.options)
         capacity, offload_bytes = options.pop("capacity"), options.pop("offload_capacity")
         policy, block_size = options.pop("policy"), options.pop("block_size")
-        options.pop("patch")
+        options.pop("patch"), options.pop("media_cache")
         self.core = PrefixCacheCore(capacity, policy=policy, spec=self.spec, block_size=block_size, **options)
         self.offload = None
         if offload_bytes is not None:

@@ -1,0 +1,127 @@
+"""Encoded images kept by their pixels: a later request with the same image skips the vision tower.
+
+Once the store reuses an image's KV (multimodal.py keys its placeholders by content), encoding the image again is
+most of what such a request still computes. Models whose images the hooks key (`MediaTokens.image_id`) get their
+`get_image_features` / `get_video_features` wrapped (for generate() and for direct forwards alike) by a memo keyed by
+a digest of the pixels, the grid, the dtype, shape and device, and the model's weights version; the encoder's output
+for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
+(per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
+(attentions, hidden states) are not memoized. Each call gets its own copy of the output object (generate() rewrites
+its fields when it expands a batch), sharing the tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import inspect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from prefixlab.cache.model_info import weights_version
+
+MEDIA_CACHE_BYTES = 256 * 2**20  # the default PrefixStore(media_cache=...)
+
+
+class FeatureMemo:
+    """An LRU memo of encoder outputs under a byte budget (thread-safe)."""
+
+    def __init__(self, capacity_bytes: int = MEDIA_CACHE_BYTES) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.entries: OrderedDict[tuple, tuple[object, int]] = OrderedDict()
+        self.used_bytes = self.hits = self.misses = 0
+        self.lock = threading.Lock()
+
+    def wrap(self, encode: Callable, modality: str, weights: Callable[[], tuple]) -> Callable:
+        """`encode` (a model's `get_<modality>_features`) answered from the memo when it holds the call."""
+        signature = inspect.signature(encode)
+        var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
+
+        @functools.wraps(encode)
+        def memoized(*args, **kwargs):
+            key = self._key(signature, var_keyword, args, kwargs)
+            if key is None:
+                return encode(*args, **kwargs)
+            key = (modality, key, hash(weights()))
+            with self.lock:
+                found = self.entries.get(key)
+                if found is not None:
+                    self.entries.move_to_end(key)
+                    self.hits += 1
+                    return copy.copy(found[0])
+                self.misses += 1
+            output = encode(*args, **kwargs)
+            self._keep(key, output)
+            return copy.copy(output)
+
+        memoized.prefixlab_memoized = encode
+        return memoized
+
+    def _key(self, signature: inspect.Signature, var_keyword: str | None, args: tuple, kwargs: dict) -> bytes | None:
+        """A digest of the call's arguments (tensors by dtype, shape, device and bytes); None: not memoized (options
+        other than return_dict, arguments that are not tensors or plain values, or no budget)."""
+        try:
+            arguments = dict(signature.bind(*args, **kwargs).arguments)
+        except TypeError:
+            return None
+        extra = arguments.pop(var_keyword, {}) if var_keyword else {}
+        if self.capacity_bytes <= 0 or set(extra) - {"return_dict"}:
+            return None
+        digest = hashlib.blake2b(digest_size=16)
+        for name, value in sorted({**arguments, **extra}.items()):
+            if isinstance(value, torch.Tensor):
+                digest.update(str((name, value.dtype, tuple(value.shape), str(value.device))).encode())
+                digest.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            elif value is None or isinstance(value, bool | int | float | str):
+                digest.update(repr((name, value)).encode())
+            else:
+                return None
+        return digest.digest()
+
+    def _keep(self, key: tuple, output: object) -> None:
+        size = _nbytes(output)
+        with self.lock:
+            if size > self.capacity_bytes or key in self.entries:
+                return
+            self.entries[key] = (output, size)
+            self.used_bytes += size
+            while self.used_bytes > self.capacity_bytes:
+                _, (_, freed) = self.entries.popitem(last=False)
+                self.used_bytes -= freed
+
+    def resize(self, capacity_bytes: int) -> None:
+        with self.lock:
+            self.capacity_bytes = capacity_bytes
+            while self.used_bytes > max(capacity_bytes, 0) and self.entries:
+                _, (_, freed) = self.entries.popitem(last=False)
+                self.used_bytes -= freed
+
+
+def install(module: torch.nn.Module, memo: FeatureMemo) -> None:
+    """Wrap `module`'s image and video encoders (instance attributes over its methods) with `memo`."""
+    weights = functools.partial(weights_version, module)
+    for modality in ("image", "video"):
+        name = f"get_{modality}_features"
+        encode = getattr(module, name, None)
+        if encode is not None and not hasattr(encode, "prefixlab_memoized"):
+            setattr(module, name, memo.wrap(encode, modality, weights))
+
+
+def uninstall(module: torch.nn.Module) -> None:
+    for name in ("get_image_features", "get_video_features"):
+        if hasattr(vars(module).get(name), "prefixlab_memoized"):
+            delattr(module, name)
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(_nbytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
