@@ -32,7 +32,7 @@ import torch
 
 from prefixlab.cache.media_memo import FeatureMemo, install, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
-from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, model_positions, text_only
+from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -153,15 +153,7 @@ class _ModelHooks:
         splitting = cache in self.splitting  # a segment of a split forward: it only continues the request
         if not cache.started:
             if self.own_positions and kwargs.get("position_ids") is None:  # what the model would compute, whole
-                try:
-                    positions = model_positions(module, kwargs)
-                except (RuntimeError, ValueError, IndexError) as err:  # (the model's own forward would fail there)
-                    raise InvalidInputError(
-                        f"the image / video inputs do not fit the prompt's placeholder tokens ({err}); pass input_ids, "
-                        "pixel_values, image_grid_thw and mm_token_type_ids as the model's processor returns them. "
-                        "Nothing was looked up or admitted"
-                    ) from err
-                kwargs = kwargs if positions is None else kwargs | {"position_ids": positions}
+                kwargs = with_model_positions(module, kwargs)
             kwargs = self.media.keyed(module, kwargs, first=True)  # the ids the store sees: images keyed by content
             start = cache.begin(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), kwargs.get("attention_mask"),
                                 kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs))

@@ -17,6 +17,8 @@ import re
 
 import torch
 
+from prefixlab.errors import InvalidInputError
+
 _PLACEHOLDER = re.compile(r"(image|video|audio|vision|boi|eoi|boa|eoa|media).*_token_(id|ids|index)$")
 _DELIMITER = re.compile(r"(start|end|boi|eoi|boa|eoa)")  # tokens around media: embedded like text
 _INPUT = re.compile(r"pixel|image|video|audio|input_features|encoder_outputs")
@@ -52,18 +54,26 @@ def text_only(kwargs: dict, keep_features: bool = False) -> dict:
             if not _INPUT.search(name) or (keep_features and name == "mm_encoder_outputs")}
 
 
-def model_positions(module: torch.nn.Module, kwargs: dict) -> torch.Tensor | None:
-    """The positions a vision-language model with M-RoPE (Qwen2/2.5/3-VL, Qwen3.5, GLM-4V, ...) gives a first forward
-    that passes none: [3, batch, length], an image's tokens sharing positions, so its later tokens' positions are
-    not their columns. Computing them also sets the rope offset the model keeps for its decode steps, as its own
-    forward would. None where the model counts columns (no M-RoPE, or no image in the forward)."""
+def with_model_positions(module: torch.nn.Module, kwargs: dict) -> dict:
+    """A first forward's inputs with the positions a vision-language model with M-RoPE (Qwen2/2.5/3-VL, Qwen3.5,
+    GLM-4V, ...) gives it when it passes none: [3, batch, length], an image's tokens sharing positions, so its later
+    tokens' positions are not their columns. Computing them also sets the rope offset the model keeps for its decode
+    steps, as its own forward would. Unchanged where the model counts columns (no M-RoPE, or no image)."""
     owner = next((m for m in (module, getattr(module, "model", None)) if hasattr(m, "compute_3d_position_ids")), None)
     if owner is None:
-        return None
-    return owner.compute_3d_position_ids(
-        input_ids=kwargs["input_ids"], inputs_embeds=None, image_grid_thw=kwargs.get("image_grid_thw"),
-        video_grid_thw=kwargs.get("video_grid_thw"), attention_mask=kwargs.get("attention_mask"),
-        past_key_values=None, mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+        return kwargs
+    try:
+        positions = owner.compute_3d_position_ids(
+            input_ids=kwargs["input_ids"], inputs_embeds=None, image_grid_thw=kwargs.get("image_grid_thw"),
+            video_grid_thw=kwargs.get("video_grid_thw"), attention_mask=kwargs.get("attention_mask"),
+            past_key_values=None, mm_token_type_ids=kwargs.get("mm_token_type_ids"))
+    except (RuntimeError, ValueError, IndexError) as err:  # (the model's own forward would fail there too)
+        raise InvalidInputError(
+            f"the image / video inputs do not fit the prompt's placeholder tokens ({err}); pass input_ids, "
+            "pixel_values, image_grid_thw and mm_token_type_ids as the model's processor returns them. Nothing was "
+            "looked up or admitted"
+        ) from err
+    return kwargs if positions is None else kwargs | {"position_ids": positions}
 
 
 def computes_positions(model: torch.nn.Module) -> bool:
