@@ -7,7 +7,9 @@ a digest of the pixels, the grid, the dtype, shape and device, and the model's w
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
 (per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
 (attentions, hidden states) are not memoized. Each call gets its own copy of the output object (generate() rewrites
-its fields when it expands a batch), sharing the tensors.
+its fields when it expands a batch), sharing the tensors. The digest reads every pixel byte on the CPU (BLAKE2b,
+about 0.7 ms a MB on the development machine: 13 ms for a 4096-patch image): where the vision tower is cheaper than
+that, `media_cache=0` turns the memo off.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class FeatureMemo:
         for name, value in sorted({**arguments, **extra}.items()):
             if isinstance(value, torch.Tensor):
                 digest.update(str((name, value.dtype, tuple(value.shape), str(value.device))).encode())
-                digest.update(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                digest.update(memoryview(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
             elif value is None or isinstance(value, bool | int | float | str):
                 digest.update(repr((name, value)).encode())
             else:
