@@ -289,6 +289,26 @@ def test_chunked_prefill_stores_what_one_prefill_would_not_a_state_per_chunk(pol
     assert counts[1] <= counts[0]
 
 
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_a_chunked_prompt_is_reused_whole_by_its_repeat(chunk):
+    """Patched layers record, within the pass, the state where an identical prompt would resume. Before: only at the
+    first chunk's end, so a repeat of a chunked 28-token prompt reused 12 (chunks of 5) or 2 (of 3) where an unchunked
+    one reuses 27; now at the last chunk's end (an earlier chunk's end is dropped with the chunk after it)."""
+    model = build("qwen3_5")
+    prompt = torch.arange(5, 33)[None]
+    other = prompt.clone()
+    other[0, 12] = 99  # another prompt branching off it at 12
+    store = PrefixStore(model, capacity="64MB")
+    reused = []
+    for ids in (prompt, other, prompt):
+        cache = HybridPrefixCache(store)
+        got = generate(model, ids, cache, prefill_chunk_size=chunk)
+        assert torch.equal(got, generate(model, ids, prefill_chunk_size=chunk))
+        reused.append(cache.reused_tokens)
+    assert reused[2] >= prompt.shape[1] - 2
+    store.close()
+
+
 def test_a_compiled_model_reuses_exactly():
     """`model.compile()` compiles the module call, forward hooks included: dynamo traced the cache's bookkeeping and
     failed on its data-dependent lookups (DynamicOutputShapeException). The hooks run eagerly now."""

@@ -207,11 +207,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, length), length - self._admit_limit)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)
-        # length - tail: an identical prompt later reuses all but its last tail tokens. Patched layers record it
-        # within the one pass; transformers' layers would need a split there, which changes the rounding of a
-        # request that reuses nothing, so they leave it to the policy (the repeat's own plan captures it)
-        if self.store.records_in_kernel and length - tail > common:
-            self._plan = sorted({*self._plan, length - tail})
+        self._plan_repeat(length - tail, common)
         self._report = RequestReport(rows)
         self._fed.append(ids[:, :common])
         self._seen = common
@@ -236,12 +232,22 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             return 0
         seen = self._seen
         common, rows, rows_reused = self._resume(ids, tail, seen)
+        self._plan_repeat(ids.shape[1] - tail, common)
         if common > seen:
             self.store.record_request(rows, replacing=self._report.rows)
             self._report.rows, self._seen = rows, common  # (what the request admitted so far stays counted)
             self.rows_reused, self.reused_tokens = rows_reused, max(rows_reused)
             self._fed.append(ids[:, seen:common])
         return common - seen
+
+    def _plan_repeat(self, position: int, common: int) -> None:
+        """Where an identical prompt would resume (all but its last tail tokens): patched layers record it within the
+        one pass (transformers' would need a split there, which changes the rounding of a request that reuses
+        nothing: the repeat's own plan captures it). A later chunk of the prompt drops it: its end was not the
+        prompt's."""
+        if self.store.records_in_kernel and position > common:
+            self._plan = sorted({*self._plan, position})
+            self._provisional.add(position)
 
     def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport], list[int]]:
         """Look up every row of `ids` [batch, length] (all but its last `tail` columns), align the rows on one
