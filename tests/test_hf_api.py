@@ -309,6 +309,25 @@ def test_a_chunked_prompt_is_reused_whole_by_its_repeat(chunk):
     store.close()
 
 
+def test_a_served_model_refuses_a_deep_copy_and_copies_once_its_store_is_closed():
+    """Before: copy.deepcopy(model) with a store open failed with "cannot pickle '_thread.lock' object" (and a copy
+    would have run its forward through this model's hooks and forward). Now a clear error says what to do; once the
+    store is closed the copy is a plain, independent model."""
+    import copy
+
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    with pytest.raises(InvalidInputError, match="cannot be deep-copied"):
+        copy.deepcopy(model)
+    store.close()
+    twin = copy.deepcopy(model)
+    assert "forward" not in vars(twin)
+    with torch.no_grad():
+        next(twin.parameters()).add_(1.0)
+        ids = torch.tensor([[5, 6, 7]])
+        assert not torch.equal(twin(ids).logits, model(ids).logits)
+
+
 def test_a_compiled_model_reuses_exactly():
     """`model.compile()` compiles the module call, forward hooks included: dynamo traced the cache's bookkeeping and
     failed on its data-dependent lookups (DynamicOutputShapeException). The hooks run eagerly now."""

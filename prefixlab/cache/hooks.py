@@ -85,7 +85,7 @@ class _ModelHooks:
         self.own_positions = computes_positions(model)  # M-RoPE: positions follow the images, not the columns
         self.owners: dict[int, int] = {}  # owner -> the encoder memo's bytes it asks for (media_memo.py)
         self.memo = FeatureMemo(0)
-        if self.media.image_id is not None:  # keyed images: a repeated one need not be encoded again either
+        if self.media.keyed_ids:  # keyed images: a repeated one need not be encoded again either
             install(getattr(model, "model", model), self.memo)
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
@@ -97,6 +97,13 @@ class _ModelHooks:
         guard.prefixlab_replaced = vars(model).get("forward")  # an instance attribute it shadows, put back by `remove`
         model.forward = guard
         self.guard = weakref.ref(guard)  # weak: _HOOKS must not keep the model (which the guard holds) alive
+
+    def __deepcopy__(self, memo: dict):  # copy.deepcopy(model) reaches the hooks through the model's hook dicts
+        raise InvalidInputError(
+            "a model that carries prefixlab's hooks cannot be deep-copied (the copy's forward would still run through "
+            "this model's hooks, memo and forward): close its PrefixStores (and prefixlab.unpatch it) first, or copy "
+            "it before building a store"
+        )
 
     def remove(self, model: torch.nn.Module) -> None:
         for handle in self.handles:

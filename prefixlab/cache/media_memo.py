@@ -1,7 +1,7 @@
 """Encoded images kept by their pixels: a later request with the same image skips the vision tower.
 
 Once the store reuses an image's KV (multimodal.py keys its placeholders by content), encoding the image again is
-most of what such a request still computes. Models whose images the hooks key (`MediaTokens.image_id`) get their
+most of what such a request still computes. Models whose images the hooks key (`MediaTokens.keyed_ids`) get their
 `get_image_features` / `get_video_features` wrapped (for generate() and for direct forwards alike) by a memo keyed by
 a digest of the pixels, the grid, the dtype, shape and device, and the model's weights version; the encoder's output
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`

@@ -2,11 +2,11 @@
 
 Two requests with the same placeholder ids may carry different images. Where a model takes pre-encoded features
 (`mm_encoder_outputs`, as generate() passes them) and positions images itself (M-RoPE: Qwen3.5 and its MoE), each
-image's placeholder tokens are keyed by its content instead: the store sees ids above any vocabulary derived from a
-digest of the image's features (and the shape of its positions), so the same image again is reused, past it too, and
+image or video placeholder token is keyed by its content instead: the store sees an id above any vocabulary derived
+from a digest of the token's feature row and M-RoPE offset, so the same image again is reused, past it too, and
 another image never is; the forward after a reused prefix gets the features of the placeholders it still runs, as
-generate's chunked prefill does. Elsewhere (videos, audio, other models) a prefix is reused, and admitted, only up to
-the first placeholder of any row: what precedes it is plain text (causal attention), what follows it is not.
+generate's chunked prefill does. Elsewhere (audio, other models) a prefix is reused, and admitted, only up to the
+first placeholder of any row: what precedes it is plain text (causal attention), what follows it is not.
 """
 
 from __future__ import annotations
@@ -92,17 +92,19 @@ class MediaTokens:
         base = getattr(model, "model", model)
         keyable = ("mm_encoder_outputs" in inspect.signature(model.forward).parameters and computes_positions(model)
                    and hasattr(base, "get_image_features") and hasattr(base, "get_video_features"))
-        self.image_id = self.modality_ids.get("image") if keyable else None
-        # with images keyed, what still stops reuse: the other media's placeholders (not their delimiters, embedded
-        # as text), and an image's in a forward not keyed
-        self.unkeyed = [t for t in _named_ids(config, delimiters=False) if t != self.image_id]
-        self.stops = self.placeholders if self.image_id is None else sorted({*self.unkeyed, self.image_id})
+        self.keyed_ids = self.modality_ids if keyable else {}  # modality -> placeholder id keyed by content
+        # with images and videos keyed, what still stops reuse: other media's placeholders (not their delimiters,
+        # embedded as text), and any placeholder in a forward not keyed
+        self.unkeyed = [t for t in _named_ids(config, delimiters=False) if t not in self.keyed_ids.values()]
+        self.stops = sorted({*self.unkeyed, *self.keyed_ids.values()}) if keyable else self.placeholders
 
     def keyed(self, module: torch.nn.Module, kwargs: dict, first: bool) -> dict:
         """A forward's inputs (raw pixels encoded as generate() would, so that they can be sliced) with TOKEN_KEYS,
-        the ids the store sees for its columns: image placeholders keyed by content. Unchanged where nothing is
-        keyed (no image, or a later forward of a request without the text positions generate passes)."""
-        if self.image_id is None or not bool((kwargs["input_ids"] == self.image_id).any()):
+        the ids the store sees for its columns: image and video placeholders keyed by content. Unchanged where
+        nothing is keyed (no image or video, or a later forward of a request without the text positions generate
+        passes)."""
+        present = {m: t for m, t in self.keyed_ids.items() if bool((kwargs["input_ids"] == t).any())}
+        if not present:
             return kwargs
         text = _text_positions(kwargs, first)
         if text is None:
@@ -119,14 +121,18 @@ class MediaTokens:
                     outputs[modality] = encode(kwargs[pixels], kwargs.get(grid), return_dict=True)
             kwargs = {k: v for k, v in kwargs.items() if k not in ("pixel_values", "pixel_values_videos")}
             kwargs |= {"mm_encoder_outputs": outputs}
-        keys = content_keys(kwargs["input_ids"], self.image_id, outputs.get("image"), kwargs["position_ids"], text)
-        return kwargs if keys is None else kwargs | {TOKEN_KEYS: keys}
+        keys = kwargs["input_ids"].detach().cpu()
+        for modality, token in present.items():
+            keys = content_keys(keys, token, outputs.get(modality), kwargs["position_ids"], text)
+            if keys is None:  # features that do not fit: nothing keyed (the model raises its own error)
+                return kwargs
+        return kwargs | {TOKEN_KEYS: keys}
 
     def reusable(self, kwargs: dict) -> int | None:
-        """reusable_columns of a forward, its images keyed (TOKEN_KEYS) or not."""
+        """reusable_columns of a forward, its images and videos keyed (TOKEN_KEYS) or not."""
         if (keys := kwargs.get(TOKEN_KEYS)) is None:
             return reusable_columns(self.stops, kwargs)
-        others = {m: v for m, v in kwargs["mm_encoder_outputs"].items() if m != "image"}
+        others = {m: v for m, v in kwargs["mm_encoder_outputs"].items() if m not in self.keyed_ids}
         rest = {k: v for k, v in kwargs.items() if not _INPUT.search(k) and k != TOKEN_KEYS}
         rest |= {"mm_encoder_outputs": others}
         return reusable_columns(self.unkeyed, rest | {"input_ids": keys})
@@ -186,20 +192,20 @@ def _text_positions(kwargs: dict, first: bool) -> torch.Tensor | None:
     return torch.arange(kwargs["input_ids"].shape[1]).expand_as(kwargs["input_ids"])
 
 
-def content_keys(input_ids: torch.Tensor, image_id: int, output, position_ids: torch.Tensor,
+def content_keys(input_ids: torch.Tensor, token_id: int, output, position_ids: torch.Tensor,
                  text_positions: torch.Tensor) -> torch.Tensor | None:
-    """`input_ids` with each `image_id` placeholder replaced by an id drawn from a digest of its feature row (and
-    deepstack rows) and of its M-RoPE position less its position as text. What precedes a token is keyed by the ids
-    before it, so equal keys mean equal KV, at any depth of an image and whatever the forward's chunking. None if the
-    features do not match the placeholders (the model raises its own error)."""
+    """`input_ids` with each `token_id` placeholder (an image's or a video's) replaced by an id drawn from a digest of
+    its feature row (and deepstack rows) and of its M-RoPE position less its position as text. What precedes a token
+    is keyed by the ids before it, so equal keys mean equal KV, at any depth of an image and whatever the forward's
+    chunking. None if the features do not match the placeholders (the model raises its own error)."""
     ids = input_ids.detach().cpu()
-    mask = ids == image_id
+    mask = ids == token_id
     features = [] if output is None else [_flat(output["pooler_output"])]
     if output is not None and (deepstack := output.get("deepstack_features")) is not None:
         features += [_flat(layer) for layer in deepstack]
     if not features or any(len(f) != int(mask.sum()) for f in features) or position_ids.shape[-1] != ids.shape[1]:
         return None
-    tag = str([(f.dtype, f.shape[-1]) for f in features]).encode()
+    tag = str([token_id, *((f.dtype, f.shape[-1]) for f in features)]).encode()
     rows = [f.detach().cpu().contiguous().view(torch.uint8).numpy() for f in features]
     offsets = (position_ids[-3:].detach().cpu().long() - text_positions.detach().cpu().long()).numpy()
     keys = ids.clone()
