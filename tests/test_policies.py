@@ -242,29 +242,32 @@ def test_alpha_is_tuned_on_the_bootstrap_window_to_the_best_replay():
 def test_one_window_replay_stands_for_every_alpha_that_evicts_alike(monkeypatch, policy, seed):
     tunings, real = [], AlphaBootstrap.window_flops_saved
 
-    def spy(self, fresh, replay):
-        tunings.append((self.copy(), fresh.fork(), replay))
-        return real(self, fresh, replay)
+    def spy(self, fresh, replay, grid=ALPHA_GRID):
+        tunings.append((self.copy(), fresh.fork(), replay, grid))
+        return real(self, fresh, replay, grid)
 
     monkeypatch.setattr(AlphaBootstrap, "window_flops_saved", spy)
-    core = PrefixCacheCore(1500, policy, tiny_spec(), bootstrap_multiplier=2)
+    core = PrefixCacheCore(1500, policy, tiny_spec(), bootstrap_multiplier=3)
     for r in _conversations(12, 4, seed):
         replay_request(core, r.input_tokens, r.output_tokens)
-    (window, fresh, replay), = tunings
-    cores = set()
-    saved = real(window, fresh.fork(), lambda c, tokens, n: cores.add(id(c)) or replay(c, tokens, n))
-    # the reference: the warm stretch once, then one replay per alpha
-    requests, start = list(window.requests), fresh.fork()
-    warm = window.tune_at // window.multiplier - 1 - window.dropped
-    warm_hits = [replay(start, tokens, n) for tokens, n in requests[:warm]]
-    reference = {}
-    for alpha in ALPHA_GRID:
-        each = start.fork()
-        each.eviction.alpha = alpha
-        hits = np.array(warm_hits + [replay(each, tokens, n) for tokens, n in requests[warm:]])
-        reference[alpha] = float(np.sum(fresh.spec.flops_saved(hits)))
-    assert saved == reference
-    assert len(cores) - 1 < len(ALPHA_GRID)  # the fresh core, then one per distinct sequence of evictions
+    # marconi tunes once; dp provisionally (at 2 x N0, on its coarse grid) and then once more
+    assert [grid for *_, grid in tunings] == ([ALPHA_GRID] if policy == "marconi" else
+                                              [core.eviction.provisional_grid, ALPHA_GRID])
+    for window, fresh, replay, grid in tunings:
+        cores = set()
+        saved = real(window, fresh.fork(), lambda c, tokens, n: cores.add(id(c)) or replay(c, tokens, n), grid)
+        # the reference: the warm stretch once, then one replay per alpha
+        requests, start = list(window.requests), fresh.fork()
+        warm = window.tune_at // window.multiplier - 1 - window.dropped
+        warm_hits = [replay(start, tokens, n) for tokens, n in requests[:warm]]
+        reference = {}
+        for alpha in grid:
+            each = start.fork()
+            each.eviction.alpha = alpha
+            hits = np.array(warm_hits + [replay(each, tokens, n) for tokens, n in requests[warm:]])
+            reference[alpha] = float(np.sum(fresh.spec.flops_saved(hits)))
+        assert saved == reference
+        assert len(cores) - 1 < len(grid)  # the fresh core, then one per distinct sequence of evictions
 
 
 def test_dp_learns_where_requests_diverge_and_beats_marconi():

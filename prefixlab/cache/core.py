@@ -328,12 +328,15 @@ class PrefixCacheCore:
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
         self.bootstrap.record(tokens, match.input_length if match else len(tokens))
-        if self.bootstrap.due(self.requests):
+        final, grid = self.bootstrap.due(self.requests), self.eviction.provisional_grid
+        if final or (grid is not None and self.bootstrap.provisional_due(self.requests)):
             fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
                                     checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
             fresh.admission.seed(self.admission)
             started = time.perf_counter()
-            self.eviction.alpha, self.bootstrap = self.bootstrap.tune(fresh, _replay), None
+            self.eviction.alpha = self.bootstrap.tune(fresh, _replay, *(() if final else (grid,)))
+            self.bootstrap.provisional_done = True
+            self.bootstrap = None if final else self.bootstrap
             self.tuning_seconds += time.perf_counter() - started
 
     def fork(self) -> PrefixCacheCore:

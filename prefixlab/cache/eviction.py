@@ -108,6 +108,7 @@ class FlopAware(EvictionPolicy):
     normalised over the candidates (all-equal values normalise to 1, as in Marconi)."""
 
     alpha_ties = "smallest"  # Marconi's tuner keeps the smallest of the alphas whose replays tie
+    provisional_grid: tuple[float, ...] | None = None  # Marconi tunes once (alpha.py)
     # set by the alpha tuner in its window replays: other alphas whose picks were this one's at every eviction so
     # far (their replays would be this one, decision for decision: alpha plays no other part)
     alike: set[float] | None = None
@@ -235,6 +236,8 @@ class ThinningFlopAware(FlopAware):
     # dp's window replays often tie over a wide range of alphas (the window is too short for all but the lowest
     # to make a difference); the smallest of them is the closest to those that lost, the middle the farthest
     alpha_ties = "middle"
+    # a first tuning at 2 x N0 requests on this coarse grid, the final one at 5 x N0 on Marconi's (alpha.py)
+    provisional_grid = (0.0, 0.2, 0.5, 1.0, 2.0)
 
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size, alpha)
