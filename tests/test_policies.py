@@ -255,7 +255,10 @@ def test_one_window_replay_stands_for_every_alpha_that_evicts_alike(monkeypatch,
                                               [core.eviction.provisional_grid, ALPHA_GRID])
     for window, fresh, replay, grid in tunings:
         cores = set()
-        saved = real(window, fresh.fork(), lambda c, tokens, n: cores.add(id(c)) or replay(c, tokens, n), grid)
+        def counted(core, tokens, n, cores=cores, replay=replay):
+            return cores.add(id(core)) or replay(core, tokens, n)
+
+        saved = real(window, fresh.fork(), counted, grid)
         # the reference: the warm stretch once, then one replay per alpha
         requests, start = list(window.requests), fresh.fork()
         warm = window.tune_at // window.multiplier - 1 - window.dropped
