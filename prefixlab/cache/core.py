@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixlab.cache.alpha import AlphaBootstrap
+from prefixlab.cache.alpha import ALPHA_GRID, AlphaBootstrap
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
@@ -334,7 +334,7 @@ class PrefixCacheCore:
                                     checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
             fresh.admission.seed(self.admission)
             started = time.perf_counter()
-            self.eviction.alpha = self.bootstrap.tune(fresh, _replay, *(() if final else (grid,)))
+            self.eviction.alpha = self.bootstrap.tune(fresh, _replay, ALPHA_GRID if final else grid)
             self.bootstrap.provisional_done = True
             self.bootstrap = None if final else self.bootstrap
             self.tuning_seconds += time.perf_counter() - started

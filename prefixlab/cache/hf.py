@@ -191,8 +191,9 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         ids = input_ids.detach().cpu()  # token ids were checked by the hooks (hooks.py), every row before any lookup
         batch, length = ids.shape
         pads = left_pads(attention_mask, batch, length)
+        served = min(length if reusable is None else reusable, first_key(ids))  # (past a key, M-RoPE offsets)
         if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers),
-                                                   min(reusable if reusable is not None else length, first_key(ids))):
+                                                   served):
             pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
@@ -242,10 +243,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         return common - seen
 
     def _plan_repeat(self, position: int, common: int) -> None:
-        """Where an identical prompt would resume (all but its last tail tokens): patched layers record it within the
-        one pass (transformers' would need a split there, which changes the rounding of a request that reuses
-        nothing: the repeat's own plan captures it). A later chunk of the prompt drops it: its end was not the
-        prompt's."""
+        """Where an identical prompt would resume (all but its last tail tokens), recorded by patched layers within
+        the pass (a split would change an unpatched miss's rounding); a later chunk drops it (not the prompt's end)."""
         if self.store.records_in_kernel and position > common:
             self._plan = sorted({*self._plan, position})
             self._provisional.add(position)
