@@ -31,6 +31,14 @@ from pathlib import Path
 
 from prefixlab.demo import BUILTIN_QUESTIONS, BUILTIN_TEXT, tiny_hybrid_config
 
+# --size small: a GPU-sized Qwen3.5-architecture hybrid (about 0.48 B parameters with a byte vocabulary; 18
+# GatedDeltaNet + 6 attention layers, Qwen3.5's head shapes), random init like the tiny one
+SIZES = {"tiny": {}, "small": dict(
+    hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+    layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=128, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128)}
+
 SUMMARY_KEYS = ("processes", "requests", "prompt_tokens", "reused_tokens", "prime_tokens", "prefilled_tokens",
                 "saved_tokens", "token_hit_rate", "prefill_saved_rate", "load_imbalance", "generated_tokens", "batches",
                 "batched_requests", "padding_tokens", "kv_bytes_read", "kv_bytes_held_peak", "prefill_seconds",
@@ -136,6 +144,8 @@ def main() -> int:
                                                                  "prefixlab and print the ratios")
     parser.add_argument("--repeat", type=int, default=1, help="run every path this many times, alternating, and "
                                                                "keep each one's fastest run")
+    parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="the model: tiny (demo's, CPU) or "
+                                                                            "small (~0.5 B, for a GPU)")
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -146,7 +156,7 @@ def main() -> int:
     if state.is_main_process:
         folder = Path(tempfile.mkdtemp(prefix="serve_accelerate_"))
         vocab_size, source, records = workload(args.system_prompts, args.questions, args.prompt_tokens, 40, 0)
-        config = tiny_hybrid_config(vocab_size)
+        config = tiny_hybrid_config(vocab_size, **SIZES[args.size])
         if args.attention_only:  # the same model with every layer full attention (no recurrent state)
             config.layer_types = ["full_attention"] * config.num_hidden_layers
         config.to_json_file(folder / "config.json")

@@ -117,16 +117,18 @@ def build_workload(num_requests: int, encode) -> tuple[list[list[int]], list[Req
     return system, requests
 
 
-def tiny_hybrid_config(vocab_size: int):
-    """The config of a tiny Qwen3.5-architecture hybrid: 3 GatedDeltaNet layers and 1 attention layer."""
+def tiny_hybrid_config(vocab_size: int, **overrides):
+    """The config of a tiny Qwen3.5-architecture hybrid: 3 GatedDeltaNet layers and 1 attention layer (`overrides`
+    replace any field, e.g. a bigger model for a GPU)."""
     from transformers import Qwen3_5TextConfig
 
-    return Qwen3_5TextConfig(
+    fields = dict(
         vocab_size=vocab_size, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
         layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4, num_key_value_heads=2,
         head_dim=64, linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=64,
         linear_value_head_dim=64, tie_word_embeddings=True, pad_token_id=0, eos_token_id=None,
     )
+    return Qwen3_5TextConfig(**{**fields, **overrides})
 
 
 def build_model(vocab_size: int):

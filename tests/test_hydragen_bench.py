@@ -28,6 +28,9 @@ def test_cli_json_has_the_timings_and_speedup(capsys):
     (["recurrent", "--length", "64", "--captures", "65"], "must not exceed --length=64"),
     (["recurrent", "--ssd-state", "0"], "--ssd-state=0 must be at least 1"),
     (["recurrent", "--threads", "-1"], "--threads=-1 must be >= 0"),
+    (["recurrent", "--device", "tpu"], "not a torch device name"),
+    (["recurrent", "--backend", "nope"], "backend must be one of"),
+    (["recurrent", "--backend", "fla", "--device", "cpu"], "needs CUDA tensors"),
 ])
 def test_cli_rejects_bad_sizes_before_running(capsys, argv, message):
     assert main(["bench", *argv]) == 2
@@ -36,8 +39,9 @@ def test_cli_rejects_bad_sizes_before_running(capsys, argv, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cli_says_there_is_no_cuda_device(capsys):
-    assert main(["bench", "hydragen", "--device", "cuda"]) == 2
-    assert "no CUDA device; use --device cpu" in capsys.readouterr().err
+    for bench in ("hydragen", "recurrent"):
+        assert main(["bench", bench, "--device", "cuda"]) == 2
+        assert "no CUDA device; use --device cpu" in capsys.readouterr().err
 
 
 def test_e2e_runs_all_three_and_hydragen_matches_standard():

@@ -9,6 +9,7 @@ same weights built separately, transformers' own layers, the same batch and chun
 1e-5; after the stream the store's invariants hold, no match stays locked and the budget was kept.
 
 `PREFIXLAB_SOAK=N` runs N times more requests per case (different draws); the default run is deterministic.
+`PREFIXLAB_TEST_DEVICE=cuda` runs the stream on a GPU (benchmarks/gpu_check.sh; CI has none).
 """
 
 from __future__ import annotations
@@ -30,14 +31,18 @@ from prefixlab.cache.store import PrefixStore
 TOLERANCE = 1e-5
 SOAK = int(os.environ.get("PREFIXLAB_SOAK", "1"))
 REQUESTS = 12 * SOAK
+DEVICE = torch.device(os.environ.get("PREFIXLAB_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda":  # fp32 means fp32: cuDNN's convolutions (the short convs) would otherwise run in TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 NEW_TOKENS = 3
 
 # (family, policy, capacity, patch). Hybrid families come from recurrent_patch_models (weights at unit scale, so a
 # wrong state shows in the logits); llama (KV only) from hf_models. Jamba is served only patched.
 CASES = [
-    ("qwen3_5_text", "dp", "tight", True),
+    ("qwen3_5_text", "dp", "tight+host", True),  # +host: evictions go to a host tier, and come back from it
     ("qwen3_5_text", "vllm+", "loose", False),
-    ("bamba", "marconi", "tight", False),
+    ("bamba", "marconi", "tight+host", False),
     ("bamba", "sglang+", "loose", True),
     ("nemotron_h", "vllm+", "tight", True),
     ("jamba", "dp", "loose", True),
@@ -67,14 +72,14 @@ CHUNKED = {family for family, *_ in CASES} - {"mamba2", "jamba"}
 def build(family: str) -> torch.nn.Module:
     """The same weights every call (seeded), so a second build is the uncached reference."""
     if family == "llama":
-        return hf_models.build(family, seed=3)
-    return recurrent_patch_models.build(family, seed=3)
+        return hf_models.build(family, seed=3).to(DEVICE)
+    return recurrent_patch_models.build(family, seed=3).to(DEVICE)
 
 
 def capacity_bytes(model: torch.nn.Module, capacity: str) -> int:
     """tight: six checkpoints and 96 tokens of KV (admissions evict and get cut); loose: never full."""
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    return 6 * spec.state_bytes + 96 * spec.kv_bytes_per_token if capacity == "tight" else 1 << 30
+    return 6 * spec.state_bytes + 96 * spec.kv_bytes_per_token if capacity.startswith("tight") else 1 << 30
 
 
 class Traffic:
@@ -106,7 +111,7 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cache=None, chunk: int | None = None):
@@ -124,7 +129,8 @@ def generate(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, cach
                          ids=[f"{f}-{p}-{c}-{'patched' if t else 'unpatched'}" for f, p, c, t in CASES])
 def test_random_stream_is_exact(family, policy, capacity, patch):
     reference, model = build(family), build(family)
-    store = PrefixStore(model, capacity=capacity_bytes(model, capacity), policy=policy, block_size=4, patch=patch)
+    store = PrefixStore(model, capacity=capacity_bytes(model, capacity), policy=policy, block_size=4, patch=patch,
+                        offload_capacity=1 << 30 if capacity.endswith("+host") else None)
     seed = zlib.crc32(f"{family}-{policy}-{capacity}-{patch}".encode()) + 1000 * (SOAK - 1)
     traffic = Traffic(seed, vocab=model.config.vocab_size)
     chunks = random.Random(seed + 1)  # a quarter of the requests prefill in chunks (the cache sees one at a time)
@@ -152,5 +158,6 @@ def test_random_stream_is_exact(family, policy, capacity, patch):
         # the comparisons above covered reuse, and a tight store under pressure
         assert any(reused), f"the stream never reused anything: {reused}"
         assert capacity == "loose" or stats["evictions"] > 0, "a tight store never evicted"
+        assert not capacity.endswith("+host") or stats["offload_hits"] > 0, "the host tier never served a request"
     finally:
         store.close()

@@ -18,6 +18,7 @@ import functools
 
 import torch
 
+from prefixlab.compile import compile_or_eager
 from prefixlab.errors import InvalidInputError
 
 
@@ -63,7 +64,7 @@ def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     # default (automatic) dynamic shapes: a decode loop's growing suffix recompiles once, not every step
-    return torch.compile(flex_attention)
+    return compile_or_eager(flex_attention, "FlexAttention (attention with LSE)")
 
 
 def _attention_with_lse_flex(
@@ -119,4 +120,4 @@ def combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def compiled_combine():
     """`combine_partials` fused into one kernel by torch.compile (used on CUDA, where launches dominate)."""
-    return torch.compile(combine_partials, dynamic=True)
+    return compile_or_eager(combine_partials, "the partial-attention combine", dynamic=True)

@@ -17,6 +17,7 @@ import torch
 
 from prefixlab.attention.reference import suffix_visibility
 from prefixlab.attention.tree import SharedLevel, TreePlan, check_levels, level_visibility
+from prefixlab.compile import compile_or_eager
 from prefixlab.errors import InvalidInputError
 
 
@@ -98,7 +99,8 @@ def _compiled_flex(device_type: str):
     # CUDA: automatic dynamic shapes (a decode loop's growing suffix recompiles once, not every step). CPU: static,
     # since torch 2.13's C++ flex template fails to build once both the query and key lengths are dynamic
     # (tests/test_hydragen_attention.py); CPU never picks this path on its own (api.choose_method)
-    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
+    return compile_or_eager(flex_attention, "FlexAttention (packed Hydragen)",
+                            dynamic=False if device_type == "cpu" else None)
 
 
 def packed_attention(

@@ -13,25 +13,42 @@ from collections.abc import Callable
 
 import torch
 
-from prefixlab.bench import check_sizes
+from prefixlab.bench import check_device, check_sizes
+from prefixlab.bench.hydragen import DTYPES
 from prefixlab.errors import InvalidInputError
-from prefixlab.recurrent.delta_rule import gated_delta_rule
+from prefixlab.recurrent.delta_rule import _fla_unsupported, gated_delta_rule
+from prefixlab.recurrent.dispatch import resolve_backend
 from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_mamba2_chunk_scan
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
 from prefixlab.recurrent.ssd import ssd
 
 
 def best_times_s(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best wall time in seconds of each fn over `repeats` interleaved runs, after one warm-up run each."""
+    """Best wall time in seconds of each fn over `repeats` interleaved runs, after one warm-up run each (GPU work
+    waited for: CUDA launches return before the kernels finish)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
+            sync()
             start = time.perf_counter()
             fn()
+            sync()
             best[name] = min(best[name], time.perf_counter() - start)
     return best
+
+
+def _on(inputs: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {name: tensor.to(device, dtype if tensor.is_floating_point() else tensor.dtype)
+            for name, tensor in inputs.items()}
+
+
+def _ran(backend: str, device: str, cuda_package: str, dtype: torch.dtype) -> str:
+    """The backend `backend` resolves to on these inputs ('auto' -> fla / mamba_ssm / torch)."""
+    unsupported = _fla_unsupported(dtype, False) if cuda_package == "fla" else None
+    return resolve_backend(backend, torch.device(device), cuda_package, unsupported)
 
 
 def spread_positions(length: int, count: int) -> tuple[int, ...]:
@@ -40,9 +57,10 @@ def spread_positions(length: int, count: int) -> tuple[int, ...]:
 
 
 @torch.no_grad()
-def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: int, backend: str) -> dict:
+def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: int, backend: str,
+                     device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """Prefill capturing `captures` states vs the same prefill returning only the final state."""
-    inputs = delta_rule_inputs(1, length, heads, heads, dim, dim)
+    inputs = _on(delta_rule_inputs(1, length, heads, heads, dim, dim), device, dtype)
     positions = spread_positions(length, captures)
     times = best_times_s(
         {
@@ -52,14 +70,16 @@ def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: 
         repeats,
     )
     return {"bench": "capture_overhead", "length": length, "heads": heads, "dim_k": dim, "dim_v": dim,
-            "captures": captures, "backend": backend, **_ms(times),
+            "captures": captures, "backend": _ran(backend, device, "fla", dtype), "device": device,
+            "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "overhead": times["with_captures"] / times["final_only"] - 1.0}  # fmt: skip
 
 
 @torch.no_grad()
-def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, backend: str) -> dict:
+def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, backend: str,
+                               device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """gated_delta_rule vs transformers' torch_chunk_gated_delta_rule (chunk 64, l2norm in kernel, final state)."""
-    inputs = delta_rule_inputs(1, length, heads, heads, dim, dim)
+    inputs = _on(delta_rule_inputs(1, length, heads, heads, dim, dim), device, dtype)
     q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
     times = best_times_s(
         {
@@ -71,14 +91,16 @@ def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, 
         repeats,
     )
     return {"bench": "gated_delta_rule_vs_transformers", "length": length, "heads": heads, "dim_k": dim,
-            "dim_v": dim, "backend": backend, **_ms(times),
+            "dim_v": dim, "backend": _ran(backend, device, "fla", dtype), "device": device,
+            "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip
 
 
 @torch.no_grad()
-def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int, repeats: int, backend: str) -> dict:
+def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int, repeats: int, backend: str,
+                        device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
     """ssd vs transformers' mamba2 torch path (mamba2_chunk_scan, chunk 256, final state), one group."""
-    inputs = ssd_inputs(1, length, heads, head_dim, 1, state_size)
+    inputs = _on(ssd_inputs(1, length, heads, head_dim, 1, state_size), device, dtype)
     x, dt, A, B, C, D, dt_bias = (inputs[name] for name in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
     times = best_times_s(
         {
@@ -90,7 +112,8 @@ def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int,
         repeats,
     )
     return {"bench": "ssd_vs_transformers", "length": length, "heads": heads, "head_dim": head_dim,
-            "state_size": state_size, "backend": backend, **_ms(times),
+            "state_size": state_size, "backend": _ran(backend, device, "mamba_ssm", dtype), "device": device,
+            "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip
 
 
@@ -108,14 +131,20 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--threads={args.threads} must be >= 0 (0: torch's default)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    results = [
-        capture_overhead(args.length, args.heads, args.dim, args.captures, args.repeats, args.backend),
-        delta_rule_vs_transformers(args.length, args.heads, args.dim, args.repeats, args.backend),
-        ssd_vs_transformers(args.length, args.ssd_heads, args.ssd_head_dim, args.ssd_state, args.repeats,
-                            args.backend),
+    device, dtype = str(check_device(args.device)), DTYPES[args.dtype]
+    _ran(args.backend, device, "fla", dtype)  # a backend these inputs cannot take: say so before any work
+    ssd_backend = args.backend if args.backend != "fla" else "auto"  # fla has no SSD kernel: mamba_ssm when there
+    benches = [
+        lambda: capture_overhead(args.length, args.heads, args.dim, args.captures, args.repeats, args.backend, device,
+                                 dtype),
+        lambda: delta_rule_vs_transformers(args.length, args.heads, args.dim, args.repeats, args.backend, device,
+                                           dtype),
+        lambda: ssd_vs_transformers(args.length, args.ssd_heads, args.ssd_head_dim, args.ssd_state, args.repeats,
+                                    ssd_backend, device, dtype),
     ]  # fmt: skip
-    for result in results:
-        print(json.dumps(result) if args.json else _describe(result))
+    for bench in benches:  # each printed when done: a run stopped at a time limit keeps what it measured
+        result = bench()
+        print(json.dumps(result) if args.json else _describe(result), flush=True)
     return 0
 
 
@@ -137,7 +166,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ssd-head-dim", type=int, default=64, help="SSD head dim")
     parser.add_argument("--ssd-state", type=int, default=128, help="SSD state size")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed runs; the best of each counts")
-    parser.add_argument("--backend", default="compiled", help="prefixlab backend to time (default compiled)")
+    parser.add_argument("--backend", default="compiled", help="prefixlab backend to time (default compiled; auto: "
+                        "fla / mamba_ssm on CUDA where installed; fla times the delta rule, the SSD then runs auto)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="inputs' dtype (fla takes bf16 / fp16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="one JSON object per benchmark")
     parser.set_defaults(func=run)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from prefixlab.compile import compile_or_eager
 from prefixlab.recurrent._checks import require
 
 PORTABLE_BACKENDS = ("naive", "torch", "compiled")
@@ -36,5 +37,5 @@ def _installed(package: str) -> bool:
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """torch.compile(fn) made once per function; torch's own guards then recompile once per shape family
-    (static first, then dynamic in the sequence length)."""
-    return torch.compile(fn, fullgraph=True)
+    (static first, then dynamic in the sequence length). A compile failure runs `fn` uncompiled (warned once)."""
+    return compile_or_eager(fn, f"the recurrent kernel's {fn.__name__}", fullgraph=True)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The GPU checks of one device session, as one script (a GPU machine is lent rarely and briefly):
+#   CUDA tests without and with fla, the recurrent kernels, Hydragen at paper scale, `prefixlab run` vs a plain
+#   generate loop on a ~0.5 B hybrid. Each step has its own time limit; a failing step does not stop the others.
+# Wheels the machine lacks travel in .whl/ (transformers, regex) and .whl/fla/ (fla-core, flash-linear-attention):
+#   see benchmarks/RESULTS.md, "GPU". Logs go to $OUT (default /tmp/gpu_check).
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+summary=$OUT/summary.log
+
+step() {  # step NAME SECONDS COMMAND...: the command's output in $OUT/NAME.log, its tail and status in the summary
+    local name=$1 limit=$2
+    shift 2
+    # STEPS="serve profile" runs only those (the limits add up past one 600-second device call)
+    [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
+    echo "=== $name ($(date +%T), limit ${limit}s): $*" >>"$summary"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$OUT/$name.log" >>"$summary"
+    echo "=== $name rc=$rc ($(date +%T))" >>"$summary"
+}
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fla .whl/fla/*.whl || exit 1
+base=/tmp/site:$PWD
+{ nvidia-smi -L; PYTHONPATH=$base python3 -c "import torch, transformers, accelerate, triton
+print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__,
+      'triton', triton.__version__, torch.cuda.get_device_name())"; } >>"$summary" 2>&1
+
+tests="tests/test_recurrent_cuda.py tests/test_attention_kernels.py tests/test_random_stream.py tests/test_compile.py"
+# in order of what matters most, should the machine's time run out (session 22's first run took 525 s; its logs
+# showed which steps need which limits)
+# 1. without fla: prefixlab's torch kernels on CUDA against transformers' torch layers (session 22: 66 s)
+PYTHONPATH=$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda 120 python3 -m pytest -p no:cacheprovider -q -n 6 \
+    -rs $tests
+# 2. issue 11: `prefixlab run` vs a plain generate loop, one GPU, ~0.5 B hybrid, fp32 (session 22: 63 s)
+PYTHONPATH=$base step serve 150 python3 benchmarks/serve_accelerate.py --size small --baseline \
+    --system-prompts 6 --questions 6 --prompt-tokens 2048 --max-new-tokens 8 --capacity 16GiB \
+    --routing affinity --order input,radix --json
+# 3. where prefixlab's requests spend their GPU and host time vs the plain loop's (session 22: prefixlab slower
+#    overall on the GPU despite less prefill; cause not measured)
+PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.py --size small --requests 8'
+# 4. with fla: what a CUDA user with the `cuda` extra runs (transformers' layers dispatch to fla too; fla compiles
+#    its kernels per shape, slowly: session 22 saw 2-3 failures before the limit, without their messages)
+PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla 150 python3 -m pytest -p no:cacheprovider \
+    -q -n 6 --maxfail=3 --tb=short -rfs $tests
+# 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
+PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
+    --dtype bf16 --backend fla --length 8192 --repeats 10 --json
+# 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA)
+PYTHONPATH=$base step bench_hydragen 90 sh -c 'for b in 64 256 512; do
+    python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
+        --q-heads 32 --kv-heads 8 --json; done'
+# 7. the compiled torch path on CUDA (fp32; compiles take a while)
+PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \
+    --backend compiled --length 8192 --repeats 10 --json
+echo "done $(date +%T)" >>"$summary"
