@@ -1,0 +1,33 @@
+"""The GPU session's scripts (benchmarks/gpu_check.sh) at CPU size, so they work when a GPU is lent: the
+serve-vs-plain benchmark and the per-request profile, on a tiny model and a few prompts."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def run(*argv: str) -> str:
+    done = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_serve_accelerate_against_a_plain_loop_one_process():
+    out = run("serve_accelerate.py", "--cpu", "--baseline", "--system-prompts", "2", "--questions", "2",
+              "--prompt-tokens", "96", "--max-new-tokens", "2", "--routing", "affinity", "--order", "input,radix",
+              "--json")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["order"] for r in rows] == ["input", "radix"]
+    for row in rows:
+        assert row["outputs_identical"] and row["in_input_order"] and row["requests"] == 4
+        assert row["plain"]["requests"] == 4 and row["throughput_vs_plain"] > 0
+    assert rows[1]["prefilled_tokens"] <= rows[0]["prefilled_tokens"]
+
+
+def test_profile_serve_reports_both_paths():
+    out = run("profile_serve.py", "--requests", "2", "--prompt-tokens", "64", "--max-new-tokens", "2", "--rows", "3")
+    assert "outputs identical True" in out
+    assert "--- plain" in out and "--- prefixlab" in out
