@@ -52,8 +52,10 @@ PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla 200 sh 
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
     --dtype bf16 --backend fla --length 8192 --repeats 10 --json
-# 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA)
-PYTHONPATH=$base step bench_hydragen 90 sh -c 'for b in 64 256 512; do
+# 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA). Session 22: split
+#    4 ms at B=512 where its work needs well under 1 ms; the log shows whether flex recompiles (one compiled
+#    function serves the level and the suffix calls, two shape families)
+PYTHONPATH=$base TORCH_LOGS=recompiles step bench_hydragen 90 sh -c 'for b in 64 256 512; do
     python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
         --q-heads 32 --kv-heads 8 --json; done'
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
