@@ -16,7 +16,7 @@ import torch
 from prefixlab.bench import check_device, check_sizes
 from prefixlab.bench.hydragen import DTYPES
 from prefixlab.errors import InvalidInputError
-from prefixlab.recurrent.delta_rule import _fla_unsupported, gated_delta_rule
+from prefixlab.recurrent.delta_rule import fla_unsupported, gated_delta_rule
 from prefixlab.recurrent.dispatch import resolve_backend
 from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_mamba2_chunk_scan
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
@@ -47,7 +47,7 @@ def _on(inputs: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dic
 
 def _ran(backend: str, device: str, cuda_package: str, dtype: torch.dtype) -> str:
     """The backend `backend` resolves to on these inputs ('auto' -> fla / mamba_ssm / torch)."""
-    unsupported = _fla_unsupported(dtype, False) if cuda_package == "fla" else None
+    unsupported = fla_unsupported(dtype, False) if cuda_package == "fla" else None
     return resolve_backend(backend, torch.device(device), cuda_package, unsupported)
 
 
@@ -169,7 +169,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", default="compiled", help="prefixlab backend to time (default compiled; auto: "
                         "fla / mamba_ssm on CUDA where installed; fla times the delta rule, the SSD then runs auto)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="inputs' dtype (fla takes bf16 / fp16)")
+    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
+                        help="inputs' dtype (the fla backend: bf16 / fp16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--json", action="store_true", help="one JSON object per benchmark")
     parser.set_defaults(func=run)

@@ -49,7 +49,7 @@ def gated_delta_rule(
     positions = _checks.check_capture(capture, length)
     _checks.check_chunk_size(chunk_size)
     require(scale is None or isinstance(scale, (int, float)), f"scale must be a float or None, got {scale!r}")
-    backend = resolve_backend(backend, q.device, "fla", _fla_unsupported(q.dtype, g.dim() == 4))
+    backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4))
 
     out_dtype = q.dtype
     scale = dim_k**-0.5 if scale is None else float(scale)
@@ -125,11 +125,13 @@ def delta_rule_naive(
     return o, state, captured
 
 
-def _fla_unsupported(dtype: torch.dtype, per_channel_decay: bool) -> str | None:
+def fla_unsupported(dtype: torch.dtype, per_channel_decay: bool) -> str | None:
+    """Why fla's chunk kernel cannot take these inputs (None: it can)."""
     if per_channel_decay:
         return "takes one decay per head, not per key channel (KDA)"
     if dtype not in (torch.float16, torch.bfloat16):
-        return f"takes float16 / bfloat16 inputs, got {dtype}"
+        # fla runs fp32 through Triton's default dot precision (TF32): not the fp32 arithmetic the caller asked for
+        return f"is used for float16 / bfloat16 inputs only (it computes {dtype} dot products in TF32), got {dtype}"
     return None
 
 
