@@ -55,9 +55,10 @@ PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench
 # 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA). Session 22: split
 #    4 ms at B=512 where its work needs well under 1 ms; the log shows whether flex recompiles (one compiled
 #    function serves the level and the suffix calls, two shape families)
-PYTHONPATH=$base TORCH_LOGS=recompiles step bench_hydragen 90 sh -c 'for b in 64 256 512; do
+#    and benchmarks/gpu_lse_kernels.py times the LSE kernels split could call instead, at split's two shapes
+PYTHONPATH=$base TORCH_LOGS=recompiles step bench_hydragen 120 sh -c 'for b in 64 256 512; do
     python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
-        --q-heads 32 --kv-heads 8 --json; done'
+        --q-heads 32 --kv-heads 8 --json; done; python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384'
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
 PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \
     --backend compiled --length 8192 --repeats 10 --json

@@ -6,13 +6,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 HERE = Path(__file__).parent
 
 
-def run(*argv: str) -> str:
+def run(*argv: str, code: int = 0) -> str:
     done = subprocess.run([sys.executable, *argv], cwd=HERE, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
+    assert done.returncode == code, done.stderr[-3000:]
+    return done.stdout + done.stderr
 
 
 def test_serve_accelerate_against_a_plain_loop_one_process():
@@ -31,3 +34,8 @@ def test_profile_serve_reports_both_paths():
     out = run("profile_serve.py", "--requests", "2", "--prompt-tokens", "64", "--max-new-tokens", "2", "--rows", "3")
     assert "outputs identical True" in out
     assert "--- plain" in out and "--- prefixlab" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_lse_kernels_say_they_need_cuda():
+    assert "needs a CUDA device" in run("gpu_lse_kernels.py", code=2)
