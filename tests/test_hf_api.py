@@ -349,3 +349,16 @@ def test_a_compiled_model_reuses_exactly():
     eager = serve()
     model.compile()
     assert serve() == eager and min(eager[1:]) > 0
+
+
+@pytest.mark.parametrize("family", ["mamba2", "qwen3_5_text"])
+def test_generate_never_auto_compiles_the_forward_over_the_cache(family, monkeypatch):
+    """On CUDA, generate() compiles the forward over a cache whose layers are all compileable (only linear layers,
+    e.g. Mamba2): seen on an H200, inductor traced the store's hooks. DynamicCache, which the cache replaces, is
+    exempt by its type; the cache opts out."""
+    model = recurrent_patch_models.build(family)
+    store = PrefixStore(model, capacity="64MB")
+    cache = HybridPrefixCache(store)
+    monkeypatch.setattr(type(model), "device", property(lambda self: torch.device("cuda")))  # CUDA's decision
+    assert not model._valid_auto_compile_criteria({cache_argument(model): cache}, model.generation_config)
+    store.close()
