@@ -4,6 +4,9 @@
 #   generate loop on a ~0.5 B hybrid. Each step has its own time limit; a failing step does not stop the others.
 # Wheels the machine lacks travel in .whl/ (transformers, regex) and .whl/fla/ (fla-core, flash-linear-attention):
 #   see benchmarks/RESULTS.md, "GPU". Logs go to $OUT (default /tmp/gpu_check).
+# The step limits add up to ~14 minutes, more than one device call (600 s) and about a session's device time (900 s):
+#   pick with STEPS, most useful first, e.g. STEPS="tests_cuda serve profile" (the exactness check and issue 11's
+#   open question, <= 390 s), then what time is left on the others.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
