@@ -74,9 +74,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             to create it or checked against it; only without `store`.
     """
 
-    # never auto-compiled: generate() compiles the forward over a "compileable" cache on CUDA (all layers linear, e.g.
-    # Mamba2), which the store's Python hooks must run around; DynamicCache, which this replaces, is exempt too
-    is_compileable = False
+    is_compileable = False  # generate() on CUDA compiles over all-linear caches (Mamba2); DynamicCache is exempt too
 
     def __init__(self, store: PrefixStore | None = None, namespace: str = "default", **store_options):
         if store is not None and not isinstance(store, PrefixStore):
