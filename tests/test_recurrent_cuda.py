@@ -40,6 +40,19 @@ def test_auto_without_the_package_falls_back_to_torch(monkeypatch):
         dispatch.resolve_backend("mamba_ssm", torch.device("cuda"), "mamba_ssm")
 
 
+def test_auto_runs_one_token_as_a_recurrence_step_unless_a_cuda_package_takes_it(monkeypatch):
+    # A decode step through the chunked kernel pads one token to a whole chunk: on a GPU that was ~25 extra kernel
+    # launches per layer and step (fp32, or fla not installed), where the token loop is one step.
+    monkeypatch.setattr(dispatch, "_installed", lambda package: False)
+    for device in ("cpu", "cuda"):
+        assert dispatch.resolve_backend("auto", torch.device(device), "fla", tokens=1) == "naive"
+        assert dispatch.resolve_backend("auto", torch.device(device), "fla", tokens=2) == "torch"
+    assert dispatch.resolve_backend("torch", torch.device("cpu"), "fla", tokens=1) == "torch"  # explicit: kept
+    monkeypatch.setattr(dispatch, "_installed", lambda package: True)
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla", "takes bf16", tokens=1) == "naive"
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla", tokens=1) == "fla"
+
+
 def test_segment_driver_captures_what_the_chunked_kernel_captures():
     # The CUDA backends split the sequence at the capture positions; check that driver with the CPU kernel.
     inputs = delta_rule_inputs(1, 45, 2, 2, 8, 8, seed=9)

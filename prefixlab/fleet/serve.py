@@ -51,13 +51,19 @@ class ProcessStats:
 
 class FirstTokenClock:
     """A logits processor that only notes when the first token's logits exist: (perf_counter, process_time) then.
-    From the generate() call to then is the request's prefill (its time to first token)."""
+    From the generate() call to then is the request's prefill (its time to first token). On a GPU it waits for
+    them first: kernels run asynchronously, so without the wait it would time the host's launches."""
 
     def __init__(self) -> None:
         self.at: tuple[float, float] | None = None
 
     def __call__(self, input_ids, scores):
-        self.at = self.at or (time.perf_counter(), time.process_time())
+        if self.at is None:
+            if scores.is_cuda:
+                import torch
+
+                torch.cuda.synchronize(scores.device)
+            self.at = (time.perf_counter(), time.process_time())
         return scores
 
 

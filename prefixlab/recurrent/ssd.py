@@ -55,7 +55,7 @@ def ssd(
         len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
         f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
     )
-    backend = resolve_backend(backend, x.device, "mamba_ssm")
+    backend = resolve_backend(backend, x.device, "mamba_ssm", tokens=length)
     if length == 0:
         backend = "naive"
     if backend == "mamba_ssm":

@@ -221,7 +221,6 @@ def run_layer(
 
 def _scan_backend(backend: str, hidden_states: torch.Tensor) -> str:
     """For one token (decode) the token loop is a single recurrence step, where a chunked kernel would pad it to a
-    whole chunk (measured on CPU: 100x slower for SSD, 8x for the delta rule); CUDA "auto" keeps fla / mamba_ssm."""
-    if hidden_states.shape[1] == 1 and not (backend == "auto" and hidden_states.device.type == "cuda"):
-        return "naive"
-    return backend
+    whole chunk (measured on CPU: 100x slower for SSD, 8x for the delta rule). "auto" is left to the kernel, which
+    keeps fla / mamba_ssm where they take the inputs and otherwise runs that loop too (resolve_backend)."""
+    return "naive" if hidden_states.shape[1] == 1 and backend != "auto" else backend
