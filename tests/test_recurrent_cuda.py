@@ -99,6 +99,19 @@ def test_fla_backend_captures_prefix_states_and_resumes():
 
 
 @needs_cuda
+@needs_package("fla")
+def test_fla_backend_decodes_one_token_over_a_cached_state():
+    inputs = {n: t.cuda() for n, t in delta_rule_inputs(2, 9, 2, 4, 64, 64, dtype=torch.bfloat16).items()}
+    _, _, states = gated_delta_rule(**inputs, capture=(8,), use_qk_l2norm=True, backend="torch")
+    step = {name: t[:, 8:] for name, t in inputs.items()}
+    o, final, captured = gated_delta_rule(**step, initial_state=states[8], capture=(0, 1), use_qk_l2norm=True,
+                                          backend="fla")  # fmt: skip
+    o_ref, final_ref, _ = gated_delta_rule(**step, initial_state=states[8], use_qk_l2norm=True, backend="naive")
+    assert max_diff(o, o_ref) <= 5e-2 and max_diff(final, final_ref) <= 5e-2
+    assert max_diff(captured[0], states[8]) == 0 and max_diff(captured[1], final) == 0
+
+
+@needs_cuda
 @needs_package("mamba_ssm")
 def test_mamba_ssm_backend_captures_prefix_states_and_resumes():
     inputs = {n: t.cuda() for n, t in ssd_inputs(2, 300, 8, 32, 2, 16).items()}

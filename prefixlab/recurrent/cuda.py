@@ -39,12 +39,14 @@ def run_in_segments(
 def delta_rule_fla(
     q, k, v, g, beta, state, positions, use_qk_l2norm: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """[B, T, H, *] fp16 / bf16 inputs (heads expanded), fp32 state -> fla's chunked kernel (chunks of 64)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    """[B, T, H, *] fp16 / bf16 inputs (heads expanded), fp32 state -> fla's chunked kernel (chunks of 64); a
+    one-token segment (a decode step) -> fla's fused recurrent kernel, one launch, as transformers decodes with."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     def segment(start: int, stop: int, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         piece = slice(start, stop)
-        return chunk_gated_delta_rule(
+        kernel = fused_recurrent_gated_delta_rule if stop - start == 1 else chunk_gated_delta_rule
+        return kernel(
             q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece],
             scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
