@@ -18,23 +18,16 @@ from prefixlab.errors import InvalidInputError
 Method = Literal["auto", "split", "packed", "sdpa"]
 METHODS = ("auto", "split", "packed", "sdpa")
 
-# CPU, measured (benchmarks/RESULTS.md, "Hydragen"): the split path's fused flash kernel beat compiled FlexAttention
-# in every case swept (one level or many small ones, B 4..64), so CPU always splits. CUDA, NOT measured (no GPU
-# here): one packed launch should win where the split path's per-level calls are launch-bound (many small levels,
-# few queries); these thresholds are a starting point to re-measure with `prefixlab bench hydragen` on a GPU.
-PACKED_MAX_QUERIES_CUDA = 256
-PACKED_MIN_LEVELS_CUDA = 3
+# Measured (benchmarks/RESULTS.md, "Hydragen" and "GPU"): on CPU the split path's fused flash kernel beat compiled
+# FlexAttention in every case swept (one level or many small ones, B 4..64); on an H200 (bf16, P=16,384) packed ran
+# at 0.16-0.35x SDPA where split ran at 1.7-1.9x, and inductor failed to compile its decoding template at B=64. So
+# "auto" splits everywhere; packed stays available by name (one launch for a whole tree) until a GPU run shows a
+# shape where it wins.
 
 
 def choose_method(q: torch.Tensor, plan: TreePlan) -> str:
-    """The implementation `method="auto"` runs for this batch."""
-    shared = plan.shared_levels()
-    if not shared:
-        return "sdpa"
-    if q.device.type != "cuda":
-        return "split"
-    queries = q.shape[0] * q.shape[2]
-    return "packed" if len(shared) >= PACKED_MIN_LEVELS_CUDA and queries <= PACKED_MAX_QUERIES_CUDA else "split"
+    """The implementation `method="auto"` runs for this batch: plain SDPA when nothing is shared, else split."""
+    return "split" if plan.shared_levels() else "sdpa"
 
 
 def suffix_sdpa(q: torch.Tensor, plan: TreePlan, suffix_keys: torch.Tensor, suffix_values: torch.Tensor,

@@ -98,7 +98,7 @@ def _compiled_flex(device_type: str):
 
     # CUDA: automatic dynamic shapes (a decode loop's growing suffix recompiles once, not every step). CPU: static,
     # since torch 2.13's C++ flex template fails to build once both the query and key lengths are dynamic
-    # (tests/test_hydragen_attention.py); CPU never picks this path on its own (api.choose_method)
+    # (tests/test_hydragen_attention.py); "auto" never picks this path (api.choose_method)
     return compile_or_eager(flex_attention, "FlexAttention (packed Hydragen)",
                             dynamic=False if device_type == "cpu" else None)
 
