@@ -103,6 +103,11 @@ def _compiled_flex(device_type: str):
                             dynamic=False if device_type == "cpu" else None)
 
 
+def packed_compile_failed(device_type: str) -> bool:
+    """Whether the packed path's FlexAttention failed to compile on this device type (it then runs eagerly)."""
+    return bool(_compiled_flex(device_type).compile_failed)
+
+
 def packed_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, compiled: bool = True
 ) -> torch.Tensor:

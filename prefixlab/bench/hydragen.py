@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixlab.attention.api import hydragen_attention
-from prefixlab.attention.packed import _compiled_flex
+from prefixlab.attention.packed import packed_compile_failed
 from prefixlab.attention.reference import causal_suffix_mask
 from prefixlab.attention.tree import SharedLevel
 from prefixlab.bench import check_device, check_sizes
@@ -85,7 +85,7 @@ def bench_attention(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_h
         result["packed_ms"] = time_ms(lambda: hydragen_attention(q, [level], suffix_k, suffix_v, method="packed"),
                                       repeats)
         # where torch.compile failed on these shapes, packed_ms timed uncompiled FlexAttention: say so
-        result["packed_compile_failed"] = bool(_compiled_flex(q.device.type).compile_failed)
+        result["packed_compile_failed"] = packed_compile_failed(q.device.type)
     best = min(t for t in (result["split_ms"], result["packed_ms"]) if t is not None)
     result["best"] = "split" if best == result["split_ms"] else "packed"
     result["speedup"] = result["sdpa_ms"] / best
