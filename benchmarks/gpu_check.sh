@@ -42,8 +42,9 @@ PYTHONPATH=$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda 120 python3 -m pytes
 PYTHONPATH=$base step serve 150 python3 benchmarks/serve_accelerate.py --size small --baseline \
     --system-prompts 6 --questions 6 --prompt-tokens 2048 --max-new-tokens 8 --capacity 16GiB \
     --routing affinity --order input,radix --json
-# 3. where prefixlab's requests spend their GPU and host time vs the plain loop's (session 22: prefixlab slower
-#    overall on the GPU despite less prefill; cause not measured)
+#    Session 22: 0.77-0.83x the plain loop; session 23 found the likely cause on the CPU (CUDA decode steps ran the
+#    chunked kernel, ~10,000 extra launches a request) and fixed it, and the prefill clock now waits for the GPU
+# 3. where prefixlab's requests spend their GPU and host time vs the plain loop's
 PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.py --size small --requests 8'
 # 4. with fla: what a CUDA user with the `cuda` extra runs (transformers' layers dispatch to fla too; fla compiles
 #    its kernels per shape, slowly: session 22 saw 2-3 failures before the limit, without their messages). fla's
