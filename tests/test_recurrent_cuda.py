@@ -72,6 +72,44 @@ def test_segment_driver_captures_what_the_chunked_kernel_captures():
     assert all(max_diff(states_seg[p], states[p]) <= 1e-5 for p in positions)
 
 
+def _fake_fla_kernel(name, calls):
+    """A stand-in for fla 0.6.0's gated delta rule entry points, with fused_recurrent_gated_delta_rule's signature
+    (positional order as published: g, gk, gv, beta; chunk_gated_delta_rule takes the same keywords), computing with
+    prefixlab's token loop: checks how delta_rule_fla calls fla."""
+
+    def kernel(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+               output_final_state=False, use_qk_l2norm_in_kernel=False, **unused):
+        assert gk is None and gv is None and beta is not None and output_final_state
+        calls.append((name, q.shape[1]))
+        out, final, _ = gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                                         scale=scale, backend="naive")
+        return out, final
+    return kernel
+
+
+def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_for_one_token(monkeypatch):
+    import sys
+    import types
+
+    from prefixlab.recurrent.cuda import delta_rule_fla
+
+    calls = []
+    module = types.ModuleType("fla.ops.gated_delta_rule")
+    module.chunk_gated_delta_rule = _fake_fla_kernel("chunk", calls)
+    module.fused_recurrent_gated_delta_rule = _fake_fla_kernel("recurrent", calls)
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    inputs = delta_rule_inputs(1, 20, 2, 2, 8, 8, seed=4)
+    state = random_state(1, 2, 8, 8)
+    o, final, states = delta_rule_fla(*inputs.values(), state.clone(), (0, 7, 8, 20), True, 8**-0.5)
+    o_ref, final_ref, states_ref = gated_delta_rule(**inputs, initial_state=state, capture=(0, 7, 8, 20),
+                                                    use_qk_l2norm=True, backend="naive")  # fmt: skip
+    assert calls == [("chunk", 7), ("recurrent", 1), ("chunk", 12)]
+    assert max_diff(o, o_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
+
+
 @needs_cuda
 @pytest.mark.parametrize("backend", ["torch", "compiled"])
 def test_torch_backends_on_cuda_match_the_cpu_reference(backend):

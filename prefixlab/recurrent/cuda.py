@@ -47,7 +47,8 @@ def delta_rule_fla(
         piece = slice(start, stop)
         kernel = fused_recurrent_gated_delta_rule if stop - start == 1 else chunk_gated_delta_rule
         return kernel(
-            q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece],
+            # by keyword: the fused recurrent kernel's fifth parameter is gk (per-channel decay), not beta
+            q[:, piece], k[:, piece], v[:, piece], g=g[:, piece], beta=beta[:, piece],
             scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
 
