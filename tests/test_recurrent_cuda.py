@@ -110,6 +110,39 @@ def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_f
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
 
 
+def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch):
+    """A stand-in for mamba_ssm 2.x's mamba_chunk_scan_combined with its published signature (raw dt: the kernel
+    adds dt_bias, applies softplus and the limit, and D), computing with prefixlab's token loop."""
+    import sys
+    import types
+
+    from prefixlab.recurrent.cuda import ssd_mamba_ssm
+
+    calls = []
+
+    def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                                  seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                                  return_final_states=False, return_varlen_states=False):  # fmt: skip
+        assert z is None and return_final_states and not return_varlen_states
+        calls.append(x.shape[1])
+        y, final, _ = ssd(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_states, chunk_size=chunk_size,
+                          backend="naive")  # fmt: skip
+        return y, final
+
+    module = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
+    module.mamba_chunk_scan_combined = mamba_chunk_scan_combined
+    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", module)
+    inputs = ssd_inputs(1, 30, 4, 8, 2, 8, seed=6)
+    limit = (0.01, 0.05)  # Nemotron-H style: the kernel must get it
+    y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, None, (0, 11, 30), 16)
+    y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, capture=(0, 11, 30), backend="naive")
+    assert calls == [11, 19]
+    assert max_diff(y, y_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
+
+
 @needs_cuda
 @pytest.mark.parametrize("backend", ["torch", "compiled"])
 def test_torch_backends_on_cuda_match_the_cpu_reference(backend):
