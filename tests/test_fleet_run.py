@@ -325,3 +325,19 @@ def test_text_prompts_with_a_tokenizer_file(capsys, files, tmp_path):
     records = read_out(out)
     assert [r["prompt_tokens"] for r in records] == [8, 8]
     assert [r["text"] for r in records] == [tokenizer.decode(r["output_ids"]) for r in records]
+
+
+def test_the_first_token_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
+    # CUDA kernels run asynchronously: a clock read when the host reaches the first logits times only the launches
+    # (session 22's GPU prefill times were such host times)
+    import types
+
+    from prefixlab.fleet.serve import FirstTokenClock
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append(("sync", device)))
+    monkeypatch.setattr("prefixlab.fleet.serve.time.perf_counter", lambda: events.append(("clock", None)) or 1.0)
+    scores = types.SimpleNamespace(is_cuda=True, device="cuda:0")
+    clock = FirstTokenClock()
+    assert clock(None, scores) is scores and clock(None, scores) is scores
+    assert events == [("sync", "cuda:0"), ("clock", None)]  # once, before the clock; later steps untouched
