@@ -5,8 +5,9 @@
 # Wheels the machine lacks travel in .whl/ (transformers, regex) and .whl/fla/ (fla-core, flash-linear-attention):
 #   see benchmarks/RESULTS.md, "GPU". Logs go to $OUT (default /tmp/gpu_check).
 # The step limits add up to ~14 minutes, more than one device call (600 s) and about a session's device time (900 s):
-#   pick with STEPS, most useful first, e.g. STEPS="tests_cuda serve profile" (the exactness check and issue 11's
-#   open question, <= 390 s), then what time is left on the others.
+#   pick with STEPS, most useful first, e.g. STEPS="tests_cuda serve profile bench_hydragen" (the exactness check,
+#   issue 11's throughput after session 23's decode fix, and which LSE kernel Hydragen's split should call: <= 510 s,
+#   one call with timeout_s ~560), then what time is left on the fla steps.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
