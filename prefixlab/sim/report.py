@@ -145,31 +145,40 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
     figure.savefig(path)
 
 
+ROUTING_COLORS = {"random": "tab:red", "round-robin": "tab:orange", "affinity": "tab:blue", "one cache": "tab:gray"}
+SETUP_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
 def plot_fleet(rows: list[dict[str, Any]], path: str | Path) -> None:
     """Token hit rate vs replicas, one line per (policy, capacity, routing) and, when the rows have it, a dotted one
-    per (policy, capacity) for one cache of the fleet's total capacity; written with the Agg canvas."""
+    per (policy, capacity) for one cache of the fleet's total capacity; a colour per routing, a marker per (policy,
+    capacity), the legend beside the axes; written with the Agg canvas."""
     from matplotlib.figure import Figure
 
     path = check_plot_path(path)
-    figure = Figure(figsize=(6, 4), layout="constrained")
+    figure = Figure(figsize=(8.5, 4), layout="constrained")
     axes = figure.add_subplot()
     setups = list(dict.fromkeys((row["policy"], row["capacity_gb"]) for row in rows))
-    for policy, capacity_gb in setups:
+    for index, (policy, capacity_gb) in enumerate(setups):
         mine = [row for row in rows if (row["policy"], row["capacity_gb"]) == (policy, capacity_gb)]
         prefix = f"{policy} {capacity_gb:g} GB/replica, " if len(setups) > 1 else ""
+        marker = SETUP_MARKERS[index % len(SETUP_MARKERS)]
         for routing in dict.fromkeys(row["routing"] for row in mine):
             points = sorted((row["replicas"], row["token_hit_rate"]) for row in mine if row["routing"] == routing)
-            axes.plot(*zip(*points, strict=True), marker="o", label=prefix + routing)
+            axes.plot(*zip(*points, strict=True), marker=marker, color=ROUTING_COLORS.get(routing),
+                      label=prefix + routing)
         single = sorted({(row["replicas"], row["single_cache_token_hit_rate"]) for row in mine
                          if "single_cache_token_hit_rate" in row})
         if single:
-            axes.plot(*zip(*single, strict=True), linestyle=":", marker=".", label=prefix + "one cache of N x capacity")
+            axes.plot(*zip(*single, strict=True), linestyle=":", marker=marker, color=ROUTING_COLORS["one cache"],
+                      label=prefix + "one cache of N x capacity")
     if rows:
-        axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
+        axes.axhline(rows[0]["ceiling_token_hit_rate"], color="black", linestyle="--", linewidth=0.8,
+                     label="infinite cache")
     title = f"{setups[0][0]}, {setups[0][1]:g} GB per replica" if len(setups) == 1 else ""
     axes.set(xlabel="replicas", ylabel="token hit rate (%)", ylim=(0, 100), xscale="log", title=title)
     replicas = sorted({row["replicas"] for row in rows})
     axes.set_xticks(replicas, [str(n) for n in replicas])
     axes.minorticks_off()
-    axes.legend(fontsize="small")
+    figure.legend(loc="outside right upper", fontsize="small")
     figure.savefig(path)
