@@ -41,8 +41,9 @@ _OWNERS_LOCK = threading.Lock()
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     """Patch every linear-attention layer of `model` in place and return the model.
 
-    backend: kernel backend for the scans: "auto" (fla / mamba_ssm for CUDA tensors when installed, else chunked
-    torch), "naive", "torch" or "compiled". One-token forwards always take the token loop (see families/base.py).
+    backend: kernel backend for the scans: "auto" (fla / mamba_ssm for CUDA tensors where they take the inputs,
+    else chunked torch), "naive", "torch" or "compiled". One-token forwards take the token loop, except that "auto"
+    keeps fla (its fused recurrent kernel) and mamba_ssm where they apply (see families/base.py).
 
     Raises UnsupportedModelError naming the class of any linear-attention layer no family serves (nothing is
     patched then). A model without linear-attention layers is returned unchanged."""
