@@ -44,7 +44,7 @@ PYTHONPATH=$base step serve 150 python3 benchmarks/serve_accelerate.py --size sm
     --system-prompts 6 --questions 6 --prompt-tokens 2048 --max-new-tokens 8 --capacity 16GiB \
     --routing affinity --order input,radix --json
 #    Session 22: 0.77-0.83x the plain loop; session 23 found the likely cause on the CPU (CUDA decode steps ran the
-#    chunked kernel, ~10,000 extra launches a request) and fixed it, and the prefill clock now waits for the GPU
+#    chunked kernel, ~6,000 extra kernel launches a request) and fixed it, and the prefill clock now waits for the GPU
 # 3. where prefixlab's requests spend their GPU and host time vs the plain loop's
 PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.py --size small --requests 8'
 # 4. with fla: what a CUDA user with the `cuda` extra runs (transformers' layers dispatch to fla too; fla compiles
