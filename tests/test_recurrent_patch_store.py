@@ -153,7 +153,7 @@ class CountOps(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("name", ["qwen3_5_text", "bamba"])
 def test_a_decode_step_through_the_store_runs_no_more_ops_than_transformers_own(name):
-    # A decode step through a chunked kernel pads its one token to a whole chunk (~2.6x the ops of the token loop
+    # A decode step through a chunked kernel pads its one token to a whole chunk (~3x the kernels of the token loop
     # for the delta rule): on a GPU that cost ~110 ms a request (benchmarks/RESULTS.md, "GPU"). Counted as the ops
     # of 9 new tokens minus those of 1, so that only the 8 decode steps count; the store's bookkeeping adds a few
     # (3 % / 8 % here, position and mask checks), a chunked decode would more than double them.
