@@ -2,6 +2,8 @@
 backends themselves (skipped without a GPU / the packages)."""
 
 import importlib.util
+import sys
+import types
 
 import pytest
 import torch
@@ -72,6 +74,17 @@ def test_segment_driver_captures_what_the_chunked_kernel_captures():
     assert all(max_diff(states_seg[p], states[p]) <= 1e-5 for p in positions)
 
 
+def install_fake_module(monkeypatch, dotted: str, **functions) -> None:
+    """Make `import dotted` (and its parent packages) find a module holding `functions`, for this test only."""
+    parts = dotted.split(".")
+    for depth in range(1, len(parts)):
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]), types.ModuleType(".".join(parts[:depth])))
+    module = types.ModuleType(dotted)
+    for name, function in functions.items():
+        setattr(module, name, function)
+    monkeypatch.setitem(sys.modules, dotted, module)
+
+
 def _fake_fla_kernel(name, calls):
     """A stand-in for fla 0.6.0's gated delta rule entry points, with fused_recurrent_gated_delta_rule's signature
     (positional order as published: g, gk, gv, beta; chunk_gated_delta_rule takes the same keywords), computing with
@@ -88,18 +101,12 @@ def _fake_fla_kernel(name, calls):
 
 
 def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_for_one_token(monkeypatch):
-    import sys
-    import types
-
     from prefixlab.recurrent.cuda import delta_rule_fla
 
     calls = []
-    module = types.ModuleType("fla.ops.gated_delta_rule")
-    module.chunk_gated_delta_rule = _fake_fla_kernel("chunk", calls)
-    module.fused_recurrent_gated_delta_rule = _fake_fla_kernel("recurrent", calls)
-    for name in ("fla", "fla.ops"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", module)
+    install_fake_module(monkeypatch, "fla.ops.gated_delta_rule",
+                        chunk_gated_delta_rule=_fake_fla_kernel("chunk", calls),
+                        fused_recurrent_gated_delta_rule=_fake_fla_kernel("recurrent", calls))
     inputs = delta_rule_inputs(1, 20, 2, 2, 8, 8, seed=4)
     state = random_state(1, 2, 8, 8)
     o, final, states = delta_rule_fla(*inputs.values(), state.clone(), (0, 7, 8, 20), True, 8**-0.5)
@@ -113,9 +120,6 @@ def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_f
 def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch):
     """A stand-in for mamba_ssm 2.x's mamba_chunk_scan_combined with its published signature (raw dt: the kernel
     adds dt_bias, applies softplus and the limit, and D), computing with prefixlab's token loop."""
-    import sys
-    import types
-
     from prefixlab.recurrent.cuda import ssd_mamba_ssm
 
     calls = []
@@ -129,11 +133,8 @@ def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch):
                           backend="naive")  # fmt: skip
         return y, final
 
-    module = types.ModuleType("mamba_ssm.ops.triton.ssd_combined")
-    module.mamba_chunk_scan_combined = mamba_chunk_scan_combined
-    for name in ("mamba_ssm", "mamba_ssm.ops", "mamba_ssm.ops.triton"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "mamba_ssm.ops.triton.ssd_combined", module)
+    install_fake_module(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
+                        mamba_chunk_scan_combined=mamba_chunk_scan_combined)
     inputs = ssd_inputs(1, 30, 4, 8, 2, 8, seed=6)
     limit = (0.01, 0.05)  # Nemotron-H style: the kernel must get it
     y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, None, (0, 11, 30), 16)

@@ -49,7 +49,7 @@ def gated_delta_rule(
     positions = _checks.check_capture(capture, length)
     _checks.check_chunk_size(chunk_size)
     require(scale is None or isinstance(scale, (int, float)), f"scale must be a float or None, got {scale!r}")
-    backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), length)
+    backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), tokens=length)
 
     out_dtype = q.dtype
     scale = dim_k**-0.5 if scale is None else float(scale)

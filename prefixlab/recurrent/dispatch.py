@@ -15,16 +15,18 @@ PORTABLE_BACKENDS = ("naive", "torch", "compiled")
 
 
 def resolve_backend(
-    backend: str, device: torch.device, cuda_package: str, cuda_unsupported: str | None = None, tokens: int = 2
+    backend: str, device: torch.device, cuda_package: str, cuda_unsupported: str | None = None,
+    tokens: int | None = None,
 ) -> str:
     """'auto' -> `cuda_package` for CUDA tensors when it is installed and can take these inputs (cuda_unsupported
-    is None; else a reason), otherwise 'torch', or 'naive' for a call of at most one token (a decode step: a
-    chunked kernel would pad it to a whole chunk). Explicit names are checked and never silently replaced."""
+    is None; else a reason), otherwise 'torch', or 'naive' for a call of at most one token (`tokens`, when given: a
+    decode step, which a chunked kernel would pad to a whole chunk). Explicit names are checked and never silently
+    replaced."""
     allowed = ("auto", *PORTABLE_BACKENDS, cuda_package)
     require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
     if backend == "auto":
         usable = device.type == "cuda" and cuda_unsupported is None and _installed(cuda_package)
-        return cuda_package if usable else ("naive" if tokens <= 1 else "torch")
+        return cuda_package if usable else ("naive" if tokens is not None and tokens <= 1 else "torch")
     if backend == cuda_package:
         require(device.type == "cuda", f"backend={backend!r} needs CUDA tensors, got tensors on {device}")
         require(_installed(cuda_package), f"backend={backend!r} needs the {cuda_package} package: pip install it")
