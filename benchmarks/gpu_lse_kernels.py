@@ -101,7 +101,46 @@ def main() -> int:
         except Exception as err:  # a candidate this torch / GPU cannot run: report it, go on with the others
             row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         print(json.dumps(row), flush=True)
+    print(json.dumps(split_phases(args)), flush=True)
     return 0
+
+
+def split_phases(args: argparse.Namespace) -> dict:
+    """Where `hydragen_attention(method="split")` spends its time at these shapes: each phase with the GPU waited for
+    (`*_ms`), and the whole call's host time alone (`split_host_ms`: launches, guards, Python; no wait at the end)."""
+    from prefixlab.attention.api import hydragen_attention
+    from prefixlab.attention.kernels import compiled_combine
+    from prefixlab.attention.split import level_partial, suffix_partial
+    from prefixlab.attention.tree import SharedLevel, plan_tree
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    dim = args.head_dim
+    q = rand(args.batch, args.q_heads, 1, dim)
+    level = SharedLevel(rand(args.kv_heads, args.prefix, dim), rand(args.kv_heads, args.prefix, dim))
+    suffix_k, suffix_v = rand(args.batch, args.kv_heads, args.suffix, dim), rand(args.batch, args.kv_heads,
+                                                                                  args.suffix, dim)
+    scale = dim**-0.5
+    parts = [level_partial(q, level.keys, level.values, scale), suffix_partial(q, suffix_k, suffix_v, None, scale)]
+    outs, lses = torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    phases = {"plan": lambda: plan_tree(q, [level], suffix_k, suffix_v),
+              "level": lambda: level_partial(q, level.keys, level.values, scale),
+              "suffix": lambda: suffix_partial(q, suffix_k, suffix_v, None, scale),
+              "combine": lambda: compiled_combine()(outs, lses),
+              "split": lambda: hydragen_attention(q, [level], suffix_k, suffix_v, method="split")}
+    row = {"phases_of": "split", "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix}
+    row.update({f"{name}_ms": best_ms(fn, args.repeats) for name, fn in phases.items()})
+    host = []
+    for _ in range(args.repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        phases["split"]()
+        host.append((time.perf_counter() - start) * 1e3)
+    row["split_host_ms"] = min(host)
+    return row
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+import transformers
+from transformers import DynamicCache
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from prefixlab.recurrent import patch, unpatch
 
@@ -168,10 +170,19 @@ CONFIGS: dict[str, dict] = {
 _CACHE_PARAMS = {"mamba", "mamba2", "falcon_mamba"}
 
 
+def transformers_classes(name: str) -> tuple[type, type]:
+    """transformers' own config and causal-LM classes for model type `name`, by their names. Not the Auto mappings:
+    importing fla (transformers does, for its GatedDeltaNet layers, on a CUDA machine with fla installed) registers
+    fla's own models under "mamba" and "mamba2" there, and AutoModel then builds those (seen on an H200, fla 0.6)."""
+    return (getattr(transformers, CONFIG_MAPPING_NAMES[name]),
+            getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name]))
+
+
 def build(name: str, seed: int = 0, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A tiny `name` model in eval mode with weights redrawn (matrices ~ scale / sqrt(fan_in), vectors jittered)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[name](**CONFIGS[name]), dtype=torch.float32).eval()
+    config_class, model_class = transformers_classes(name)
+    model = model_class._from_config(config_class(**CONFIGS[name]), dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for param_name, param in model.named_parameters():

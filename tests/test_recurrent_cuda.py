@@ -165,6 +165,8 @@ def test_fla_backend_captures_prefix_states_and_resumes():
     assert max_diff(o, o_ref) <= 5e-2 and max_diff(final, final_ref) <= 5e-2  # fla computes in bf16 / tf32
     for p in positions:
         assert max_diff(states[p], states_ref[p]) <= 5e-2
+        if p == 200:  # nothing left to resume (an empty tail has no outputs to compare)
+            continue
         tail = {name: t[:, p:] for name, t in inputs.items()}
         o_tail, _, _ = gated_delta_rule(**tail, initial_state=states[p], use_qk_l2norm=True, backend="fla")
         assert max_diff(o_tail, o[:, p:]) <= 5e-2
@@ -193,6 +195,8 @@ def test_mamba_ssm_backend_captures_prefix_states_and_resumes():
     assert max_diff(y, y_ref) <= 1e-2 and max_diff(final, final_ref) <= 1e-2
     for p in positions:
         assert max_diff(states[p], states_ref[p]) <= 1e-2
+        if p == 300:  # nothing left to resume
+            continue
         tail = {name: t[:, p:] if name in ("x", "dt", "B", "C") else t for name, t in inputs.items()}
         y_tail, _, _ = ssd(**tail, initial_state=states[p], chunk_size=64, backend="mamba_ssm")
         assert max_diff(y_tail, y[:, p:]) <= 1e-2

@@ -96,6 +96,23 @@ def test_unknown_linear_attention_layers_are_refused_and_nothing_is_patched(qwen
         del qwen.model.layers[1].extra_mixer
 
 
+class Mamba2(UnknownMixer):
+    """What AutoModel builds for a Mamba2 config once fla is imported: fla's layer, not transformers'."""
+
+
+Mamba2.__module__ = "fla.layers.mamba2"
+
+
+def test_an_fla_layer_is_refused_with_how_to_build_transformers_model(qwen):
+    qwen.model.layers[1].extra_mixer = Mamba2(1)
+    try:
+        with pytest.raises(UnsupportedModelError, match=r"fla\.layers\.mamba2\.Mamba2 .*transformers\.Mamba2ForCausal"):
+            patch(qwen)
+        assert not is_patched(qwen)
+    finally:
+        del qwen.model.layers[1].extra_mixer
+
+
 def test_models_without_linear_attention_are_left_alone():
     mlp = nn.Sequential(nn.Linear(4, 4), nn.Conv1d(4, 4, 3))
     assert patch(mlp) is mlp and not is_patched(mlp)

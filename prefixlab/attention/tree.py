@@ -129,11 +129,12 @@ def level_visibility(
         )
     if any(not -1 <= leaf < len(levels) for leaf in seq_levels):
         raise InvalidInputError(f"seq_levels={seq_levels} must hold level indices in [0, {len(levels)}) or -1 (none)")
-    visible = torch.zeros(batch, len(levels), dtype=torch.bool)
-    for b, leaf in enumerate(seq_levels):
-        if leaf >= 0:
-            visible[b, paths[leaf]] = True
-    return seq_levels, visible
+    # one row per level (its path from the root) and a last, empty row that index -1 (no shared prefix) reads:
+    # a gather, not a Python loop over the batch (that loop cost ~2 ms of host time a call at B=512)
+    on_path = torch.zeros(len(levels) + 1, len(levels), dtype=torch.bool)
+    for leaf, path in enumerate(paths):
+        on_path[leaf, path] = True
+    return seq_levels, on_path[torch.tensor(seq_levels, dtype=torch.int64)]
 
 
 def plan_tree(

@@ -137,9 +137,13 @@ def linear_attention_layers(model: nn.Module) -> list[tuple[nn.Module, Family]]:
         family = family_of(layer)
         if family is None:
             cls = type(layer)
+            # fla registers its models under transformers' "mamba" / "mamba2" types once imported (transformers
+            # imports it for GatedDeltaNet layers): AutoModel then builds fla's model, not transformers'
+            hint = (" (an fla model: build transformers' own class by name, e.g. transformers.Mamba2ForCausalLM, not "
+                    "through AutoModel, which fla's import re-registers)" if cls.__module__.startswith("fla.") else "")
             raise UnsupportedModelError(
-                f"{cls.__module__}.{cls.__qualname__} is a linear-attention layer prefixlab cannot patch; supported "
-                f"layer classes (transformers' own): {', '.join(SUPPORTED_CLASSES)}"
+                f"{cls.__module__}.{cls.__qualname__} is a linear-attention layer prefixlab cannot patch{hint}; "
+                f"supported layer classes (transformers' own): {', '.join(SUPPORTED_CLASSES)}"
             )
         found.append((layer, family))
     return found
