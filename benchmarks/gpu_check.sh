@@ -5,9 +5,9 @@
 # Wheels the machine lacks travel in .whl/ (transformers, regex) and .whl/fla/ (fla-core, flash-linear-attention):
 #   see benchmarks/RESULTS.md, "GPU". Logs go to $OUT (default /tmp/gpu_check).
 # The step limits add up to ~14 minutes, more than one device call (600 s) and about a session's device time (900 s):
-#   pick with STEPS, most useful first, e.g. STEPS="tests_cuda serve profile bench_hydragen" (the exactness check,
-#   issue 11's throughput after session 23's decode fix, and which LSE kernel Hydragen's split should call: <= 510 s,
-#   one call with timeout_s ~560), then what time is left on the fla steps.
+#   pick with STEPS, most useful first. Session 24 ran "tests_cuda serve profile bench_hydragen" (332 s), then the
+#   fla steps; the next GPU session: STEPS="tests_cuda_fla tests_cuda serve bench_hydragen" (<= 590 s of limits,
+#   one call with timeout_s ~600; the fla tests are the ones not yet seen passing, after session 24's fixes).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -57,11 +57,11 @@ PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla 200 pyt
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
     --dtype bf16 --backend fla --length 8192 --repeats 10 --json
-# 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA). Session 22: split
-#    4 ms at B=512 where its work needs well under 1 ms; the log shows whether flex recompiles (one compiled
-#    function serves the level and the suffix calls, two shape families)
-#    and benchmarks/gpu_lse_kernels.py times the LSE kernels split could call instead, at split's two shapes
-PYTHONPATH=$base TORCH_LOGS=recompiles step bench_hydragen 120 sh -c 'for b in 64 256 512; do
+# 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA), then split's kernels
+#    and phases (benchmarks/gpu_lse_kernels.py). No TORCH_LOGS=recompiles any more: session 24's run with it timed
+#    split at 8.0 ms, twice session 22's 4.0 ms without it on the same split code (not isolated further); the log
+#    had shown three flex graphs (the level call, the suffix call with a dynamic batch, packed's), no more
+PYTHONPATH=$base step bench_hydragen 120 sh -c 'for b in 64 256 512; do
     python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
         --q-heads 32 --kv-heads 8 --json; done; python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384'
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
