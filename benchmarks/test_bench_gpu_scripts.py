@@ -28,6 +28,8 @@ def test_serve_accelerate_against_a_plain_loop_one_process():
         assert row["outputs_identical"] and row["in_input_order"] and row["requests"] == 4
         assert row["plain"]["requests"] == 4 and row["throughput_vs_plain"] > 0
     assert rows[1]["prefilled_tokens"] <= rows[0]["prefilled_tokens"]
+    # the prompt trie's size is a floor no order goes under (radix order reaches it up to the last-token rule)
+    assert 0 < rows[1]["prompt_trie_tokens"] <= rows[1]["prefilled_tokens"]
 
 
 def test_profile_serve_reports_both_paths():
