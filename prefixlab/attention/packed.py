@@ -146,8 +146,8 @@ def varlen_prefill_attention(
     if q.shape[1] % k.shape[1]:
         raise InvalidInputError(f"q has {q.shape[1]} heads, k {k.shape[1]}: a multiple is needed (GQA)")
     check_levels(levels, k.shape[1], k.shape[2], q)
-    _, visible = level_visibility(levels, seq_levels, len(lengths))
-    layout = tree_layout(visible.to(q.device), [level.length for level in levels], list(lengths), list(lengths))
+    _, visible, _ = level_visibility(levels, seq_levels, len(lengths), q.device)
+    layout = tree_layout(visible, [level.length for level in levels], list(lengths), list(lengths))
     keys = torch.cat([level.keys for level in levels] + [k.transpose(0, 1)], dim=1)[None]
     values = torch.cat([level.values for level in levels] + [v.transpose(0, 1)], dim=1)[None]
     scale = q.shape[-1] ** -0.5 if scale is None else scale

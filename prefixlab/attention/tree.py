@@ -12,6 +12,7 @@ A batch of B sequences is described by
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -116,9 +117,11 @@ def check_levels(levels: Sequence[SharedLevel], kv_heads: int, head_dim: int, li
 
 
 def level_visibility(
-    levels: Sequence[SharedLevel], seq_levels: Sequence[int] | torch.Tensor | None, batch: int
-) -> tuple[list[int], torch.Tensor]:
-    """(seq_levels as ints, visible (batch, n_levels) bool): the levels on each sequence's path."""
+    levels: Sequence[SharedLevel], seq_levels: Sequence[int] | torch.Tensor | None, batch: int,
+    device: torch.device | None = None,
+) -> tuple[list[int], torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(seq_levels as ints, visible (batch, n_levels) bool, members: per level the sorted int64 indices of the
+    sequences that see it), the tensors on `device` (default CPU) and shared between calls: do not modify them."""
     paths = ancestors_of([level.parent for level in levels])
     if seq_levels is None:
         seq_levels = [len(levels) - 1] * batch
@@ -129,12 +132,23 @@ def level_visibility(
         )
     if any(not -1 <= leaf < len(levels) for leaf in seq_levels):
         raise InvalidInputError(f"seq_levels={seq_levels} must hold level indices in [0, {len(levels)}) or -1 (none)")
+    visible, members = _visible(tuple(map(tuple, paths)), tuple(seq_levels), torch.device(device or "cpu"))
+    return seq_levels, visible, members
+
+
+@functools.lru_cache(maxsize=16)
+def _visible(paths: tuple[tuple[int, ...], ...], seq_levels: tuple[int, ...], device: torch.device):
+    """`level_visibility`'s tensors for levels' root paths and each sequence's deepest level. Cached: every attention
+    layer of a forward asks for the same ones (their KV differ, not who sees what), and on CUDA each fresh answer
+    costs host-to-device copies."""
     # one row per level (its path from the root) and a last, empty row that index -1 (no shared prefix) reads:
     # a gather, not a Python loop over the batch (that loop cost ~2 ms of host time a call at B=512)
-    on_path = torch.zeros(len(levels) + 1, len(levels), dtype=torch.bool)
+    on_path = torch.zeros(len(paths) + 1, len(paths), dtype=torch.bool)
     for leaf, path in enumerate(paths):
-        on_path[leaf, path] = True
-    return seq_levels, on_path[torch.tensor(seq_levels, dtype=torch.int64)]
+        on_path[leaf, list(path)] = True
+    visible = on_path[torch.tensor(seq_levels, dtype=torch.int64)]
+    members = tuple(visible[:, n].nonzero().flatten().to(device) for n in range(len(paths)))
+    return visible.to(device), members
 
 
 def plan_tree(
@@ -171,8 +185,7 @@ def plan_tree(
             "so append the new tokens' keys/values to the suffix first"
         )
     check_levels(levels, kv_heads, head_dim, q)
-    seq_levels, visible = level_visibility(levels, seq_levels, batch)
-    members = tuple(visible[:, n].nonzero().flatten() for n in range(len(levels)))
+    seq_levels, visible, members = level_visibility(levels, seq_levels, batch, q.device)
 
     if suffix_lengths is not None:
         if suffix_mask is not None:
@@ -197,5 +210,4 @@ def plan_tree(
             )
         if suffix_mask.device != q.device:
             raise InvalidInputError(f"suffix_mask is on {suffix_mask.device} but q on {q.device}")
-    return TreePlan(tuple(levels), tuple(seq_levels), visible.to(q.device), tuple(m.to(q.device) for m in members),
-                    suffix_mask)
+    return TreePlan(tuple(levels), tuple(seq_levels), visible, members, suffix_mask)
