@@ -7,7 +7,8 @@
 # The step limits add up to ~14 minutes, more than one device call (600 s) and about a session's device time (900 s):
 #   pick with STEPS, most useful first. Session 24 ran "tests_cuda serve profile bench_hydragen" (332 s), then the
 #   fla steps; the next GPU session: STEPS="tests_cuda_fla tests_cuda serve bench_hydragen" (<= 590 s of limits,
-#   one call with timeout_s ~600; the fla tests are the ones not yet seen passing, after session 24's fixes).
+#   one call with timeout_s ~600; the fla tests are the ones not yet seen passing, after session 24's fixes), then
+#   STEPS="hydragen_e2e bench_recurrent_fla" if time is left.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -67,4 +68,10 @@ PYTHONPATH=$base step bench_hydragen 120 sh -c 'for b in 64 256 512; do
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
 PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \
     --backend compiled --length 8192 --repeats 10 --json
+# 8. Hydragen end to end (issue 12's item): N sampled completions of one long prompt, standard generate (N copies of
+#    the prompt's KV) vs Hydragen generate vs the no-attention ceiling, tiny Llama-shaped model (8:1 heads, d=128),
+#    bf16, then Qwen3.5-shaped in fp32 (where the tokens should match)
+PYTHONPATH=$base step hydragen_e2e 150 sh -c 'python3 -m prefixlab bench hydragen --e2e --dtype bf16 \
+    --completions 256 --prompt 16384 --new-tokens 32 --json; python3 -m prefixlab bench hydragen --e2e \
+    --model qwen3_5 --completions 64 --prompt 4096 --new-tokens 32 --json'
 echo "done $(date +%T)" >>"$summary"

@@ -24,6 +24,7 @@ def test_cli_json_has_the_timings_and_speedup(capsys):
     (["hydragen", "--q-heads", "3", "--kv-heads", "2"], "multiple of --kv-heads=2"),
     (["hydragen", "--device", "tpu"], "not a torch device name"),
     (["hydragen", "--e2e", "--new-tokens", "0"], "--new-tokens=0 must be at least 1"),
+    (["hydragen", "--e2e", "--device", "tpu"], "not a torch device name"),
     (["recurrent", "--length", "0"], "--length=0 must be at least 1"),
     (["recurrent", "--length", "64", "--captures", "65"], "must not exceed --length=64"),
     (["recurrent", "--ssd-state", "0"], "--ssd-state=0 must be at least 1"),
@@ -39,12 +40,18 @@ def test_cli_rejects_bad_sizes_before_running(capsys, argv, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_cli_says_there_is_no_cuda_device(capsys):
-    for bench in ("hydragen", "recurrent"):
-        assert main(["bench", bench, "--device", "cuda"]) == 2
+    for argv in (["hydragen"], ["hydragen", "--e2e"], ["recurrent"]):
+        assert main(["bench", *argv, "--device", "cuda"]) == 2
         assert "no CUDA device; use --device cpu" in capsys.readouterr().err
 
 
 def test_e2e_runs_all_three_and_hydragen_matches_standard():
     result = bench_e2e("llama", completions=2, prompt_tokens=12, new_tokens=2)
     assert result["same_tokens"]
+    assert all(result[f"{run}_tok_s"] > 0 for run in ("standard", "hydragen", "no_attention"))
+
+
+def test_e2e_runs_in_bf16_and_says_so():
+    result = bench_e2e("qwen3_5", completions=2, prompt_tokens=12, new_tokens=2, device="cpu", dtype="bf16")
+    assert (result["device"], result["dtype"]) == ("cpu", "bf16") and isinstance(result["same_tokens"], bool)
     assert all(result[f"{run}_tok_s"] > 0 for run in ("standard", "hydragen", "no_attention"))

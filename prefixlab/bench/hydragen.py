@@ -2,6 +2,7 @@
 
     prefixlab bench hydragen --batch 64 --prefix 4096 --suffix 128 --json
     prefixlab bench hydragen --e2e --model llama --completions 64 --prompt 2048 --new-tokens 32 --json
+    prefixlab bench hydragen --e2e --device cuda --dtype bf16 --completions 512 --prompt 16384 --json
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.e2e:
         from prefixlab.bench.hydragen_e2e import bench_e2e
 
-        result = bench_e2e(args.model, args.completions, args.prompt, args.new_tokens, repeats=args.repeats)
+        result = bench_e2e(args.model, args.completions, args.prompt, args.new_tokens, repeats=args.repeats,
+                           device=args.device, dtype=args.dtype)
     else:
         result = bench_attention(args.batch, args.prefix, args.suffix, args.q_heads, args.kv_heads, args.head_dim,
                                  args.queries, args.dtype, args.device, args.repeats, packed=not args.no_packed)

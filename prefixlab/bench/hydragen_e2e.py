@@ -23,7 +23,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from prefixlab.attention.hf_cache import HydragenCache
-from prefixlab.bench import check_sizes
+from prefixlab.bench import check_device, check_sizes
 from prefixlab.errors import InvalidInputError
 
 VOCAB = 1024
@@ -33,7 +33,7 @@ ZEROS = "prefixlab_zeros"
 def tiny_model(name: str) -> torch.nn.Module:
     """A random-init fp32 model with Llama-like attention shape (8 query heads : 1 KV head, head_dim 128)."""
     shape = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
-                 num_key_value_heads=1, head_dim=128, max_position_embeddings=8192, pad_token_id=0)
+                 num_key_value_heads=1, head_dim=128, max_position_embeddings=32768, pad_token_id=0)
     if name == "llama":
         model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=4, **shape))
     elif name == "qwen3_5":
@@ -84,23 +84,33 @@ def _standard_cache(model, prefilled: DynamicCache, completions: int) -> Dynamic
 
 
 def _timed_generate(model, prompt, cache, completions: int, new_tokens: int) -> tuple[float, torch.Tensor]:
+    sync = torch.cuda.synchronize if prompt.device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)
+    sync()
     start = time.perf_counter()
     with torch.no_grad():
         out = model.generate(prompt, past_key_values=cache, do_sample=True, num_return_sequences=completions,
                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    sync()
     return time.perf_counter() - start, out
 
 
 def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: int = 2048, new_tokens: int = 32,
-              repeats: int = 1) -> dict:
-    """Decode tokens/s of standard generate, Hydragen generate and the no-attention ceiling."""
+              repeats: int = 1, device: str = "cpu", dtype: str = "fp32") -> dict:
+    """Decode tokens/s of standard generate, Hydragen generate and the no-attention ceiling, on `device` in `dtype`
+    (fp32 / bf16 / fp16). In fp32 on CPU the two generates' tokens are identical; in bf16 / fp16 they need not be
+    (Hydragen's LSE combine rounds differently from SDPA's single softmax), and `same_tokens` says which it was."""
+    from prefixlab.bench.hydragen import DTYPES
+
     check_sizes(completions=completions, prompt=prompt_tokens, new_tokens=new_tokens, repeats=repeats)
+    if dtype not in DTYPES:
+        raise InvalidInputError(f"dtype={dtype!r} must be one of {sorted(DTYPES)}")
+    device = check_device(device)
     AttentionInterface.register(ZEROS, _zero_attention)
     AttentionMaskInterface.register(ZEROS, sdpa_mask)
     torch.manual_seed(0)
-    model = tiny_model(model_name)
-    prompt = torch.randint(1, VOCAB, (1, prompt_tokens))
+    model = tiny_model(model_name).to(device=device, dtype=DTYPES[dtype])
+    prompt = torch.randint(1, VOCAB, (1, prompt_tokens)).to(device)
     prefilled = _prefill(model, prompt[:, :-1])  # generate then feeds the last prompt token
     runs = {
         "standard": ("sdpa", lambda: _standard_cache(model, prefilled, completions)),
@@ -108,7 +118,7 @@ def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: i
         "no_attention": (ZEROS, lambda: _loaded(model, prefilled, completions)),
     }
     result = dict(model=model_name, completions=completions, prompt=prompt_tokens, new_tokens=new_tokens,
-                  threads=torch.get_num_threads())
+                  device=str(device), dtype=dtype, threads=torch.get_num_threads())
     outputs = {}
     for name, (implementation, make_cache) in runs.items():
         model.set_attn_implementation(implementation)
@@ -133,7 +143,8 @@ def _loaded(model, prefilled: DynamicCache, completions: int) -> HydragenCache:
 def format_e2e(result: dict) -> str:
     return (
         f"hydragen e2e  tiny {result['model']}, {result['completions']} completions of a {result['prompt']}-token "
-        f"prompt, {result['new_tokens']} new tokens each, fp32 ({result['threads']} threads)\n"
+        f"prompt, {result['new_tokens']} new tokens each, {result['dtype']} on {result['device']} "
+        f"({result['threads']} threads)\n"
         f"  standard generate     {result['standard_tok_s']:.1f} tok/s\n"
         f"  hydragen generate     {result['hydragen_tok_s']:.1f} tok/s  ({result['speedup']:.2f}x, same tokens: "
         f"{result['same_tokens']})\n"
