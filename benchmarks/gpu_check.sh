@@ -8,7 +8,7 @@
 #   pick with STEPS, most useful first. Session 24 ran "tests_cuda serve profile bench_hydragen" (332 s), then the
 #   fla steps; the next GPU session: STEPS="tests_cuda_fla tests_cuda serve bench_hydragen" (<= 590 s of limits,
 #   one call with timeout_s ~600; the fla tests are the ones not yet seen passing, after session 24's fixes), then
-#   STEPS="hydragen_e2e bench_recurrent_fla" if time is left.
+#   STEPS="hydragen_e2e hit_ttft bench_recurrent_fla" if time is left.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -74,4 +74,8 @@ PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench rec
 PYTHONPATH=$base step hydragen_e2e 150 sh -c 'python3 -m prefixlab bench hydragen --e2e --dtype bf16 \
     --completions 256 --prompt 16384 --new-tokens 32 --json; python3 -m prefixlab bench hydragen --e2e \
     --model qwen3_5 --completions 64 --prompt 4096 --new-tokens 32 --json'
+# 9. hit TTFT at a 32K cached prefix, 64-token suffix, against the suffix-only floor (issue 12's item: <= 1.2x), on
+#    serve's ~0.5 B hybrid in fp32 and bf16
+PYTHONPATH=$base step hit_ttft 150 sh -c 'cd benchmarks && for d in fp32 bf16; do python3 gpu_hit_ttft.py \
+    --size small --prefix 32768 --suffix 64 --rounds 10 --dtype $d; done'
 echo "done $(date +%T)" >>"$summary"

@@ -41,3 +41,10 @@ def test_profile_serve_reports_both_paths():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
 def test_lse_kernels_say_they_need_cuda():
     assert "needs a CUDA device" in run("gpu_lse_kernels.py", code=2)
+
+
+def test_hit_ttft_resumes_at_the_whole_prefix():
+    out = run("gpu_hit_ttft.py", "--device", "cpu", "--prefix", "256", "--suffix", "16", "--rounds", "2")
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert row["reused_tokens"] == 256 and row["hit_ms"] > 0 and row["floor_ms"] > 0
+    assert row["ratio"] == row["hit_ms"] / row["floor_ms"]
