@@ -26,6 +26,39 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 50281
 
 
+def hit_and_floor_seconds(model, store: PrefixStore, prefix: torch.Tensor, new_suffix, rounds: int,
+                          sync=lambda: None) -> tuple[list[int], list[float], list[float]]:
+    """(tokens each hit reused, hit seconds, floor seconds) over `rounds` interleaved rounds (the machine's state hits
+    both alike): generate() of prefix + new_suffix() through `store` vs from a plain cache already holding the
+    prefix. First primes the store: the second request records the branch point, the third hits it."""
+    def timed(run) -> float:
+        sync()
+        start = time.perf_counter()
+        run()
+        sync()
+        return time.perf_counter() - start
+
+    def first_token(ids: torch.Tensor, cache) -> None:
+        model.generate(ids, past_key_values=cache, max_new_tokens=1, pad_token_id=0)
+
+    with torch.inference_mode():
+        for _ in range(3):
+            first_token(torch.cat([prefix, new_suffix()], 1), HybridPrefixCache(store))
+        store.flush()
+        ready = DynamicCache(config=model.config)  # the state the hits resume from, held by a plain cache
+        model(input_ids=prefix, past_key_values=ready, logits_to_keep=1)
+        reused, hits, floors = [], [], []
+        for _ in range(rounds):
+            cache, ids = HybridPrefixCache(store), torch.cat([prefix, new_suffix()], 1)
+            hits.append(timed(lambda c=cache, i=ids: first_token(i, c)))
+            reused.append(cache.reused_tokens)
+            store.flush()  # admission happens after the response, not in the next request's TTFT
+            # generate() slices the prompt by the cache length: from the ready cache it runs the suffix only
+            plain, ids = copy.deepcopy(ready), torch.cat([prefix, new_suffix()], 1)
+            floors.append(timed(lambda c=plain, i=ids: first_token(i, c)))
+    return reused, hits, floors
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES))
@@ -45,34 +78,11 @@ def main() -> int:
     gen = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, VOCAB - 1, (1, args.prefix), generator=gen).to(device)
 
-    def prompt() -> torch.Tensor:  # the prefix and a fresh suffix
-        return torch.cat([prefix, torch.randint(3, VOCAB - 1, (1, args.suffix), generator=gen).to(device)], 1)
-
-    def timed(run) -> float:
-        sync()
-        start = time.perf_counter()
-        run()
-        sync()
-        return time.perf_counter() - start
+    def new_suffix() -> torch.Tensor:
+        return torch.randint(3, VOCAB - 1, (1, args.suffix), generator=gen).to(device)
 
     store = PrefixStore(model, capacity="64GiB", policy="dp")
-    with torch.inference_mode():
-        for _ in range(3):  # the second request records the branch point, the third hits it
-            model.generate(prompt(), past_key_values=HybridPrefixCache(store), max_new_tokens=1, pad_token_id=0)
-        store.flush()
-        ready = DynamicCache(config=model.config)  # the state the hits resume from, held by a plain cache
-        model(input_ids=prefix, past_key_values=ready, logits_to_keep=1)
-        reused, hits, floors = [], [], []
-        for _ in range(args.rounds):  # interleaved, so the machine's state hits both alike
-            cache = HybridPrefixCache(store)
-            request = prompt()
-            hits.append(timed(lambda c=cache, r=request: model.generate(r, past_key_values=c, max_new_tokens=1,
-                                                                         pad_token_id=0)))
-            reused.append(cache.reused_tokens)
-            store.flush()  # admission happens after the response, not in the next request's TTFT
-            plain, request = copy.deepcopy(ready), prompt()
-            floors.append(timed(lambda c=plain, r=request: model.generate(r, past_key_values=c, max_new_tokens=1,
-                                                                           pad_token_id=0)))
+    reused, hits, floors = hit_and_floor_seconds(model, store, prefix, new_suffix, args.rounds, sync)
     row = dict(device=str(device), size=args.size, dtype=args.dtype, prefix=args.prefix, suffix=args.suffix,
                rounds=args.rounds, reused_tokens=min(reused), hit_ms=min(hits) * 1e3, floor_ms=min(floors) * 1e3,
                hit_median_ms=sorted(hits)[args.rounds // 2] * 1e3,

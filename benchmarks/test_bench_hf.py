@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from transformers import DynamicCache
+from gpu_hit_ttft import hit_and_floor_seconds
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.demo import build_model, build_workload, serve, summarize
@@ -41,14 +41,9 @@ def suffix(seed: int) -> torch.Tensor:
 def test_hit_ttft_is_within_1_2x_of_the_suffix_only_prefill(benchmark, model):
     system = torch.randint(3, 50000, (1, SYSTEM_TOKENS), generator=torch.Generator().manual_seed(0))
     store = PrefixStore(model, capacity="2GB", policy="dp")
-    with torch.inference_mode():
-        for seed in range(3):  # the second request captures the branch point, the third hits it
-            model.generate(torch.cat([system, suffix(seed)], 1), past_key_values=HybridPrefixCache(store),
-                           max_new_tokens=1, pad_token_id=0)
-        store.flush()
-        ready = DynamicCache(config=model.config)  # a plain cache holding the state the hits resume from
-        model(input_ids=system, past_key_values=ready, logits_to_keep=1)
-    seeds = iter(range(100, 10_000))
+    seeds = iter(range(10_000))
+    reused, hits, floors = hit_and_floor_seconds(model, store, system, lambda: suffix(next(seeds)), ROUNDS)
+    assert reused == [SYSTEM_TOKENS] * ROUNDS
 
     def hit():
         cache = HybridPrefixCache(store)
@@ -56,21 +51,7 @@ def test_hit_ttft_is_within_1_2x_of_the_suffix_only_prefill(benchmark, model):
                        pad_token_id=0)
         assert cache.reused_tokens == SYSTEM_TOKENS
 
-    def floor():
-        plain = copy.deepcopy(ready)  # generate() slices the prompt by the cache length: it runs the suffix only
-        start = time.perf_counter()
-        model.generate(torch.cat([system, suffix(next(seeds))], 1), past_key_values=plain, max_new_tokens=1,
-                       pad_token_id=0)
-        return time.perf_counter() - start
-
     with torch.inference_mode():
-        hits, floors = [], []
-        for _ in range(ROUNDS):  # interleaved, so machine load hits both alike
-            start = time.perf_counter()
-            hit()
-            hits.append(time.perf_counter() - start)
-            store.flush()  # admission happens after the response, not in the next request's TTFT
-            floors.append(floor())
         benchmark.pedantic(hit, setup=store.flush, rounds=5, iterations=1)
     ratio = min(hits) / min(floors)
     print(f"\nhit TTFT {min(hits) * 1e3:.1f} ms (median {sorted(hits)[ROUNDS // 2] * 1e3:.1f}) vs suffix-only "
