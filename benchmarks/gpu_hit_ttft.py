@@ -20,9 +20,9 @@ from serve_accelerate import SIZES
 from transformers import DynamicCache, Qwen3_5ForCausalLM
 
 from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.bench.hydragen import DTYPES
 from prefixlab.demo import tiny_hybrid_config
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VOCAB = 50281
 
 
