@@ -59,7 +59,7 @@ def stand_in_replay(monkeypatch):
     """simulate/ceiling stand-ins with known numbers: token hit rate = 10 x capacity in GB."""
     calls = []
 
-    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None):
+    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None, overflow=True):
         calls.append((len(requests), policy, capacity_bytes, spec.name))
         for _ in requests:
             progress(1)
@@ -243,3 +243,24 @@ def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
     for fleet_option in (["--routing", "random"], ["--single-cache"], ["--balance-eps", "0.3"]):  # need --replicas
         assert_one_line_error(capsys, "simulate", "builtin", *fleet_option, match="add --replicas N")
     assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "0", match="--replicas")
+
+
+@pytest.mark.parametrize("fleet", [(), ("--replicas", "2", "--single-cache")])
+def test_a_cache_below_one_state_is_explained_and_strict_budget_never_exceeds_it(capsys, tmp_path, fleet):
+    """Two identical requests: the overflow rule keeps the first entry (dp checkpoints its input's end) in a 10-byte
+    cache, so the second hits; the CLI says so, and --strict-budget gives the strict answer (no hit) and says that."""
+    trace = tmp_path / "same.jsonl"
+    request = {"input_tokens": [1, 2, 3], "output_tokens": [4]}
+    trace.write_text("".join(json.dumps({"session_id": i, "turn_id": 0, "ts": i, **request}) + "\n" for i in (0, 1)))
+    hit = {}
+    for strict in ((), ("--strict-budget",)):
+        code, out, err = run(capsys, "simulate", trace, "--policy", "dp", "--capacity-gb", "1e-8", "--json",
+                             *fleet, *strict)
+        assert code == 0 and "1e-08 GB holds no recurrent state" in err, err
+        assert ("no request can resume" in err) == bool(strict) and ("overflow rule" in err) != bool(strict)
+        rows = [json.loads(line) for line in out.strip().splitlines()]
+        # (a fleet of two sends the repeat elsewhere: the balance bound; its one cache of twice the size hits)
+        hit[bool(strict)] = rows[0]["single_cache_token_hit_rate" if fleet else "token_hit_rate"]
+    assert hit == {False: 50, True: 0}
+    _, _, err = run(capsys, "simulate", trace, "--policy", "marconi", "--capacity-gb", "1", *fleet)
+    assert "holds no recurrent state" not in err

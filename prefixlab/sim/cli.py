@@ -57,6 +57,19 @@ def parse_capacities_gb(text: str) -> list[float]:
     return capacities
 
 
+def note_capacities_below_one_state(capacities_gb: list[float], spec: ModelSpec, strict_budget: bool) -> None:
+    """Say on stderr why a cache smaller than one recurrent state still hits (or, strict, never can)."""
+    small = [c for c in capacities_gb if report.gb_to_bytes(c) < spec.state_bytes]
+    if not small:
+        return
+    sizes = ", ".join(f"{c:g}" for c in small)
+    why = ("no request can resume there" if strict_budget else
+           "its hits come from the overflow rule (an entry larger than the cache is kept whole until the next "
+           "admission, as in Marconi's simulator); --strict-budget never exceeds the budget")
+    print(f"note: {sizes} GB holds no recurrent state of this model ({spec.state_bytes / 1e9:.4g} GB each): {why}",
+          file=sys.stderr)
+
+
 def check_on_error(on_error: str) -> str:
     if on_error not in formats.ON_ERROR_CHOICES:
         raise InvalidInputError(f"--on-error {on_error!r}: use one of {', '.join(formats.ON_ERROR_CHOICES)}")
@@ -129,6 +142,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot:
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
+    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
     bound = ceiling(requests, spec)
     rows = []
     with tqdm(
@@ -141,7 +155,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         for policy in policies:
             for capacity_gb in capacities_gb:
                 bar.set_postfix_str(f"{policy} {capacity_gb:g} GB")
-                result = simulate(requests, policy, report.gb_to_bytes(capacity_gb), spec, progress=bar.update)
+                result = simulate(requests, policy, report.gb_to_bytes(capacity_gb), spec, progress=bar.update,
+                                  overflow=not args.strict_budget)
                 rows.append(report.result_row(result, capacity_gb, bound))
     print(report.json_lines(rows) if args.json else report.format_table(rows))
     if args.plot:
@@ -165,6 +180,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     if args.plot:
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
+    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
     bound = ceiling(requests, spec)
     runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))
     rows = []
@@ -176,12 +192,14 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
                     single = {}
                     if args.single_cache:
                         bar.set_postfix_str(f"{policy} 1 x {capacity_gb * replicas:g} GB")
-                        one = simulate(requests, policy, capacity_bytes * replicas, spec, progress=bar.update)
+                        one = simulate(requests, policy, capacity_bytes * replicas, spec, progress=bar.update,
+                                       overflow=not args.strict_budget)
                         single = {"single_cache_token_hit_rate": one.token_hit_rate}
                     for routing in routings:
                         bar.set_postfix_str(f"{policy} {replicas} x {capacity_gb:g} GB {routing}")
                         result, loads = simulate_fleet(requests, policy, capacity_bytes, spec, replicas, routing,
-                                                       bar.update, balance_eps=balance_eps)
+                                                       bar.update, balance_eps=balance_eps,
+                                                       overflow=not args.strict_budget)
                         rows.append({
                             **report.result_row(result, capacity_gb, bound), "replicas": replicas,
                             "routing": routing, "load_imbalance": load_imbalance(loads),
@@ -263,6 +281,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", action="store_true", help="print one JSON object per (policy, capacity)")
     sim.add_argument("--plot", metavar="FILE.png", help="plot token hit rate vs capacity per policy")
     sim.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
+    sim.add_argument("--strict-budget", action="store_true",
+                     help="never exceed the byte budget (default: an entry larger than the free space is kept whole "
+                          "until the next admission, as in Marconi's simulator)")
     sim.add_argument("--replicas", help="comma-separated fleet sizes: replay N caches of --capacity-gb each")
     sim.add_argument("--routing",
                      help="with --replicas: comma-separated routers (random, round-robin, affinity; default affinity)")
