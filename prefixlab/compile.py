@@ -1,4 +1,5 @@
-"""torch.compile with a way out: where this machine's compiler fails on a function, run it uncompiled."""
+"""torch.compile with a way out: where this machine's compiler fails on a function, or (checked devices) returns
+what the function itself does not, run it uncompiled."""
 
 from __future__ import annotations
 
@@ -7,24 +8,33 @@ import warnings
 from collections.abc import Callable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
-def compile_or_eager(fn: Callable, what: str, **options) -> Callable:
+def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] = (), **options) -> Callable:
     """torch.compile(fn, **options), except that a compile failure (inductor has failed on some shapes: on an H200
     with torch 2.11, the SSD chunk scan at 8192 tokens and FlexAttention's decoding template with a dynamic key
     length) warns once and runs `fn` itself from then on: the same arithmetic, uncompiled. Errors of prefixlab's own
-    raised inside the compiled code (bad input, a stop request) pass through unchanged."""
+    raised inside the compiled code (bad input, a stop request) pass through unchanged.
+
+    `check_devices`: on these device types the first call of each input signature (shapes, dtypes) also runs `fn`
+    uncompiled and compares; a compiled result that is not close (torch 2.13's CPU FlexAttention template returns
+    wrong values or NaN at small shapes in AVX2 code) warns once and that signature runs uncompiled from then on."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     compiled_fn = torch.compile(fn, **options)
     failed: list[str] = []
+    checked: dict[tuple, bool] = {}  # input signature -> whether the compiled result matched
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if failed:
             return fn(*args, **kwargs)
+        key = _signature(args, kwargs) if _device_type(args, kwargs) in check_devices else None
+        if key is not None and checked.get(key) is False:
+            return fn(*args, **kwargs)
         try:
-            return compiled_fn(*args, **kwargs)
+            out = compiled_fn(*args, **kwargs)
         except BackendCompilerFailed as err:
             inner = getattr(err, "inner_exception", None)
             if inner is not None and type(inner).__module__.startswith("prefixlab"):
@@ -33,6 +43,61 @@ def compile_or_eager(fn: Callable, what: str, **options) -> Callable:
             warnings.warn(f"prefixlab: torch.compile failed on {what} ({failed[0]}); running it uncompiled from now "
                           "on (same results, slower)", RuntimeWarning, stacklevel=2)
             return fn(*args, **kwargs)
+        if key is None or key in checked:
+            return out
+        want = fn(*args, **kwargs)
+        mismatch = _mismatch(out, want)
+        checked[key] = mismatch is None
+        if mismatch is not None:
+            run.wrong_results.append(f"{key}: {mismatch}")
+            warnings.warn(f"prefixlab: torch.compile gave wrong results on {what} ({mismatch}); running these shapes "
+                          "uncompiled from now on (same results as the reference, slower)", RuntimeWarning,
+                          stacklevel=2)
+            return want
+        return out
 
     run.compile_failed = failed  # what failed, for tests and reports
+    run.wrong_results = []  # the checked signatures whose compiled results were wrong
     return run
+
+
+def _device_type(args: tuple, kwargs: dict) -> str | None:
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return None
+
+
+def _signature(args: tuple, kwargs: dict) -> tuple:
+    """What a static-shape compile specialises on: tensors' shapes and dtypes, other leaves' types and values."""
+    return tuple((tuple(leaf.shape), leaf.dtype) if isinstance(leaf, torch.Tensor)
+                 else leaf if isinstance(leaf, int | float | bool | str | None) else type(leaf).__name__
+                 for leaf in tree_leaves((args, kwargs)))
+
+
+def _mismatch(got: object, want: object) -> str | None:
+    """None if every tensor of `got` is close to `want`'s (NaN where it is NaN), else what differs. The tolerance
+    is loose (1e-3 of the values' scale in float32, 3e-2 in 16-bit types): it tells a kernel's rounding from a
+    wrong kernel, whose errors seen so far are of the values' size or NaN."""
+    got_leaves, want_leaves = tree_leaves(got), tree_leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        return f"{len(got_leaves)} outputs against {len(want_leaves)}"
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if not isinstance(b, torch.Tensor):
+            continue
+        if not isinstance(a, torch.Tensor) or a.shape != b.shape:
+            return f"shape {getattr(a, 'shape', None)} against {tuple(b.shape)}"
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return "integer outputs differ"
+            continue
+        tol = 1e-3 if min(a.dtype.itemsize, b.dtype.itemsize) >= 4 else 3e-2
+        a, b = a.double(), b.double()
+        if not torch.equal(a.isnan(), b.isnan()):
+            return "NaN where the uncompiled function has none" if a.isnan().any() else "NaN missing"
+        finite = ~b.isnan()
+        tol *= max(1.0, b[finite].abs().max().item()) if finite.any() else 1.0
+        error = (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+        if not error <= tol:
+            return f"max |compiled - uncompiled| {error:.3g} > {tol:.3g}"
+    return None

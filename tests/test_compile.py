@@ -61,3 +61,89 @@ def test_the_compiled_recurrent_backend_falls_back_to_the_torch_one_bit_for_bit(
         dispatch.compiled.cache_clear()  # the next test compiles for real
     assert calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(torch.equal(got[2][p], want[2][p]) for p in want[2])
+
+
+def off_by_one_backend(calls: list):
+    """A compiler that builds a wrong kernel: every output + 1 (or NaN)."""
+    def backend(graph_module, example_inputs):
+        calls.append(1)
+
+        def run(*inputs):
+            out = graph_module(*inputs)
+            return type(out)(o + 1 for o in out) if isinstance(out, tuple | list) else out + 1
+        return run
+    return backend
+
+
+def test_a_checked_device_catches_a_wrong_kernel_and_runs_that_shape_uncompiled():
+    calls = []
+    fn = compile_or_eager(lambda x: x * 2, "a test function", check_devices=("cpu",),
+                          backend=off_by_one_backend(calls))
+    x = torch.arange(4.0)
+    with pytest.warns(RuntimeWarning, match=r"gave wrong results on a test function \(max \|compiled - uncompiled\| 1"):
+        assert torch.equal(fn(x), x * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fn(x + 5), (x + 5) * 2)  # the same signature: uncompiled, not compiled or warned again
+    assert calls == [1] and len(fn.wrong_results) == 1 and not fn.compile_failed
+    with pytest.warns(RuntimeWarning, match="gave wrong results"):  # a new signature is compiled and checked
+        assert torch.equal(fn(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    unchecked = compile_or_eager(lambda x: x * 2, "a test function", backend=off_by_one_backend([]))
+    assert torch.equal(unchecked(x), x * 2 + 1)  # checking is per device type, asked for
+
+
+def test_a_checked_kernel_that_is_right_is_compared_once_per_signature(monkeypatch):
+    import prefixlab.compile
+
+    comparisons, real = [], prefixlab.compile._mismatch
+    monkeypatch.setattr(prefixlab.compile, "_mismatch", lambda got, want: comparisons.append(1) or real(got, want))
+    fn = compile_or_eager(torch.sin, "a test function", check_devices=("cpu",), backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for x in (torch.ones(5), torch.zeros(5), torch.ones(2, 2), torch.ones(5, dtype=torch.float64)):
+            torch.testing.assert_close(fn(x), x.sin())
+    assert not fn.wrong_results and len(comparisons) == 3  # (5,) float32 once, (2, 2), (5,) float64
+
+
+def test_nan_from_a_kernel_is_a_wrong_result():
+    def nan_backend(graph_module, example_inputs):
+        return lambda *inputs: tuple(o * float("nan") for o in graph_module(*inputs))
+
+    fn = compile_or_eager(lambda x: x + 1, "a test function", check_devices=("cpu",), backend=nan_backend)
+    with pytest.warns(RuntimeWarning, match="NaN where the uncompiled function has none"):
+        assert torch.equal(fn(torch.zeros(3)), torch.ones(3))
+
+
+AVX2_FLEX_CASE = """
+import torch, warnings
+from prefixlab.attention import SharedLevel, hydragen_attention
+from prefixlab.attention import packed
+g = torch.Generator().manual_seed(4)
+rand = lambda *shape: torch.randn(*shape, generator=g)
+q = rand(3, 4, 1, 8)
+levels = [SharedLevel(rand(2, n, 8), rand(2, n, 8), p) for p, n in zip((None, 0, 0), (5, 3, 4))]
+sk, sv = rand(3, 2, 4, 8), rand(3, 2, 4, 8)
+ref = hydragen_attention(q, levels, sk, sv, seq_levels=[1, 2, 0], method="sdpa")
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    out = hydragen_attention(q, levels, sk, sv, seq_levels=[1, 2, 0], method="packed")
+print((out - ref).abs().max().item(), len(packed._compiled_flex("cpu").wrong_results))
+"""
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="needs an x86 CPU that runs AVX2 code")
+def test_packed_hydragen_in_avx2_code_is_exact(tmp_path):
+    """torch 2.13's CPU FlexAttention template, compiled to AVX2 code (what an AVX2-only CPU gets; forced here with
+    ATEN_CPU_CAPABILITY, in a fresh inductor cache, since inductor's cache does not key on the ISA), returns wrong
+    values at this small shape; the packed path must still match the reference."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", AVX2_FLEX_CASE], env=env, capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    error, caught = done.stdout.split()
+    assert float(error) <= 1e-5, f"packed Hydragen off by {error} in AVX2 code ({caught} wrong compiled shapes caught)"
