@@ -30,7 +30,7 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
     def run(*args, **kwargs):
         if failed:
             return fn(*args, **kwargs)
-        key = _signature(args, kwargs) if _device_type(args, kwargs) in check_devices else None
+        key = _signature(args, kwargs) if check_devices and _device_type(args, kwargs) in check_devices else None
         if key is not None and checked.get(key) is False:
             return fn(*args, **kwargs)
         try:
