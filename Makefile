@@ -6,7 +6,7 @@ EXTRAS ?= dev,dist
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test bench lint clean
+.PHONY: install demo test test-cpus bench lint clean
 
 install: $(STAMP)
 
@@ -24,6 +24,18 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The suite again with other x86 CPUs' code paths forced on this one (ATen, inductor, MKL, oneDNN, numpy): AVX2, then
+# generic SSE4 code on 3 threads; each in a fresh inductor cache, since inductor's cache does not key on the ISA.
+CPU_AVX2 := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
+	NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR"
+CPU_GENERIC := ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41 \
+	NPY_DISABLE_CPU_FEATURES="X86_V3 X86_V4 AVX512_ICL AVX512_SPR" OMP_NUM_THREADS=3
+
+test-cpus: install
+	rm -rf $(VENV)/inductor-avx2 $(VENV)/inductor-generic
+	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2 $(CPU_AVX2) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-generic $(CPU_GENERIC) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 bench: install
 	$(BIN)/python -m pytest benchmarks --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
