@@ -17,22 +17,24 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
     length) warns once and runs `fn` itself from then on: the same arithmetic, uncompiled. Errors of prefixlab's own
     raised inside the compiled code (bad input, a stop request) pass through unchanged.
 
-    `check_devices`: on these device types the first call of each input signature (shapes, dtypes) also runs `fn`
-    uncompiled and compares; a compiled result that is not close (torch 2.13's CPU FlexAttention template returns
-    wrong values or NaN at small shapes in AVX2 code) warns once and that signature runs uncompiled from then on."""
+    `check_devices`: on these device types a call that compiled (or loaded from inductor's cache) a graph also runs
+    `fn` uncompiled and compares; a compiled result that is not close (torch 2.13's CPU FlexAttention template
+    returns wrong values or NaN at small shapes in AVX2 code; inductor's cache reused after ATEN_CPU_CAPABILITY
+    changed returns garbage) warns, and inputs of that signature (shapes, dtypes) run uncompiled from then on."""
     from torch._dynamo.exc import BackendCompilerFailed
 
     compiled_fn = torch.compile(fn, **options)
     failed: list[str] = []
-    checked: dict[tuple, bool] = {}  # input signature -> whether the compiled result matched
+    wrong: set[tuple] = set()  # input signatures whose compiled results were wrong
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
         if failed:
             return fn(*args, **kwargs)
         key = _signature(args, kwargs) if check_devices and _device_type(args, kwargs) in check_devices else None
-        if key is not None and checked.get(key) is False:
+        if key in wrong:
             return fn(*args, **kwargs)
+        graphs = _graphs_compiled() if key is not None else 0
         try:
             out = compiled_fn(*args, **kwargs)
         except BackendCompilerFailed as err:
@@ -43,22 +45,34 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
             warnings.warn(f"prefixlab: torch.compile failed on {what} ({failed[0]}); running it uncompiled from now "
                           "on (same results, slower)", RuntimeWarning, stacklevel=2)
             return fn(*args, **kwargs)
-        if key is None or key in checked:
+        except Exception as err:  # a compiled kernel that crashes where `fn` runs (checked devices)
+            if key is None or type(err).__module__.startswith("prefixlab"):
+                raise
+            want = fn(*args, **kwargs)  # raises what `fn` raises on these inputs, if anything
+            return _wrong(key, f"it raised {type(err).__name__}: {str(err).splitlines()[0][:160]}", want)
+        if key is None or _graphs_compiled() == graphs:  # unchecked, or a graph checked when it was compiled
             return out
         want = fn(*args, **kwargs)
         mismatch = _mismatch(out, want)
-        checked[key] = mismatch is None
-        if mismatch is not None:
-            run.wrong_results.append(f"{key}: {mismatch}")
-            warnings.warn(f"prefixlab: torch.compile gave wrong results on {what} ({mismatch}); running these shapes "
-                          "uncompiled from now on (same results as the reference, slower)", RuntimeWarning,
-                          stacklevel=2)
-            return want
-        return out
+        return out if mismatch is None else _wrong(key, mismatch, want)
+
+    def _wrong(key: tuple, why: str, want: object) -> object:
+        wrong.add(key)
+        run.wrong_results.append(f"{key}: {why}")
+        warnings.warn(f"prefixlab: torch.compile gave wrong results on {what} ({why}); running these shapes "
+                      "uncompiled from now on (same results as the reference, slower)", RuntimeWarning, stacklevel=3)
+        return want
 
     run.compile_failed = failed  # what failed, for tests and reports
     run.wrong_results = []  # the checked signatures whose compiled results were wrong
     return run
+
+
+def _graphs_compiled() -> int:
+    """Graphs dynamo has compiled in this process (a cache hit of inductor's counts: dynamo traces it anew)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def _device_type(args: tuple, kwargs: dict) -> str | None:

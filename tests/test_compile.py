@@ -92,7 +92,7 @@ def test_a_checked_device_catches_a_wrong_kernel_and_runs_that_shape_uncompiled(
     assert torch.equal(unchecked(x), x * 2 + 1)  # checking is per device type, asked for
 
 
-def test_a_checked_kernel_that_is_right_is_compared_once_per_signature(monkeypatch):
+def test_a_checked_kernel_that_is_right_is_compared_once_per_compiled_graph(monkeypatch):
     import prefixlab.compile
 
     comparisons, real = [], prefixlab.compile._mismatch
@@ -102,7 +102,7 @@ def test_a_checked_kernel_that_is_right_is_compared_once_per_signature(monkeypat
         warnings.simplefilter("error")
         for x in (torch.ones(5), torch.zeros(5), torch.ones(2, 2), torch.ones(5, dtype=torch.float64)):
             torch.testing.assert_close(fn(x), x.sin())
-    assert not fn.wrong_results and len(comparisons) == 3  # (5,) float32 once, (2, 2), (5,) float64
+    assert not fn.wrong_results and len(comparisons) == 3  # a graph each: (5,) float32, (2, 2), (5,) float64
 
 
 def test_nan_from_a_kernel_is_a_wrong_result():
@@ -147,3 +147,36 @@ def test_packed_hydragen_in_avx2_code_is_exact(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     error, caught = done.stdout.split()
     assert float(error) <= 1e-5, f"packed Hydragen off by {error} in AVX2 code ({caught} wrong compiled shapes caught)"
+
+
+def test_a_wrong_compiled_recurrent_kernel_on_cpu_falls_back_to_the_torch_one_bit_for_bit(monkeypatch):
+    real_compile, calls = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=off_by_one_backend(calls)))
+    dispatch.compiled.cache_clear()
+    try:
+        inputs = delta_rule_inputs(1, 40, 2, 2, 8, 8, seed=5)
+        with pytest.warns(RuntimeWarning, match="torch.compile gave wrong results on the recurrent kernel"):
+            got = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="compiled")
+        want = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="torch")
+    finally:
+        dispatch.compiled.cache_clear()
+    assert calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert all(torch.equal(got[2][p], want[2][p]) for p in want[2])
+
+
+def test_a_compiled_kernel_that_crashes_runs_uncompiled_and_real_errors_still_raise():
+    def crashing_backend(graph_module, example_inputs):
+        def run(*inputs):
+            raise RuntimeError("index out of bounds: 0 <= tmp36 < 6L")  # inductor's, on a stale cache
+        return run
+
+    fn = compile_or_eager(lambda x: x.reshape(2, -1).sum(0), "a test function", check_devices=("cpu",),
+                          backend=crashing_backend)
+    with pytest.warns(RuntimeWarning, match="gave wrong results on a test function .it raised RuntimeError: index"):
+        assert torch.equal(fn(torch.ones(2, 3)), torch.full((3,), 2.0))
+    assert len(fn.wrong_results) == 1
+    with pytest.raises(RuntimeError, match="invalid for input of size 3"):  # the function's own error, not the crash
+        fn(torch.ones(3))
+    unchecked = compile_or_eager(lambda x: x.reshape(2, -1).sum(0), "a test function", backend=crashing_backend)
+    with pytest.raises(RuntimeError, match="index out of bounds"):
+        unchecked(torch.ones(2, 3))

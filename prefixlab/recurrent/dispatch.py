@@ -42,5 +42,6 @@ def _installed(package: str) -> bool:
 @functools.cache
 def compiled(fn: Callable) -> Callable:
     """torch.compile(fn) made once per function; torch's own guards then recompile once per shape family
-    (static first, then dynamic in the sequence length). A compile failure runs `fn` uncompiled (warned once)."""
-    return compile_or_eager(fn, f"the recurrent kernel's {fn.__name__}", fullgraph=True)
+    (static first, then dynamic in the sequence length). A compile failure runs `fn` uncompiled (warned once); on
+    CPU each compiled graph's first result is checked against `fn`'s (compile_or_eager's check_devices)."""
+    return compile_or_eager(fn, f"the recurrent kernel's {fn.__name__}", fullgraph=True, check_devices=("cpu",))
