@@ -71,11 +71,15 @@ def test_threads_sharing_an_evicting_store_get_exact_outputs(workload, options):
     store = PrefixStore(model, capacity=160 * 1024, block_size=4, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the tight budget refuses some entries: they run uncached
-        for _ in range(2):  # the second round starts from a full store
+        # the second round starts from a full store; more rounds only while no request has resumed yet (how often
+        # one does depends on the threads' interleaving: a whole-suite run under forced AVX2 code once saw none in two)
+        for round_ in range(6):
             outputs, errors = serve_concurrently(model, store, prompts, chunk)
             assert errors == []
             assert [i for i in range(len(prompts)) if not torch.equal(outputs[i], expected[i])] == []
-        stats = store.stats()
+            stats = store.stats()
+            if round_ >= 1 and stats["hit_sequences"] > 0:
+                break
     store.core.check_invariants()
     if store.offload is not None:
         store.offload.check_invariants()
