@@ -4,6 +4,7 @@ what the function itself does not, run it uncompiled."""
 from __future__ import annotations
 
 import functools
+import itertools
 import warnings
 from collections.abc import Callable
 
@@ -76,10 +77,10 @@ def _graphs_compiled() -> int:
 
 
 def _device_type(args: tuple, kwargs: dict) -> str | None:
-    for leaf in tree_leaves((args, kwargs)):
+    for leaf in itertools.chain(args, kwargs.values()):  # a top-level tensor, without flattening (hot path)
         if isinstance(leaf, torch.Tensor):
             return leaf.device.type
-    return None
+    return next((leaf.device.type for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)), None)
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:
