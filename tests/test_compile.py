@@ -18,6 +18,18 @@ def failing_backend(calls: list):
     return backend
 
 
+def off_by_one_backend(calls: list):
+    """A compiler that builds a wrong kernel: every output + 1 (or NaN)."""
+    def backend(graph_module, example_inputs):
+        calls.append(1)
+
+        def run(*inputs):
+            out = graph_module(*inputs)
+            return type(out)(o + 1 for o in out) if isinstance(out, tuple | list) else out + 1
+        return run
+    return backend
+
+
 def test_a_compile_failure_warns_once_and_runs_uncompiled():
     calls = []
     fn = compile_or_eager(lambda x: x * 2 + 1, "a test function", backend=failing_backend(calls))
@@ -48,31 +60,23 @@ def test_working_compiles_are_untouched():
     assert not fn.compile_failed
 
 
-def test_the_compiled_recurrent_backend_falls_back_to_the_torch_one_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize("backend, warning", [
+    (failing_backend, "torch.compile failed on the recurrent kernel"),
+    (off_by_one_backend, "torch.compile gave wrong results on the recurrent kernel"),
+], ids=["compile-fails", "wrong-results"])
+def test_the_compiled_recurrent_backend_falls_back_to_the_torch_one_bit_for_bit(monkeypatch, backend, warning):
     real_compile, calls = torch.compile, []
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=failing_backend(calls)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=backend(calls)))
     dispatch.compiled.cache_clear()
     try:
         inputs = delta_rule_inputs(1, 40, 2, 2, 8, 8, seed=4)
-        with pytest.warns(RuntimeWarning, match="torch.compile failed on the recurrent kernel"):
+        with pytest.warns(RuntimeWarning, match=warning):
             got = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="compiled")
         want = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="torch")
     finally:
         dispatch.compiled.cache_clear()  # the next test compiles for real
     assert calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert all(torch.equal(got[2][p], want[2][p]) for p in want[2])
-
-
-def off_by_one_backend(calls: list):
-    """A compiler that builds a wrong kernel: every output + 1 (or NaN)."""
-    def backend(graph_module, example_inputs):
-        calls.append(1)
-
-        def run(*inputs):
-            out = graph_module(*inputs)
-            return type(out)(o + 1 for o in out) if isinstance(out, tuple | list) else out + 1
-        return run
-    return backend
 
 
 def test_a_checked_device_catches_a_wrong_kernel_and_runs_that_shape_uncompiled():
@@ -149,19 +153,6 @@ def test_packed_hydragen_in_avx2_code_is_exact(tmp_path):
     assert float(error) <= 1e-5, f"packed Hydragen off by {error} in AVX2 code ({caught} wrong compiled shapes caught)"
 
 
-def test_a_wrong_compiled_recurrent_kernel_on_cpu_falls_back_to_the_torch_one_bit_for_bit(monkeypatch):
-    real_compile, calls = torch.compile, []
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: real_compile(fn, backend=off_by_one_backend(calls)))
-    dispatch.compiled.cache_clear()
-    try:
-        inputs = delta_rule_inputs(1, 40, 2, 2, 8, 8, seed=5)
-        with pytest.warns(RuntimeWarning, match="torch.compile gave wrong results on the recurrent kernel"):
-            got = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="compiled")
-        want = gated_delta_rule(**inputs, capture=(0, 17, 40), use_qk_l2norm=True, backend="torch")
-    finally:
-        dispatch.compiled.cache_clear()
-    assert calls and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert all(torch.equal(got[2][p], want[2][p]) for p in want[2])
 
 
 def test_a_compiled_kernel_that_crashes_runs_uncompiled_and_real_errors_still_raise():
