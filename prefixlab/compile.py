@@ -32,10 +32,10 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
     def run(*args, **kwargs):
         if failed:
             return fn(*args, **kwargs)
-        key = _signature(args, kwargs) if check_devices and _device_type(args, kwargs) in check_devices else None
-        if key in wrong:
+        checked = bool(check_devices) and _device_type(args, kwargs) in check_devices
+        if checked and wrong and _signature(args, kwargs) in wrong:  # (the signature only once one was wrong)
             return fn(*args, **kwargs)
-        graphs = _graphs_compiled() if key is not None else 0
+        graphs = _graphs_compiled() if checked else 0
         try:
             out = compiled_fn(*args, **kwargs)
         except BackendCompilerFailed as err:
@@ -47,15 +47,16 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
                           "on (same results, slower)", RuntimeWarning, stacklevel=2)
             return fn(*args, **kwargs)
         except Exception as err:  # a compiled kernel that crashes where `fn` runs (checked devices)
-            if key is None or type(err).__module__.startswith("prefixlab"):
+            if not checked or type(err).__module__.startswith("prefixlab"):
                 raise
             want = fn(*args, **kwargs)  # raises what `fn` raises on these inputs, if anything
-            return _wrong(key, f"it raised {type(err).__name__}: {str(err).splitlines()[0][:160]}", want)
-        if key is None or _graphs_compiled() == graphs:  # unchecked, or a graph checked when it was compiled
+            why = f"it raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+            return _wrong(_signature(args, kwargs), why, want)
+        if not checked or _graphs_compiled() == graphs:  # unchecked, or a graph checked when it was compiled
             return out
         want = fn(*args, **kwargs)
         mismatch = _mismatch(out, want)
-        return out if mismatch is None else _wrong(key, mismatch, want)
+        return out if mismatch is None else _wrong(_signature(args, kwargs), mismatch, want)
 
     def _wrong(key: tuple, why: str, want: object) -> object:
         wrong.add(key)
