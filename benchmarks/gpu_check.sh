@@ -35,11 +35,17 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, 'acc
       'triton', triton.__version__, torch.cuda.get_device_name())"; } >>"$summary" 2>&1
 
 tests="tests/test_recurrent_cuda.py tests/test_attention_kernels.py tests/test_random_stream.py tests/test_compile.py"
+tests="$tests tests/test_numerics.py"
 # in order of what matters most, should the machine's time run out (session 22's first run took 525 s; its logs
 # showed which steps need which limits)
 # 1. without fla: prefixlab's torch kernels on CUDA against transformers' torch layers (session 22: 66 s)
 PYTHONPATH=$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda 120 python3 -m pytest -p no:cacheprovider -q -n 6 \
     -rs $tests
+# 1+4 at once (correctness only, no timings: 16 cores hold both), for a session short of device time
+PYTHONPATH=$base step tests_both 260 sh -c "PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 5 \
+    -rfs --tb=short $tests >$OUT/tests_cuda.log 2>&1 & PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda \
+    python3 -m pytest -p no:cacheprovider -q -n 8 --maxfail=8 --tb=short -rfs $tests >$OUT/tests_cuda_fla.log 2>&1;
+    wait; tail -n 15 $OUT/tests_cuda.log; grep -v '^E1126' $OUT/tests_cuda_fla.log | tail -n 60"
 # 2. issue 11: `prefixlab run` vs a plain generate loop, one GPU, ~0.5 B hybrid, fp32 (session 22: 63 s)
 PYTHONPATH=$base step serve 150 python3 benchmarks/serve_accelerate.py --size small --baseline \
     --system-prompts 6 --questions 6 --prompt-tokens 2048 --max-new-tokens 8 --capacity 16GiB \
@@ -57,14 +63,17 @@ PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla 200 pyt
     -q -n 6 --maxfail=5 --tb=short -rfs $tests
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
-    --dtype bf16 --backend fla --length 8192 --repeats 10 --json
+    --dtype bf16 --backend fla --length ${FLA_LENGTH:-8192} --repeats 10 --json
+# 5b. issue 12's capture target (8 states in a 32K prefill, <= 3%): one pass vs the segment driver, and their states
+PYTHONPATH=/tmp/fla:$base step capture_overhead 90 python3 benchmarks/gpu_capture_overhead.py --length 32768
 # 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA), then split's kernels
 #    and phases (benchmarks/gpu_lse_kernels.py). No TORCH_LOGS=recompiles any more: session 24's run with it timed
 #    split at 8.0 ms, twice session 22's 4.0 ms without it on the same split code (not isolated further); the log
 #    had shown three flex graphs (the level call, the suffix call with a dynamic batch, packed's), no more
-PYTHONPATH=$base step bench_hydragen 120 sh -c 'for b in 64 256 512; do
+PYTHONPATH=$base step bench_hydragen 150 sh -c 'for b in ${HYDRAGEN_BATCHES:-64 256 512 1024}; do
     python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
-        --q-heads 32 --kv-heads 8 --json; done; python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384'
+        --q-heads 32 --kv-heads 8 ${HYDRAGEN_FLAGS:-} --json; done'
+PYTHONPATH=$base step lse_kernels 60 python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
 PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \
     --backend compiled --length 8192 --repeats 10 --json

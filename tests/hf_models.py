@@ -3,10 +3,18 @@ no downloads). Shared by tests/test_hf_*.py and benchmarks/test_bench_hf.py."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers as tf
 
 VOCAB = 128
+# PREFIXLAB_TEST_DEVICE=cuda runs the device-aware tests (the random stream, the numeric contract) on a GPU
+# (benchmarks/gpu_check.sh; CI has none)
+TEST_DEVICE = torch.device(os.environ.get("PREFIXLAB_TEST_DEVICE", "cpu"))
+if TEST_DEVICE.type == "cuda":  # fp32 means fp32: cuDNN's convolutions (the short convs) would otherwise run in TF32
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
 torch.set_num_threads(1)  # tiny matmuls: threads only add contention on the shared test machine
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -5,11 +5,12 @@ without prefixlab (patched kernels record states inside the pass without changin
 unsplit when no capture is planned). Within tolerance: a request that reuses a prefix runs only the rest, a shorter
 forward, which kernels may round differently (chunked scans restart their chunks, a one-row GEMM rounds unlike the
 same row inside a larger one), so it is compared with transformers' one forward within a stated tolerance.
+`PREFIXLAB_TEST_DEVICE=cuda` runs it on a GPU (with fla installed, bf16 GatedDeltaNet layers run fla's kernels).
 """
 
 import pytest
 import torch
-from hf_models import build, cache_argument
+from hf_models import TEST_DEVICE, build, cache_argument
 
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import PrefixStore
@@ -31,7 +32,7 @@ def prompts(count: int):
     rng = torch.Generator().manual_seed(5)
     system = torch.randint(3, 128, (1, 24), generator=rng)
     asked = [torch.cat([system, torch.randint(3, 128, (1, 5 + i), generator=rng)], dim=1) for i in range(count)]
-    return asked + [asked[0]]
+    return [prompt.to(TEST_DEVICE) for prompt in asked + [asked[0]]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -41,7 +42,7 @@ def test_a_request_that_reuses_nothing_is_the_model_bit_for_bit(family, patched,
     """First-time prompts through the store (captures planned at their last token and at branch points of later
     ones) give the very logits of the same model without prefixlab; patched layers capture inside the pass, and
     transformers' layers run the prefill unsplit when nothing is planned inside it."""
-    model = build(family).to(dtype)
+    model = build(family).to(TEST_DEVICE, dtype)
     model = patch_model(model) if patched else model
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
     for prompt in prompts(2):  # two new prompts: neither reuses anything, the second plans its branch point
@@ -67,8 +68,8 @@ def test_a_request_that_reuses_a_prefix_is_within_tolerance_of_transformers(fami
     """Reused requests against transformers' own model and one forward over the whole sequence (no prefixlab, no
     patch): fp32 within 1e-5, bf16 within the stated tolerance; the store never hands out other bits than it
     captured, so this holds for every later request."""
-    reference = build(family).to(dtype)
-    model = build(family).to(dtype)
+    reference = build(family).to(TEST_DEVICE, dtype)
+    model = build(family).to(TEST_DEVICE, dtype)
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=patched)
     reused = []
     for prompt in prompts(3):

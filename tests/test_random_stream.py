@@ -31,10 +31,7 @@ from prefixlab.cache.store import PrefixStore
 TOLERANCE = 1e-5
 SOAK = int(os.environ.get("PREFIXLAB_SOAK", "1"))
 REQUESTS = 12 * SOAK
-DEVICE = torch.device(os.environ.get("PREFIXLAB_TEST_DEVICE", "cpu"))
-if DEVICE.type == "cuda":  # fp32 means fp32: cuDNN's convolutions (the short convs) would otherwise run in TF32
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
+DEVICE = hf_models.TEST_DEVICE
 NEW_TOKENS = 3
 
 # (family, policy, capacity, patch). Hybrid families come from recurrent_patch_models (weights at unit scale, so a

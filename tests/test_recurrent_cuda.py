@@ -117,6 +117,55 @@ def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_f
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
 
 
+def _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states=True):
+    """fla 0.6.0's layout: the public chunk function reaches `chunk_gated_delta_rule_fwd_h` (the maker of the
+    chunk-start states h [B, N, H, K, V]) as a global of fla.ops.gated_delta_rule.chunk. Computed with prefixlab's
+    token loop, h in fp32 (fla keeps it in the inputs' dtype) so that the roll forward is checked to 1e-5."""
+    install_fake_module(monkeypatch, "fla.ops.gated_delta_rule.chunk",
+                        chunk_gated_delta_rule_fwd_h=lambda h, final: (h, None, final))
+    chunk_module = sys.modules["fla.ops.gated_delta_rule.chunk"]
+
+    def chunk(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False):
+        calls.append(("chunk", q.shape[1]))
+        starts = tuple(range(0, q.shape[1], 64))
+        out, final, states = gated_delta_rule(q, k, v, g, beta, initial_state, capture=starts, scale=scale,
+                                              use_qk_l2norm=use_qk_l2norm_in_kernel, backend="naive")
+        if makes_chunk_states:  # looked up at call time, as fla's module-level call does
+            chunk_module.chunk_gated_delta_rule_fwd_h(torch.stack([states[s] for s in starts], dim=1), final)
+        return out, final
+
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", types.ModuleType("fla.ops.gated_delta_rule"))
+    sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
+    sys.modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = _fake_fla_kernel("recurrent", calls)
+    sys.modules["fla.ops.gated_delta_rule"].chunk = chunk_module
+
+
+@pytest.mark.parametrize("makes_chunk_states", [True, False], ids=["one-pass", "other-fla-segments"])
+def test_fla_backend_captures_from_the_chunk_pass_and_rolls_forward_inside_chunks(monkeypatch, makes_chunk_states):
+    """States at any positions come out of the one chunk pass (its chunk-start states, then one fused recurrent
+    call over every position's tokens inside its chunk, left-padded with inert tokens); the outputs are that pass's
+    own. An fla that does not make chunk states the way 0.6 does gets the segment driver instead."""
+    from prefixlab.recurrent import cuda
+
+    calls = []
+    _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states)
+    inputs = delta_rule_inputs(2, 200, 2, 2, 8, 8, seed=5)
+    state = random_state(2, 2, 8, 8)
+    positions = (0, 37, 64, 100, 128, 131, 200)
+    o, final, states = cuda.delta_rule_fla(*inputs.values(), state.clone(), positions, True, 8**-0.5)
+    o_ref, final_ref, states_ref = gated_delta_rule(**inputs, initial_state=state, capture=positions,
+                                                    use_qk_l2norm=True, backend="naive")  # fmt: skip
+    if makes_chunk_states:  # one roll for 37, 100 and 131, as wide as the widest (37 tokens from chunk 0's start)
+        assert calls == [("chunk", 200), ("recurrent", 37)]
+    else:
+        assert calls[0] == ("chunk", 200) and len(calls) == 1 + len(positions) - 1  # then one a segment
+    assert sorted(states) == list(positions)
+    assert max_diff(o, o_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in positions)
+    assert all(states[p].dtype == torch.float32 for p in positions)
+
+
 def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch):
     """A stand-in for mamba_ssm 2.x's mamba_chunk_scan_combined with its published signature (raw dt: the kernel
     adds dt_bias, applies softplus and the limit, and D), computing with prefixlab's token loop."""
@@ -159,7 +208,7 @@ def test_torch_backends_on_cuda_match_the_cpu_reference(backend):
 @needs_package("fla")
 def test_fla_backend_captures_prefix_states_and_resumes():
     inputs = {n: t.cuda() for n, t in delta_rule_inputs(2, 200, 2, 4, 64, 64, dtype=torch.bfloat16).items()}
-    positions = (0, 37, 128, 200)
+    positions = (0, 37, 128, 150, 200)  # inside chunk 0, a chunk start, inside chunk 2, the end
     o, final, states = gated_delta_rule(**inputs, capture=positions, use_qk_l2norm=True, backend="fla")
     o_ref, final_ref, states_ref = gated_delta_rule(**inputs, capture=positions, use_qk_l2norm=True, backend="torch")
     assert max_diff(o, o_ref) <= 5e-2 and max_diff(final, final_ref) <= 5e-2  # fla computes in bf16 / tf32
@@ -170,6 +219,18 @@ def test_fla_backend_captures_prefix_states_and_resumes():
         tail = {name: t[:, p:] for name, t in inputs.items()}
         o_tail, _, _ = gated_delta_rule(**tail, initial_state=states[p], use_qk_l2norm=True, backend="fla")
         assert max_diff(o_tail, o[:, p:]) <= 5e-2
+
+
+@needs_cuda
+@needs_package("fla")
+def test_fla_captures_leave_the_outputs_of_the_one_pass_bit_for_bit():
+    """Capturing inside fla's pass changes nothing it computes: the outputs and final state equal a call that
+    captures nothing, bit for bit (the states come from the pass's own chunk states)."""
+    inputs = {n: t.cuda() for n, t in delta_rule_inputs(2, 300, 2, 4, 64, 64, dtype=torch.bfloat16).items()}
+    o, final, states = gated_delta_rule(**inputs, capture=(5, 64, 130, 299), use_qk_l2norm=True, backend="fla")
+    o_plain, final_plain, _ = gated_delta_rule(**inputs, use_qk_l2norm=True, backend="fla")
+    assert torch.equal(o, o_plain) and torch.equal(final, final_plain)
+    assert sorted(states) == [5, 64, 130, 299]
 
 
 @needs_cuda

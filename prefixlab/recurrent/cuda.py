@@ -1,15 +1,19 @@
 """CUDA backends: fla's chunk_gated_delta_rule and mamba_ssm's mamba_chunk_scan_combined, imported lazily.
 
-Both are driven through their public, long-stable entry points rather than their internals (whose signatures and
-state layouts change between releases): the sequence is split at the capture positions and each segment resumes
-from the previous segment's final state. A captured state is then by construction the final state of a run over
-tokens[:p], and resuming from it is the very computation that produced the later outputs. The cost is one kernel
-launch per segment (partial chunks at segment ends), small next to a prefill.
+Both are driven through their public entry points. Captured states come out of the same pass where the package
+lets us see its chunk states: fla's chunk kernel computes the state at every 64-token chunk start (its `h`, which
+its public function does not return); `fla_chunk_states` taps the one internal function that makes it, a state
+inside a chunk is rolled forward from its chunk's start by fla's fused recurrent kernel (one launch for every
+capture), and the outputs are the public call's own, bit for bit. Where the tap sees nothing (another fla version
+or backend) and for mamba_ssm, the sequence is split at the capture positions and each segment resumes from the
+previous segment's final state: exact by construction, one launch per segment.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -36,12 +40,90 @@ def run_in_segments(
     return torch.cat(outputs, dim=1), state, captured
 
 
+FLA_CHUNK = 64  # fla's gated delta rule chunk length (its default)
+_tap = threading.local()  # .sink: the list a tapped call appends fla's chunk states to (None: not tapping)
+_tap_lock = threading.Lock()
+
+
+def tap_fla_chunk_states() -> bool:
+    """Wrap `chunk_gated_delta_rule_fwd_h` (fla 0.6's maker of the chunk-start states, a global of
+    fla.ops.gated_delta_rule.chunk that its public chunk function calls) so that `fla_chunk_states` can see its h.
+    False where this fla has no such function."""
+    try:
+        import fla.ops.gated_delta_rule.chunk as chunk_module
+    except ImportError:
+        return False
+    with _tap_lock:
+        inner = getattr(chunk_module, "chunk_gated_delta_rule_fwd_h", None)
+        if inner is None or getattr(inner, "prefixlab_tap", False):
+            return inner is not None
+
+        def tapped(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            sink = getattr(_tap, "sink", None)
+            if sink is not None:
+                sink.append(result[0])
+            return result
+
+        tapped.prefixlab_tap = True
+        chunk_module.chunk_gated_delta_rule_fwd_h = tapped
+        return True
+
+
+def fla_chunk_states(
+    run: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """run() (one tapped chunk_gated_delta_rule call) -> (outputs, final state, h [B, ceil(T / 64), H, K, V], the
+    state at each chunk's start as fla computed it; None when the call made none, e.g. another fla backend)."""
+    _tap.sink = sink = []
+    try:
+        out, final = run()
+    finally:
+        _tap.sink = None
+    return out, final, sink[0] if len(sink) == 1 else None
+
+
+def roll_forward(
+    h: torch.Tensor, k, v, g, beta, positions: Sequence[int], chunk: int, recurrent: Callable
+) -> States:
+    """{p: state after p tokens} from the chunk-start states h [B, N, H, K, V]: p's chunk start, then its tokens
+    up to p through `recurrent(q, k, v, g=, beta=, initial_state=, output_final_state=)` (fla's fused recurrent
+    kernel), every position in one call. Rows are left-padded to one width with tokens of g = beta = 0, which
+    leave a delta-rule state as it is."""
+    captured = {p: h[:, p // chunk].to(torch.float32, copy=True) for p in positions if p % chunk == 0}
+    inside = [p for p in positions if p % chunk]
+    if not inside:
+        return captured
+    width = max(p % chunk for p in inside)
+    tokens = torch.tensor([[p - width + j for j in range(width)] for p in inside])  # [len(inside), width]
+    starts = torch.tensor([p - p % chunk for p in inside])[:, None]
+    index, live = tokens.maximum(starts), tokens >= starts
+    index, live = index.to(k.device, non_blocking=True), live.to(k.device, non_blocking=True)
+
+    def rows(x: torch.Tensor, padded_with_zeros: bool = False) -> torch.Tensor:
+        picked = x[:, index]  # [B, len(inside), width, H, ...]
+        if padded_with_zeros:
+            picked = torch.where(live.view(1, *live.shape, *(1,) * (x.dim() - 2)), picked, 0)
+        return picked.transpose(0, 1).flatten(0, 1)  # [len(inside) * B, width, H, ...], position-major
+
+    chunk_ids = (starts[:, 0] // chunk).to(h.device, non_blocking=True)
+    initial = h[:, chunk_ids].transpose(0, 1).flatten(0, 1).to(torch.float32)
+    keys = rows(k)
+    _, final = recurrent(keys, keys, rows(v), g=rows(g, True), beta=rows(beta, True), initial_state=initial,
+                         output_final_state=True)  # fmt: skip
+    captured.update(zip(inside, final.unflatten(0, (len(inside), k.shape[0])), strict=True))
+    return captured
+
+
 def delta_rule_fla(
     q, k, v, g, beta, state, positions, use_qk_l2norm: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """[B, T, H, *] fp16 / bf16 inputs (heads expanded), fp32 state -> fla's chunked kernel (chunks of 64); a
-    one-token segment (a decode step) -> fla's fused recurrent kernel, one launch, as transformers decodes with."""
+    """[B, T, H, *] fp16 / bf16 inputs (heads expanded), fp32 state -> fla's chunked kernel (chunks of 64), the
+    states at `positions` from the same pass; a one-token call (a decode step) -> fla's fused recurrent kernel, one
+    launch, as transformers decodes with."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    length = q.shape[1]
 
     def segment(start: int, stop: int, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         piece = slice(start, stop)
@@ -52,7 +134,19 @@ def delta_rule_fla(
             scale=scale, initial_state=initial, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
         )  # fmt: skip
 
-    return run_in_segments(q.shape[1], positions, state, segment)
+    inside = [p for p in positions if 0 < p < length]
+    if length > 1 and inside and tap_fla_chunk_states():
+        o, final, h = fla_chunk_states(lambda: segment(0, length, state))
+        # else (h in another layout, or made by another backend): the segment driver, a second pass
+        if h is not None and h.shape == (q.shape[0], -(-length // FLA_CHUNK), *state.shape[1:]):
+            captured = roll_forward(h, k, v, g, beta, inside, FLA_CHUNK, functools.partial(
+                fused_recurrent_gated_delta_rule, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm))
+            if 0 in positions:
+                captured[0] = state.clone()
+            if length in positions:
+                captured[length] = final.clone()
+            return o, final, captured
+    return run_in_segments(length, positions, state, segment)
 
 
 def ssd_mamba_ssm(

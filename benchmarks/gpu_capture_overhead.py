@@ -1,0 +1,68 @@
+"""State capture inside fla's prefill pass vs the segment driver (issue 12: 8 states in a 32K prefill, <= 3%).
+
+Times, interleaved, best of each: fla's chunk kernel returning the final state only; the same call capturing the
+states from its own chunk states (prefixlab's fla backend); and the segment driver (one fla call per segment between
+capture positions, each captured state a final state in fp32: exact by construction). Also reports how far the
+one-pass states are from the segment driver's (the one-pass path reads fla's chunk states, which fla keeps in the
+inputs' dtype) and from the fp32 torch reference. One JSON line.
+
+    python benchmarks/gpu_capture_overhead.py --length 32768 --captures 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from unittest import mock
+
+import torch
+
+from prefixlab.bench.recurrent import best_times_s, spread_positions
+from prefixlab.recurrent import cuda
+from prefixlab.recurrent.delta_rule import gated_delta_rule
+from prefixlab.recurrent.inputs import delta_rule_inputs
+
+
+def max_state_diff(a: dict, b: dict) -> float:
+    return max((a[p].float() - b[p].float()).abs().max().item() for p in a)
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=32768)
+    parser.add_argument("--captures", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    inputs = {name: t.cuda().to(torch.bfloat16) if t.is_floating_point() else t.cuda() for name, t in
+              delta_rule_inputs(1, args.length, args.heads, args.heads, args.dim, args.dim).items()}
+    positions = spread_positions(args.length, args.captures)
+
+    def run(capture=()):
+        return gated_delta_rule(**inputs, capture=capture, use_qk_l2norm=True, backend="fla")
+
+    def segmented():
+        with mock.patch.object(cuda, "tap_fla_chunk_states", lambda: False):
+            return run(positions)
+
+    times = best_times_s({"final_only": run, "one_pass": lambda: run(positions), "segments": segmented},
+                         args.repeats)
+    one_pass, segments = run(positions)[2], segmented()[2]
+    reference = gated_delta_rule(**{n: t.float() for n, t in inputs.items()}, capture=positions, use_qk_l2norm=True,
+                                 backend="torch")[2]
+    print(json.dumps({
+        "bench": "fla_capture_overhead", "length": args.length, "captures": args.captures, "heads": args.heads,
+        "dim": args.dim, "gpu": torch.cuda.get_device_name(), "ms": {k: v * 1e3 for k, v in times.items()},
+        "one_pass_overhead": times["one_pass"] / times["final_only"] - 1,
+        "segments_overhead": times["segments"] / times["final_only"] - 1,
+        "state_max_diff_one_pass_vs_segments": max_state_diff(one_pass, segments),
+        "state_max_diff_one_pass_vs_fp32_reference": max_state_diff(one_pass, reference),
+        "state_max_diff_segments_vs_fp32_reference": max_state_diff(segments, reference),
+        "state_max_abs": max(s.abs().max().item() for s in reference.values()),
+    }))
+
+
+if __name__ == "__main__":
+    main()
