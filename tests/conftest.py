@@ -17,3 +17,12 @@ def require_shared(relative: str):
     if path is None:
         pytest.skip(f"../shared/data/{relative} not present (set PREFIXLAB_SHARED_DATA to run this test)")
     return path
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """PREFIXLAB_FAILURE_LOG=FILE appends each failure (test id and traceback) to FILE as it happens: a GPU run that
+    its time limit kills before pytest's summary still says what failed (with xdist this runs on the controller)."""
+    path = os.environ.get("PREFIXLAB_FAILURE_LOG")
+    if path and report.failed:
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-4000:]}\n")
