@@ -84,6 +84,11 @@ PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench rec
 PYTHONPATH=$base step hydragen_e2e 150 sh -c 'python3 -m prefixlab bench hydragen --e2e --dtype bf16 \
     --completions 256 --prompt 16384 --new-tokens 32 --json; python3 -m prefixlab bench hydragen --e2e \
     --model qwen3_5 --completions 64 --prompt 4096 --new-tokens 32 --json'
+#    Session 26: 0.88x (tiny Llama) and 0.49x (tiny Qwen3.5) standard generate, ceilings 1.6x / 1.27x: tiny models
+#    spend a decode step outside attention. Issue 12 asks for a real size: a ~4 B Qwen3.5-shaped hybrid in bf16 with
+#    fla for its GatedDeltaNet layers (64 x 16K: the standard cache holds ~34 GB of KV)
+PYTHONPATH=/tmp/fla:$base step hydragen_e2e_4b 240 python3 -m prefixlab bench hydragen --e2e --model qwen3_5_4b \
+    --dtype bf16 --completions 64 --prompt 16384 --new-tokens 32 --json
 # 9. hit TTFT at a 32K cached prefix, 64-token suffix, against the suffix-only floor (issue 12's item: <= 1.2x), on
 #    serve's ~0.5 B hybrid in fp32 and bf16
 PYTHONPATH=$base step hit_ttft 150 sh -c 'cd benchmarks && for d in fp32 bf16; do python3 gpu_hit_ttft.py \

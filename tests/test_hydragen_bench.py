@@ -7,6 +7,7 @@ import torch
 
 from prefixlab.bench.hydragen_e2e import bench_e2e
 from prefixlab.cli import main
+from prefixlab.errors import InvalidInputError
 
 
 def test_cli_json_has_the_timings_and_speedup(capsys):
@@ -55,3 +56,21 @@ def test_e2e_runs_in_bf16_and_says_so():
     result = bench_e2e("qwen3_5", completions=2, prompt_tokens=12, new_tokens=2, device="cpu", dtype="bf16")
     assert (result["device"], result["dtype"]) == ("cpu", "bf16") and isinstance(result["same_tokens"], bool)
     assert all(result[f"{run}_tok_s"] > 0 for run in ("standard", "hydragen", "no_attention"))
+
+
+def test_the_real_size_e2e_model_is_a_qwen3_5_hybrid_of_about_4b_parameters():
+    """`--model qwen3_5_4b` (issue 12's end-to-end point at a real size, on a GPU): built on the meta device here."""
+    from transformers import Qwen3_5ForCausalLM
+
+    from prefixlab.bench.hydragen_e2e import qwen3_5_4b_config
+
+    config = qwen3_5_4b_config()
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    assert 3.5e9 <= sum(p.numel() for p in model.parameters()) <= 4.5e9
+    assert config.layer_types.count("full_attention") == 8 and config.layer_types[3] == "full_attention"
+
+
+def test_e2e_refuses_an_unknown_model():
+    with pytest.raises(InvalidInputError, match="must be one of"):
+        bench_e2e("gpt2", completions=2, prompt_tokens=12, new_tokens=2)

@@ -173,7 +173,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed path (its compile takes a while on CPU)")
     p.add_argument("--e2e", action="store_true", help="end-to-end decode throughput of a tiny model instead")
-    p.add_argument("--model", default="llama", choices=("llama", "qwen3_5"), help="--e2e: tiny architecture")
+    p.add_argument("--model", default="llama", choices=("llama", "qwen3_5", "qwen3_5_4b"),
+                   help="--e2e: tiny architecture, or a ~4 B Qwen3.5-shaped hybrid (GPU)")
     p.add_argument("--completions", type=int, default=64, help="--e2e: num_return_sequences")
     p.add_argument("--prompt", type=int, default=2048, help="--e2e: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="--e2e: tokens generated per completion")

@@ -4,7 +4,11 @@ Three runs of the same `generate` (sampled, same seed) from the same prefilled p
 - standard: sdpa + DynamicCache holding N copies of the prompt KV;
 - hydragen: attn_implementation="hydragen" + HydragenCache holding it once;
 - no-attention ceiling: attention output replaced by zeros (a speed bound only: its tokens are meaningless).
-The prompt is prefilled once (batch 1) and handed to each cache, so the timings are decode only.
+The prompt is prefilled once (batch 1) and handed to each cache, so the timings are decode only; each run is timed
+after an untimed warm-up generate of two tokens (compiles, CUDA library handles), the best of `repeats`.
+`qwen3_5_4b` is a random-init Qwen3.5-shaped hybrid of ~4 B parameters (32 layers, 3 : 1 GatedDeltaNet to
+attention, 16 / 4 heads of 256), built directly on the device in the run's dtype: a GPU model, for issue 12's
+end-to-end point at a real size.
 """
 
 from __future__ import annotations
@@ -30,6 +34,18 @@ VOCAB = 1024
 ZEROS = "prefixlab_zeros"
 
 
+MODELS = ("llama", "qwen3_5", "qwen3_5_4b")
+
+
+def qwen3_5_4b_config() -> Qwen3_5TextConfig:
+    """Qwen3.5-shaped, ~4 B parameters: 32 layers (every fourth full attention, 16 query / 4 KV heads of 256),
+    GatedDeltaNet with 16 key / 32 value heads of 128, hidden 2560, vocabulary 151,936."""
+    return Qwen3_5TextConfig(vocab_size=151936, hidden_size=2560, intermediate_size=9216, num_hidden_layers=32,
+                             num_attention_heads=16, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                             max_position_embeddings=65536, tie_word_embeddings=True, pad_token_id=0)
+
+
 def tiny_model(name: str) -> torch.nn.Module:
     """A random-init fp32 model with Llama-like attention shape (8 query heads : 1 KV head, head_dim 128)."""
     shape = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
@@ -42,8 +58,21 @@ def tiny_model(name: str) -> torch.nn.Module:
                                                      linear_num_value_heads=8, linear_key_head_dim=64,
                                                      linear_value_head_dim=64, **shape))
     else:
-        raise InvalidInputError(f"model={name!r} must be 'llama' or 'qwen3_5'")
+        raise InvalidInputError(f"model={name!r} must be one of {list(MODELS)}")
     return model.eval()
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """The named model on `device` in `dtype`; the 4 B one is built there directly (no host copy of its weights)."""
+    if name != "qwen3_5_4b":
+        return tiny_model(name).to(device=device, dtype=dtype)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen3_5ForCausalLM(qwen3_5_4b_config()).eval()
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _zero_attention(module, query, key, value, attention_mask, **kwargs):
@@ -109,8 +138,10 @@ def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: i
     AttentionInterface.register(ZEROS, _zero_attention)
     AttentionMaskInterface.register(ZEROS, sdpa_mask)
     torch.manual_seed(0)
-    model = tiny_model(model_name).to(device=device, dtype=DTYPES[dtype])
-    prompt = torch.randint(1, VOCAB, (1, prompt_tokens)).to(device)
+    if model_name not in MODELS:
+        raise InvalidInputError(f"model={model_name!r} must be one of {list(MODELS)}")
+    model = build_model(model_name, device, DTYPES[dtype])
+    prompt = torch.randint(1, min(VOCAB, model.config.vocab_size), (1, prompt_tokens)).to(device)
     prefilled = _prefill(model, prompt[:, :-1])  # generate then feeds the last prompt token
     runs = {
         "standard": ("sdpa", lambda: _standard_cache(model, prefilled, completions)),
@@ -122,6 +153,7 @@ def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: i
     outputs = {}
     for name, (implementation, make_cache) in runs.items():
         model.set_attn_implementation(implementation)
+        _timed_generate(model, prompt, make_cache(), completions, 2)  # warm-up: compiles, library handles
         seconds = []
         for _ in range(repeats):
             elapsed, outputs[name] = _timed_generate(model, prompt, make_cache(), completions, new_tokens)
@@ -142,7 +174,7 @@ def _loaded(model, prefilled: DynamicCache, completions: int) -> HydragenCache:
 
 def format_e2e(result: dict) -> str:
     return (
-        f"hydragen e2e  tiny {result['model']}, {result['completions']} completions of a {result['prompt']}-token "
+        f"hydragen e2e  {result['model']}, {result['completions']} completions of a {result['prompt']}-token "
         f"prompt, {result['new_tokens']} new tokens each, {result['dtype']} on {result['device']} "
         f"({result['threads']} threads)\n"
         f"  standard generate     {result['standard_tok_s']:.1f} tok/s\n"
