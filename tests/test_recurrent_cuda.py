@@ -107,6 +107,10 @@ def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_f
     install_fake_module(monkeypatch, "fla.ops.gated_delta_rule",
                         chunk_gated_delta_rule=_fake_fla_kernel("chunk", calls),
                         fused_recurrent_gated_delta_rule=_fake_fla_kernel("recurrent", calls))
+    # an fla without 0.6's chunk-state maker: the segment driver. (Without this, where fla is installed, the real
+    # chunk module imported earlier in the session stayed in sys.modules and the tap found it.)
+    chunk_module = "fla.ops.gated_delta_rule.chunk"
+    monkeypatch.setitem(sys.modules, chunk_module, types.ModuleType(chunk_module))
     inputs = delta_rule_inputs(1, 20, 2, 2, 8, 8, seed=4)
     state = random_state(1, 2, 8, 8)
     o, final, states = delta_rule_fla(*inputs.values(), state.clone(), (0, 7, 8, 20), True, 8**-0.5)
