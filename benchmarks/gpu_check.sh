@@ -10,6 +10,9 @@
 #   finished either: ~47 of 72 tests ran, 4 failed, their names lost). Failures now go to $OUT/failures.log as they
 #   happen (tests/conftest.py, PREFIXLAB_FAILURE_LOG). The next GPU session: STEPS="tests_cuda_fla" with its limit
 #   raised to ~450 s, in one call of timeout_s ~500, first; then what the results ask for.
+# mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
+#   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
+#   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -62,6 +65,11 @@ PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.
 #    "mamba2" in transformers' Auto mappings (the test models are now built from transformers' classes by name)
 PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider \
     -q -n 6 --maxfail=5 --tb=short -rfs $tests
+# 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
+#     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it
+PYTHONPATH=$PWD/.whl/mamba:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_mamba 200 python3 -m pytest \
+    -p no:cacheprovider -q -n 6 --tb=short -rfs tests/test_recurrent_cuda.py tests/test_random_stream.py \
+    tests/test_numerics.py -k "mamba or bamba or nemotron or zamba or falcon or granite or jamba"
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
     --dtype bf16 --backend fla --length ${FLA_LENGTH:-8192} --repeats 10 --json

@@ -1,6 +1,7 @@
 """Backend dispatch (by device, never by what is importable), the segment driver of the CUDA backends, and the CUDA
 backends themselves (skipped without a GPU / the packages)."""
 
+import functools
 import importlib.util
 import sys
 import types
@@ -170,31 +171,67 @@ def test_fla_backend_captures_from_the_chunk_pass_and_rolls_forward_inside_chunk
     assert all(states[p].dtype == torch.float32 for p in positions)
 
 
-def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch):
+def _fake_mamba_chunk_scan_combined(calls):
     """A stand-in for mamba_ssm 2.x's mamba_chunk_scan_combined with its published signature (raw dt: the kernel
-    adds dt_bias, applies softplus and the limit, and D), computing with prefixlab's token loop."""
-    from prefixlab.recurrent.cuda import ssd_mamba_ssm
-
-    calls = []
+    adds dt_bias, applies softplus and the limit, and D), computing with prefixlab's token loop. Its varlen states
+    follow mamba_ssm's kernel (`_chunk_state_varlen_kernel`): the state at each sequence's end, where a chunk's start
+    state is added only if the sequence began before that chunk (else the sequence starts from zeros)."""
 
     def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                                   seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
                                   return_final_states=False, return_varlen_states=False):  # fmt: skip
-        assert z is None and return_final_states and not return_varlen_states
-        calls.append(x.shape[1])
-        y, final, _ = ssd(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_states, chunk_size=chunk_size,
-                          backend="naive")  # fmt: skip
-        return y, final
+        assert z is None and seq_idx is None and return_final_states
+        ends = cu_seqlens.tolist() if return_varlen_states else None
+        calls.append((x.shape[1], ends))
+        run = functools.partial(ssd, A=A, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                                chunk_size=chunk_size, backend="naive")  # fmt: skip
+        y, final, states = run(x, dt, B=B, C=C, initial_state=initial_states, capture=range(x.shape[1] + 1))
+        if ends is None:
+            return y, final
+        varlen = []
+        for start, end in zip(ends, ends[1:], strict=False):
+            chunk_start = (end - 1) // chunk_size * chunk_size
+            if start < chunk_start:
+                varlen.append(states[end])
+            else:  # mamba_ssm's kernel: the tokens from the later of start and the chunk start, from zeros
+                begin = max(start, chunk_start)
+                piece = slice(begin, end)
+                varlen.append(run(x[:, piece], dt[:, piece], B=B[:, piece], C=C[:, piece])[1])
+        return y, final, torch.cat(varlen)
 
+    return mamba_chunk_scan_combined
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch, batch):
+    """One sequence: one call, states from mamba_ssm's varlen states where its kernel gives them exactly (the ends
+    of consecutive sequences, each begun before its end's chunk), the rest rolled forward by prefixlab's kernel from
+    the nearest earlier state (here 5 in the first chunk, 21 after 20 in the same chunk). A batch: one call per
+    segment between capture positions."""
+    from prefixlab.recurrent.cuda import ssd_mamba_ssm
+
+    calls = []
     install_fake_module(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
-                        mamba_chunk_scan_combined=mamba_chunk_scan_combined)
-    inputs = ssd_inputs(1, 30, 4, 8, 2, 8, seed=6)
+                        mamba_chunk_scan_combined=_fake_mamba_chunk_scan_combined(calls))
+    inputs = ssd_inputs(batch, 50, 4, 8, 2, 8, seed=6)
+    initial = random_state(batch, 4, 8, 8)
     limit = (0.01, 0.05)  # Nemotron-H style: the kernel must get it
-    y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, None, (0, 11, 30), 16)
-    y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, capture=(0, 11, 30), backend="naive")
-    assert calls == [11, 19]
+    positions = (0, 5, 20, 21, 40, 50)
+    y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), positions, 16)
+    y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, initial_state=initial, capture=positions,
+                                       backend="naive")  # fmt: skip
+    assert calls == ([(50, [0, 20, 40])] if batch == 1 else [(5, None), (15, None), (1, None), (19, None), (10, None)])
     assert max_diff(y, y_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
-    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
+    assert sorted(states) == list(positions)
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in positions)
+
+
+def test_mamba_ssm_varlen_positions_are_those_its_kernel_serves_exactly():
+    from prefixlab.recurrent.cuda import varlen_served
+
+    assert varlen_served([5, 20, 21, 40], 16) == [20, 40]  # 5: first chunk; 21: after 20 in 20's chunk
+    assert varlen_served([16, 17, 33, 48, 49], 16) == [17, 33, 49]  # 16 ends chunk 0; 48 ends 33's chunk
+    assert varlen_served([], 16) == []
 
 
 @needs_cuda
@@ -252,16 +289,39 @@ def test_fla_backend_decodes_one_token_over_a_cached_state():
 
 @needs_cuda
 @needs_package("mamba_ssm")
-def test_mamba_ssm_backend_captures_prefix_states_and_resumes():
-    inputs = {n: t.cuda() for n, t in ssd_inputs(2, 300, 8, 32, 2, 16).items()}
-    positions = (0, 99, 256, 300)
+@pytest.mark.parametrize("batch", [1, 2], ids=["one-pass", "segments"])
+def test_mamba_ssm_backend_captures_prefix_states_and_resumes(batch):
+    # bf16, as mamba_ssm is used (fp32 would run its dots in TF32); outputs reach ~4, a bf16 step of 1/32 there
+    inputs = {n: t.cuda() for n, t in ssd_inputs(batch, 300, 8, 32, 2, 16, dtype=torch.bfloat16).items()}
+    positions = (0, 30, 99, 120, 256, 300)  # first chunk, served, same chunk as the one before, chunk-aligned
     y, final, states = ssd(**inputs, capture=positions, chunk_size=64, backend="mamba_ssm")
     y_ref, final_ref, states_ref = ssd(**inputs, capture=positions, chunk_size=64, backend="torch")
-    assert max_diff(y, y_ref) <= 1e-2 and max_diff(final, final_ref) <= 1e-2
+    y_tolerance = 2e-2 * y_ref.abs().max().item()
+    assert max_diff(y, y_ref) <= y_tolerance and max_diff(final, final_ref) <= 1e-2
     for p in positions:
         assert max_diff(states[p], states_ref[p]) <= 1e-2
         if p == 300:  # nothing left to resume
             continue
         tail = {name: t[:, p:] if name in ("x", "dt", "B", "C") else t for name, t in inputs.items()}
         y_tail, _, _ = ssd(**tail, initial_state=states[p], chunk_size=64, backend="mamba_ssm")
-        assert max_diff(y_tail, y[:, p:]) <= 1e-2
+        assert max_diff(y_tail, y[:, p:]) <= y_tolerance
+
+
+@needs_cuda
+@needs_package("mamba_ssm")
+def test_mamba_ssm_captures_leave_the_outputs_of_the_one_pass_bit_for_bit():
+    inputs = {n: t.cuda() for n, t in ssd_inputs(1, 300, 8, 32, 2, 16, dtype=torch.bfloat16).items()}
+    y, final, states = ssd(**inputs, capture=(30, 99, 120, 256), chunk_size=64, backend="mamba_ssm")
+    y_plain, final_plain, _ = ssd(**inputs, chunk_size=64, backend="mamba_ssm")
+    assert torch.equal(y, y_plain) and torch.equal(final, final_plain)
+    assert sorted(states) == [30, 99, 120, 256]
+
+
+def test_fp32_inputs_never_go_to_triton_packages_which_would_compute_in_tf32(monkeypatch):
+    monkeypatch.setattr(dispatch, "_installed", lambda package: True)
+    assert dispatch.triton_dtype_unsupported(torch.bfloat16) is None
+    for package in ("fla", "mamba_ssm"):
+        reason = dispatch.triton_dtype_unsupported(torch.float32)
+        assert dispatch.resolve_backend("auto", torch.device("cuda"), package, reason) == "torch"
+        with pytest.raises(InvalidInputError, match="TF32.*use backend='torch'"):
+            dispatch.resolve_backend(package, torch.device("cuda"), package, reason)

@@ -17,7 +17,7 @@ from prefixlab.bench import check_device, check_sizes
 from prefixlab.bench.hydragen import DTYPES
 from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent.delta_rule import fla_unsupported, gated_delta_rule
-from prefixlab.recurrent.dispatch import resolve_backend
+from prefixlab.recurrent.dispatch import resolve_backend, triton_dtype_unsupported
 from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_mamba2_chunk_scan
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
 from prefixlab.recurrent.ssd import ssd
@@ -47,7 +47,7 @@ def _on(inputs: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dic
 
 def _ran(backend: str, device: str, cuda_package: str, dtype: torch.dtype) -> str:
     """The backend `backend` resolves to on these inputs ('auto' -> fla / mamba_ssm / torch)."""
-    unsupported = fla_unsupported(dtype, False) if cuda_package == "fla" else None
+    unsupported = fla_unsupported(dtype, False) if cuda_package == "fla" else triton_dtype_unsupported(dtype)
     return resolve_backend(backend, torch.device(device), cuda_package, unsupported)
 
 

@@ -1,12 +1,14 @@
 """CUDA backends: fla's chunk_gated_delta_rule and mamba_ssm's mamba_chunk_scan_combined, imported lazily.
 
-Both are driven through their public entry points. Captured states come out of the same pass where the package
-lets us see its chunk states: fla's chunk kernel computes the state at every 64-token chunk start (its `h`, which
-its public function does not return); `fla_chunk_states` taps the one internal function that makes it, a state
-inside a chunk is rolled forward from its chunk's start by fla's fused recurrent kernel (one launch for every
-capture), and the outputs are the public call's own, bit for bit. Where the tap sees nothing (another fla version
-or backend) and for mamba_ssm, the sequence is split at the capture positions and each segment resumes from the
-previous segment's final state: exact by construction, one launch per segment.
+Captured states come out of the package's own prefill pass, whose outputs stay those of a call capturing nothing:
+- fla: its chunk kernel computes the state at every 64-token chunk start (its `h`, which its public function does
+  not return); `fla_chunk_states` taps the one internal function that makes it, and a state inside a chunk is
+  rolled forward from its chunk's start by fla's fused recurrent kernel (one launch for every capture).
+- mamba_ssm (one sequence): its public `return_varlen_states` reads states at sequence ends from the pass's chunk
+  states; the positions it cannot serve exactly are rolled forward by prefixlab's kernel over at most a chunk.
+Where neither applies (another fla version or backend; a batch for mamba_ssm) the sequence is split at the capture
+positions and each segment resumes from the previous segment's final state: exact by construction, one call per
+segment.
 """
 
 from __future__ import annotations
@@ -149,22 +151,65 @@ def delta_rule_fla(
     return run_in_segments(length, positions, state, segment)
 
 
+def varlen_served(positions: Sequence[int], chunk: int) -> list[int]:
+    """The positions mamba_ssm's `return_varlen_states` can give exactly when they are the ends of consecutive
+    sequences [0, p1), [p1, p2), ... over one continuous scan: its kernel adds a chunk's start state only when the
+    sequence began before that chunk, so each served p needs the previous served one (or 0) before p's chunk."""
+    served, last = [], 0
+    for p in positions:
+        if last < (p - 1) // chunk * chunk:
+            served.append(p)
+            last = p
+    return served
+
+
 def ssd_mamba_ssm(
     x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, positions, chunk_size
 ) -> tuple[torch.Tensor, torch.Tensor, States]:
-    """ssd's contract on mamba_ssm's Triton kernels (raw inputs: mamba_ssm applies dt_bias, softplus, limit, D)."""
+    """ssd's contract on mamba_ssm's Triton kernels (raw inputs: mamba_ssm applies dt_bias, softplus, limit, D).
+    One sequence (batch 1): one call, the states read from its chunk states through `return_varlen_states` (mamba_ssm's
+    public varlen-state output, the outputs unchanged), a position it cannot serve (a second one in the same chunk,
+    or one in the first chunk) rolled forward from the nearest earlier state by prefixlab's torch kernel over at most
+    a chunk. Batches: the segment driver."""
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
     batch, length, heads, head_dim = x.shape
     if initial_state is None:
         initial_state = x.new_zeros(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
+    call = functools.partial(mamba_chunk_scan_combined, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+                             dt_limit=tuple(dt_limit), return_final_states=True)  # fmt: skip
 
     def segment(start: int, stop: int, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         piece = slice(start, stop)
-        return mamba_chunk_scan_combined(
-            x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], chunk_size, D=D, dt_bias=dt_bias,
-            initial_states=initial, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit), return_final_states=True,
-        )  # fmt: skip
+        return call(x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], chunk_size, initial_states=initial)
 
+    inside = [p for p in positions if 0 < p < length]
+    if batch == 1 and inside:
+        served, initial = varlen_served(inside, chunk_size), initial_state.to(torch.float32)
+        if served:
+            ends = torch.tensor([0, *served], dtype=torch.int32).to(x.device, non_blocking=True)
+            y, final, varlen = call(x, dt, A, B, C, chunk_size, initial_states=initial, cu_seqlens=ends,
+                                    return_varlen_states=True)  # fmt: skip
+        else:
+            (y, final), varlen = call(x, dt, A, B, C, chunk_size, initial_states=initial), None
+        known = {0: initial} | {p: varlen[i : i + 1].to(torch.float32) for i, p in enumerate(served)}
+        captured = {p: known[p] for p in positions if p in known}
+        for p in inside:
+            if p not in known:
+                known[p] = captured[p] = _roll_ssd(known, p, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
+        if length in positions:
+            captured[length] = final.to(torch.float32)
+        return y.to(x.dtype), final.to(torch.float32), captured
     y, final, captured = run_in_segments(length, positions, initial_state.to(torch.float32), segment)
     return y.to(x.dtype), final.to(torch.float32), {p: s.to(torch.float32) for p, s in captured.items()}
+
+
+def _roll_ssd(known: States, p: int, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit) -> torch.Tensor:
+    """The state after p tokens from the nearest earlier known state, by prefixlab's chunked torch kernel."""
+    from prefixlab.recurrent.ssd import ssd
+
+    q = max(k for k in known if k < p)
+    piece = slice(q, p)
+    _, state, _ = ssd(x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], None, dt_bias, dt_softplus, dt_limit,
+                      known[q], backend="torch")  # fmt: skip
+    return state

@@ -14,7 +14,7 @@ import torch
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled, prepare_qk
-from prefixlab.recurrent.dispatch import resolve_backend
+from prefixlab.recurrent.dispatch import resolve_backend, triton_dtype_unsupported
 
 States = dict[int, torch.Tensor]
 
@@ -129,10 +129,7 @@ def fla_unsupported(dtype: torch.dtype, per_channel_decay: bool) -> str | None:
     """Why fla's chunk kernel cannot take these inputs (None: it can)."""
     if per_channel_decay:
         return "takes one decay per head, not per key channel (KDA)"
-    if dtype not in (torch.float16, torch.bfloat16):
-        # fla runs fp32 through Triton's default dot precision (TF32): not the fp32 arithmetic the caller asked for
-        return f"is used for float16 / bfloat16 inputs only (it computes {dtype} dot products in TF32), got {dtype}"
-    return None
+    return triton_dtype_unsupported(dtype)
 
 
 _KERNELS = {"naive": delta_rule_naive, "torch": delta_rule_chunked, "compiled": delta_rule_compiled}

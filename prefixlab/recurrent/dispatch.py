@@ -34,6 +34,14 @@ def resolve_backend(
     return backend
 
 
+def triton_dtype_unsupported(dtype: torch.dtype) -> str | None:
+    """Why a CUDA package's Triton kernels (fla, mamba_ssm) should not take inputs of `dtype` (None: they can):
+    Triton runs float32 dot products at its default precision, TF32, not the float32 arithmetic asked for."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return None
+    return f"is used for float16 / bfloat16 inputs only (it computes {dtype} dot products in TF32), got {dtype}"
+
+
 @functools.cache
 def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
-from prefixlab.recurrent.dispatch import resolve_backend
+from prefixlab.recurrent.dispatch import resolve_backend, triton_dtype_unsupported
 from prefixlab.recurrent.ssd_chunked import ssd_chunked, ssd_compiled
 
 States = dict[int, torch.Tensor]
@@ -55,7 +55,7 @@ def ssd(
         len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
         f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
     )
-    backend = resolve_backend(backend, x.device, "mamba_ssm", tokens=length)
+    backend = resolve_backend(backend, x.device, "mamba_ssm", triton_dtype_unsupported(x.dtype), tokens=length)
     if length == 0:
         backend = "naive"
     if backend == "mamba_ssm":
