@@ -75,6 +75,8 @@ PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench
     --dtype bf16 --backend fla --length ${FLA_LENGTH:-8192} --repeats 10 --json
 # 5b. issue 12's capture target (8 states in a 32K prefill, <= 3%): one pass vs the segment driver, and their states
 PYTHONPATH=/tmp/fla:$base step capture_overhead 90 python3 benchmarks/gpu_capture_overhead.py --length 32768
+PYTHONPATH=$PWD/.whl/mamba:$base step capture_overhead_mamba 90 python3 benchmarks/gpu_capture_overhead.py \
+    --kernel mamba_ssm --length 32768 --heads 80 --dim 64
 # 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA), then split's kernels
 #    and phases (benchmarks/gpu_lse_kernels.py). No TORCH_LOGS=recompiles any more: session 24's run with it timed
 #    split at 8.0 ms, twice session 22's 4.0 ms without it on the same split code (not isolated further); the log
