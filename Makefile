@@ -6,7 +6,7 @@ EXTRAS ?= dev,dist
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-cpus bench lint clean
+.PHONY: install demo test test-cpus check-triton-cpu bench lint clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ test-cpus: install
 	rm -rf $(VENV)/inductor-avx2 $(VENV)/inductor-generic
 	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-avx2 $(CPU_AVX2) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/inductor-generic $(CPU_GENERIC) $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# prefixlab's fla / mamba_ssm backends against those packages' real Triton kernels, without a GPU (Triton's CPU
+# interpreter, fp32; downloads triton / fla / mamba_ssm into a scratch directory, never into .venv; minutes)
+check-triton-cpu: install
+	bash benchmarks/triton_cpu_check.sh
 
 bench: install
 	$(BIN)/python -m pytest benchmarks --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)

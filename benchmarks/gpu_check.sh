@@ -66,10 +66,11 @@ PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.
 PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider \
     -q -n 6 --maxfail=5 --tb=short -rfs $tests
 # 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
-#     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it
+#     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the
+#     stub extension, transformers' Jamba layers would call mamba_ssm's CUDA selective scan, which is not there)
 PYTHONPATH=$PWD/.whl/mamba:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_mamba 200 python3 -m pytest \
     -p no:cacheprovider -q -n 6 --tb=short -rfs tests/test_recurrent_cuda.py tests/test_random_stream.py \
-    tests/test_numerics.py -k "mamba or bamba or nemotron or zamba or falcon or granite or jamba"
+    tests/test_numerics.py -k "mamba or bamba or nemotron or zamba or falcon or granite"
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \
     --dtype bf16 --backend fla --length ${FLA_LENGTH:-8192} --repeats 10 --json

@@ -1,0 +1,75 @@
+"""prefixlab's fla and mamba_ssm backends against those packages' real kernels, run by Triton's CPU interpreter
+(`make check-triton-cpu`, which sets the interpreter up): states captured from the packages' own pass, outputs
+bit-identical to a plain call, both within fp32 rounding of prefixlab's token loop. fp32 only (see the script)."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+
+from prefixlab.recurrent import cuda, gated_delta_rule, ssd
+from prefixlab.recurrent.inputs import delta_rule_inputs, random_state, ssd_inputs
+
+TOLERANCE = 2e-6
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def check(name: str, ok: bool, detail: str) -> bool:
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    return ok
+
+
+def fla_checks() -> list[bool]:
+    inputs = delta_rule_inputs(2, 200, 2, 2, 16, 16, seed=3)
+    state = random_state(2, 2, 16, 16)
+    positions = (0, 5, 37, 64, 100, 128, 131, 199, 200)
+    assert cuda.tap_fla_chunk_states(), "fla 0.6's chunk-state maker not found"
+    o, final, states = cuda.delta_rule_fla(*inputs.values(), state.clone(), positions, True, 16**-0.5)
+    plain = chunk_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], g=inputs["g"], beta=inputs["beta"],
+                                   scale=16**-0.5, initial_state=state.clone(), output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)  # fmt: skip
+    o_ref, final_ref, states_ref = gated_delta_rule(**inputs, initial_state=state, capture=positions,
+                                                    use_qk_l2norm=True, backend="naive")  # fmt: skip
+    worst = max(max_diff(states[p], states_ref[p]) for p in positions)
+    return [
+        check("fla one pass: outputs and final state", torch.equal(o, plain[0]) and torch.equal(final, plain[1]),
+              "bit-identical to a plain chunk_gated_delta_rule call"),
+        check("fla one pass: states", sorted(states) == list(positions) and worst <= TOLERANCE,
+              f"{len(positions)} positions, max |state - token loop| {worst:.2e}; outputs {max_diff(o, o_ref):.2e}"),
+    ]
+
+
+def mamba_checks() -> list[bool]:
+    results = []
+    for batch, positions in ((1, (0, 11, 64, 77, 100, 200)), (1, (0, 5, 40, 45, 63, 64, 65, 96, 130, 131, 199, 200)),
+                             (1, (10, 20)), (2, (0, 11, 64, 77, 200))):
+        inputs = ssd_inputs(batch, 200, 4, 16, 2, 16, seed=6)
+        initial = random_state(batch, 4, 16, 16)
+        limit = (0.0, float("inf"))
+        y, final, states = cuda.ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), positions, 32)
+        y_plain, final_plain = mamba_chunk_scan_combined(
+            inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], 32, D=inputs["D"],
+            dt_bias=inputs["dt_bias"], initial_states=initial.clone(), dt_softplus=True, dt_limit=limit,
+            return_final_states=True)  # fmt: skip
+        y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, initial_state=initial, capture=positions,
+                                           backend="naive")  # fmt: skip
+        worst = max(max_diff(states[p], states_ref[p]) for p in positions)
+        path = "one pass" if batch == 1 else "segments"
+        same = torch.equal(y, y_plain) and torch.equal(final, final_plain) if batch == 1 else True
+        results.append(check(
+            f"mamba_ssm {path}, B={batch}, positions {positions}",
+            same and sorted(states) == list(positions) and worst <= TOLERANCE and max_diff(y, y_ref) <= TOLERANCE,
+            f"max |state - token loop| {worst:.2e}, outputs {max_diff(y, y_ref):.2e}"
+            + (", outputs bit-identical to a plain call" if batch == 1 and same else ""),
+        ))
+    return results
+
+
+if __name__ == "__main__":
+    sys.exit(0 if all(fla_checks() + mamba_checks()) else 1)
