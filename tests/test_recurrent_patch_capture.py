@@ -98,3 +98,23 @@ def test_bfloat16_models_record_states_in_the_dtypes_their_cache_keeps(name):
             assert conv.dtype == stored_conv.dtype == torch.bfloat16
             assert recurrent.dtype == stored_recurrent.dtype == torch.float32
         assert torch.equal(cache.records[(layer, 12, None)][1], states(cache, layer)[1])
+
+
+@pytest.mark.parametrize("scan_backend, expected", [("torch", torch.float32), ("mamba_ssm", torch.bfloat16)])
+def test_mamba2_scans_in_float32_unless_mamba_ssm_runs_them_in_the_models_dtype(monkeypatch, scan_backend, expected):
+    """A bf16 Mamba2 layer: prefixlab's torch kernels get float32 inputs (transformers' torch path), mamba_ssm gets
+    the model's bf16 (transformers' CUDA path): it never sees float32, which Triton would compute in TF32."""
+    from prefixlab.recurrent.families import mamba2
+
+    seen, ssd = [], mamba2.ssd
+
+    def recording_ssd(x, *args, **kwargs):  # records the dtype, then scans with the torch kernel (no GPU here)
+        seen.append(x.dtype)
+        return ssd(x, *args, **{**kwargs, "backend": "torch"})
+
+    monkeypatch.setattr(mamba2, "ssd", recording_ssd)
+    monkeypatch.setattr(mamba2, "ssd_backend", lambda backend, device, dtype, tokens: scan_backend)
+    model, ids = build("bamba", dtype=torch.bfloat16), tokens(1, 12)
+    with patched(model):
+        forward(model, ids)
+    assert seen and set(seen) == {expected}

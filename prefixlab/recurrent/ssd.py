@@ -21,6 +21,11 @@ from prefixlab.recurrent.ssd_chunked import ssd_chunked, ssd_compiled
 States = dict[int, torch.Tensor]
 
 
+def ssd_backend(backend: str, device: torch.device, dtype: torch.dtype, tokens: int) -> str:
+    """The backend `ssd` runs for `tokens` inputs of `dtype` on `device` (mamba_ssm: CUDA, fp16 / bf16)."""
+    return resolve_backend(backend, device, "mamba_ssm", triton_dtype_unsupported(dtype), tokens=tokens)
+
+
 def ssd(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -55,7 +60,7 @@ def ssd(
         len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
         f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
     )
-    backend = resolve_backend(backend, x.device, "mamba_ssm", triton_dtype_unsupported(x.dtype), tokens=length)
+    backend = ssd_backend(backend, x.device, x.dtype, length)
     if length == 0:
         backend = "naive"
     if backend == "mamba_ssm":

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from prefixlab.recurrent.families.base import Mixed, Projected, ScanRequest, mask_padding
-from prefixlab.recurrent.ssd import ssd
+from prefixlab.recurrent.ssd import ssd, ssd_backend
 
 NO_DT_LIMIT = (0.0, math.inf)
 
@@ -60,9 +60,13 @@ class Mamba2Mixer:
         x, B, C = torch.split(
             mask_padding(conv_output, request.mask), [layer.intermediate_size, groups_state, groups_state], dim=-1
         )
+        # float32 in, as transformers' torch path (the gated norm then sees float32 outputs); the model's fp16 / bf16
+        # where mamba_ssm runs the scan, as transformers' CUDA path gives it
+        model_dtype = projected.extras["dtype"]
+        on_mamba_ssm = ssd_backend(request.backend, x.device, model_dtype, length) == "mamba_ssm"
+        scan_dtype = model_dtype if on_mamba_ssm else torch.float32
         y, final, states = ssd(
-            # float32 in, as transformers' torch path: the gated norm then sees float32 outputs
-            x.reshape(batch, length, layer.num_heads, layer.head_dim).float(),
+            x.reshape(batch, length, layer.num_heads, layer.head_dim).to(scan_dtype),
             projected.extras["dt"],
             -torch.exp(layer.A_log.float()),
             B.reshape(batch, length, layer.n_groups, -1),
