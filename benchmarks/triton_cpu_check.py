@@ -68,6 +68,17 @@ def mamba_checks() -> list[bool]:
             f"max |state - token loop| {worst:.2e}, outputs {max_diff(y, y_ref):.2e}"
             + (", outputs bit-identical to a plain call" if batch == 1 and same else ""),
         ))
+    for d_shape in ("per head", "per channel"):  # a decode step: mamba_ssm's selective_state_update
+        inputs = ssd_inputs(3, 1, 4, 16, 2, 16, seed=7)
+        if d_shape == "per channel":
+            inputs["D"] = torch.randn(4, 16)
+        initial = random_state(3, 4, 16, 16)
+        y, final, states = cuda.ssd_mamba_ssm(*inputs.values(), True, (0.0, float("inf")), initial.clone(), (0, 1), 32)
+        y_ref, final_ref, _ = ssd(**inputs, initial_state=initial, backend="naive")
+        ok = max_diff(y, y_ref) <= TOLERANCE and max_diff(final, final_ref) <= TOLERANCE
+        results.append(check(f"mamba_ssm one token (D {d_shape})", ok and torch.equal(states[1], final) and
+                             torch.equal(states[0], initial),
+                             f"outputs {max_diff(y, y_ref):.2e}, state {max_diff(final, final_ref):.2e}"))
     return results
 
 

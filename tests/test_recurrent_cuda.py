@@ -226,6 +226,38 @@ def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch, batch):
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in positions)
 
 
+def test_mamba_ssm_backend_decodes_one_token_with_selective_state_update(monkeypatch):
+    """A decode step (one token, no dt limit: mamba_ssm's step kernel takes none) goes to selective_state_update, one
+    launch, per-head parameters expanded over the head dimension as its published signature takes them; with a dt
+    limit it stays on the chunk scan (which applies it)."""
+    from prefixlab.recurrent.cuda import ssd_mamba_ssm
+
+    calls = []
+
+    def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                               state_batch_indices=None):  # fmt: skip
+        heads, head_dim, state_size = state.shape[1:]
+        assert x.shape == dt.shape == (state.shape[0], heads, head_dim) and A.shape == (heads, head_dim, state_size)
+        assert D.shape == dt_bias.shape == (heads, head_dim) and z is None
+        calls.append("step")
+        y, final, _ = ssd(x[:, None], dt[:, None, :, 0], A[:, 0, 0], B[:, None], C[:, None], D, dt_bias[:, 0],
+                          dt_softplus, initial_state=state, backend="naive")  # fmt: skip
+        state.copy_(final)
+        return y[:, 0]
+
+    install_fake_module(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
+                        mamba_chunk_scan_combined=_fake_mamba_chunk_scan_combined(calls))
+    install_fake_module(monkeypatch, "mamba_ssm.ops.triton.selective_state_update",
+                        selective_state_update=selective_state_update)
+    inputs, initial = ssd_inputs(3, 1, 4, 8, 2, 8, seed=2), random_state(3, 4, 8, 8)
+    for limit, expected in (((0.0, float("inf")), "step"), ((0.01, 0.05), (1, None))):
+        y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), (0, 1), 16)
+        y_ref, final_ref, _ = ssd(**inputs, dt_limit=limit, initial_state=initial, backend="naive")
+        assert calls.pop() == expected and not calls
+        assert max_diff(y, y_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
+        assert torch.equal(states[0], initial) and torch.equal(states[1], final)
+
+
 def test_mamba_ssm_varlen_positions_are_those_its_kernel_serves_exactly():
     from prefixlab.recurrent.cuda import varlen_served
 
@@ -315,6 +347,18 @@ def test_mamba_ssm_captures_leave_the_outputs_of_the_one_pass_bit_for_bit():
     y_plain, final_plain, _ = ssd(**inputs, chunk_size=64, backend="mamba_ssm")
     assert torch.equal(y, y_plain) and torch.equal(final, final_plain)
     assert sorted(states) == [30, 99, 120, 256]
+
+
+@needs_cuda
+@needs_package("mamba_ssm")
+def test_mamba_ssm_backend_decodes_one_token_over_a_cached_state():
+    inputs = {n: t.cuda() for n, t in ssd_inputs(2, 9, 8, 32, 2, 16, dtype=torch.bfloat16).items()}
+    _, _, states = ssd(**inputs, capture=(8,), chunk_size=64, backend="torch")
+    step = {name: t[:, 8:] if name in ("x", "dt", "B", "C") else t for name, t in inputs.items()}
+    y, final, captured = ssd(**step, initial_state=states[8], capture=(0, 1), backend="mamba_ssm")
+    y_ref, final_ref, _ = ssd(**step, initial_state=states[8], backend="naive")
+    assert max_diff(y, y_ref) <= 2e-2 * y_ref.abs().max().item() and max_diff(final, final_ref) <= 1e-2
+    assert torch.equal(captured[0], states[8]) and torch.equal(captured[1], final)
 
 
 def test_fp32_inputs_never_go_to_triton_packages_which_would_compute_in_tf32(monkeypatch):

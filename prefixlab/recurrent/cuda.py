@@ -14,6 +14,7 @@ segment.
 from __future__ import annotations
 
 import functools
+import math
 import threading
 from collections.abc import Callable, Sequence
 
@@ -176,6 +177,8 @@ def ssd_mamba_ssm(
     batch, length, heads, head_dim = x.shape
     if initial_state is None:
         initial_state = x.new_zeros(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
+    if length == 1 and tuple(dt_limit) == (0.0, math.inf):  # a decode step: one launch, as transformers decodes
+        return _ssd_step_mamba_ssm(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, positions)
     call = functools.partial(mamba_chunk_scan_combined, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                              dt_limit=tuple(dt_limit), return_final_states=True)  # fmt: skip
 
@@ -202,6 +205,22 @@ def ssd_mamba_ssm(
         return y.to(x.dtype), final.to(torch.float32), captured
     y, final, captured = run_in_segments(length, positions, initial_state.to(torch.float32), segment)
     return y.to(x.dtype), final.to(torch.float32), {p: s.to(torch.float32) for p, s in captured.items()}
+
+
+def _ssd_step_mamba_ssm(x, dt, A, B, C, D, dt_bias, dt_softplus, initial_state, positions):
+    """One token through mamba_ssm's selective_state_update (it takes no dt limit), per-head parameters expanded
+    over the head dimension as transformers passes them (the kernel ties them back)."""
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+
+    heads, head_dim, state_size = initial_state.shape[1:]
+    state = initial_state.to(torch.float32, copy=True)  # updated in place by the kernel
+    per_head = lambda t: t if t is None or t.dim() == 2 else t[:, None].expand(heads, head_dim)  # noqa: E731
+    y = selective_state_update(
+        state, x[:, 0], dt[:, 0, :, None].expand(-1, heads, head_dim), A[:, None, None].expand(heads, head_dim,
+        state_size), B[:, 0], C[:, 0], D=per_head(D), dt_bias=per_head(dt_bias), dt_softplus=dt_softplus,
+    )  # fmt: skip
+    captured = {p: initial_state.to(torch.float32, copy=True) if p == 0 else state.clone() for p in positions}
+    return y[:, None].to(x.dtype), state, captured
 
 
 def _roll_ssd(known: States, p: int, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit) -> torch.Tensor:
