@@ -8,8 +8,10 @@
 #   STEPS, most useful first. Session 26 ran "tests_both capture_overhead bench_hydragen" (425 s; the fla tests did
 #   not finish in tests_both's 260 s), then "hit_ttft hydragen_e2e" (161 s), then the fla tests alone (190 s, not
 #   finished either: ~47 of 72 tests ran, 4 failed, their names lost). Failures now go to $OUT/failures.log as they
-#   happen (tests/conftest.py, PREFIXLAB_FAILURE_LOG). The next GPU session: STEPS="tests_cuda_fla" with its limit
-#   raised to ~450 s, in one call of timeout_s ~500, first; then what the results ask for.
+#   happen (tests/conftest.py, PREFIXLAB_FAILURE_LOG). The next GPU session, two calls back to back (a machine
+#   goes back after 30 s idle, and starting one costs ~30-60 s of the 900):
+#     STEPS="tests_cuda_fla tests_cuda_mamba capture_overhead_mamba" FLA_TESTS_LIMIT=300 bash benchmarks/gpu_check.sh
+#       (timeout_s 580; carry .whl), then at once STEPS="hydragen_e2e_4b" (timeout_s 260), then give_back.
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -64,11 +66,11 @@ PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.
 #    prefill chunkings (tests/conftest.py now asks Triton for IEEE fp32 dots), and importing fla re-registers
 #    "mamba2" in transformers' Auto mappings (the test models are now built from transformers' classes by name)
 PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider \
-    -q -n 6 --maxfail=5 --tb=short -rfs $tests
+    -q -n 10 --tb=short -rfs $tests
 # 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
 #     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the
 #     stub extension, transformers' Jamba layers would call mamba_ssm's CUDA selective scan, which is not there)
-PYTHONPATH=$PWD/.whl/mamba:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_mamba 200 python3 -m pytest \
+PYTHONPATH=$PWD/.whl/mamba:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_mamba 150 python3 -m pytest \
     -p no:cacheprovider -q -n 6 --tb=short -rfs tests/test_recurrent_cuda.py tests/test_random_stream.py \
     tests/test_numerics.py -k "mamba or bamba or nemotron or zamba or falcon or granite"
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
@@ -76,7 +78,7 @@ PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench
     --dtype bf16 --backend fla --length ${FLA_LENGTH:-8192} --repeats 10 --json
 # 5b. issue 12's capture target (8 states in a 32K prefill, <= 3%): one pass vs the segment driver, and their states
 PYTHONPATH=/tmp/fla:$base step capture_overhead 90 python3 benchmarks/gpu_capture_overhead.py --length 32768
-PYTHONPATH=$PWD/.whl/mamba:$base step capture_overhead_mamba 90 python3 benchmarks/gpu_capture_overhead.py \
+PYTHONPATH=$PWD/.whl/mamba:$base step capture_overhead_mamba 60 python3 benchmarks/gpu_capture_overhead.py \
     --kernel mamba_ssm --length 32768 --heads 80 --dim 64
 # 6. Hydragen at paper scale (decode over a long shared prefix; compiled flex with LSE on CUDA), then split's kernels
 #    and phases (benchmarks/gpu_lse_kernels.py). No TORCH_LOGS=recompiles any more: session 24's run with it timed
