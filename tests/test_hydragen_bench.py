@@ -71,6 +71,8 @@ def test_the_real_size_e2e_model_is_a_qwen3_5_hybrid_of_about_4b_parameters():
     assert config.layer_types.count("full_attention") == 8 and config.layer_types[3] == "full_attention"
 
 
-def test_e2e_refuses_an_unknown_model():
+def test_e2e_refuses_an_unknown_model_and_the_4b_model_off_a_gpu():
     with pytest.raises(InvalidInputError, match="must be one of"):
         bench_e2e("gpt2", completions=2, prompt_tokens=12, new_tokens=2)
+    with pytest.raises(InvalidInputError, match="for a GPU"):
+        bench_e2e("qwen3_5_4b", completions=2, prompt_tokens=12, new_tokens=2, device="cpu")

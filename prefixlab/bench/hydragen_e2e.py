@@ -140,6 +140,9 @@ def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: i
     torch.manual_seed(0)
     if model_name not in MODELS:
         raise InvalidInputError(f"model={model_name!r} must be one of {list(MODELS)}")
+    if model_name == "qwen3_5_4b" and device.type != "cuda":
+        raise InvalidInputError("--model qwen3_5_4b is a ~4 B-parameter model for a GPU (--device cuda); on "
+                                f"{device.type} use --model llama or qwen3_5")
     model = build_model(model_name, device, DTYPES[dtype])
     prompt = torch.randint(1, min(VOCAB, model.config.vocab_size), (1, prompt_tokens)).to(device)
     prefilled = _prefill(model, prompt[:, :-1])  # generate then feeds the last prompt token
