@@ -42,6 +42,8 @@ def fla_checks() -> list[bool]:
               "bit-identical to a plain chunk_gated_delta_rule call"),
         check("fla one pass: states", sorted(states) == list(positions) and worst <= TOLERANCE,
               f"{len(positions)} positions, max |state - token loop| {worst:.2e}; outputs {max_diff(o, o_ref):.2e}"),
+        check("fla one pass: chunk states trusted", cuda._fla_h_trusted is True,
+              "the first use's check (last chunk rolled onto fla's final state) passed: no false alarm"),
     ]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prefixlab.errors import InvalidInputError
-from prefixlab.recurrent import dispatch, gated_delta_rule, ssd
+from prefixlab.recurrent import cuda, dispatch, gated_delta_rule, ssd
 from prefixlab.recurrent.cuda import run_in_segments
 from prefixlab.recurrent.inputs import delta_rule_inputs, random_state, ssd_inputs
 
@@ -122,7 +122,7 @@ def test_fla_backend_calls_fla_as_published_chunked_for_segments_and_recurrent_f
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in states_ref)
 
 
-def _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states=True):
+def _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states=True, h_layout="fla 0.6"):
     """fla 0.6.0's layout: the public chunk function reaches `chunk_gated_delta_rule_fwd_h` (the maker of the
     chunk-start states h [B, N, H, K, V]) as a global of fla.ops.gated_delta_rule.chunk. Computed with prefixlab's
     token loop, h in fp32 (fla keeps it in the inputs' dtype) so that the roll forward is checked to 1e-5."""
@@ -137,9 +137,11 @@ def _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states=T
         out, final, states = gated_delta_rule(q, k, v, g, beta, initial_state, capture=starts, scale=scale,
                                               use_qk_l2norm=use_qk_l2norm_in_kernel, backend="naive")
         if makes_chunk_states:  # looked up at call time, as fla's module-level call does
-            chunk_module.chunk_gated_delta_rule_fwd_h(torch.stack([states[s] for s in starts], dim=1), final)
+            h = torch.stack([states[s] for s in starts], dim=1)
+            chunk_module.chunk_gated_delta_rule_fwd_h(h if h_layout == "fla 0.6" else h.transpose(-1, -2), final)
         return out, final
 
+    monkeypatch.setattr(cuda, "_fla_h_trusted", None)  # checked again, on this fake
     monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", types.ModuleType("fla.ops.gated_delta_rule"))
     sys.modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
     sys.modules["fla.ops.gated_delta_rule"].fused_recurrent_gated_delta_rule = _fake_fla_kernel("recurrent", calls)
@@ -151,8 +153,6 @@ def test_fla_backend_captures_from_the_chunk_pass_and_rolls_forward_inside_chunk
     """States at any positions come out of the one chunk pass (its chunk-start states, then one fused recurrent
     call over every position's tokens inside its chunk, left-padded with inert tokens); the outputs are that pass's
     own. An fla that does not make chunk states the way 0.6 does gets the segment driver instead."""
-    from prefixlab.recurrent import cuda
-
     calls = []
     _install_fake_fla_with_chunk_states(monkeypatch, calls, makes_chunk_states)
     inputs = delta_rule_inputs(2, 200, 2, 2, 8, 8, seed=5)
@@ -161,14 +161,29 @@ def test_fla_backend_captures_from_the_chunk_pass_and_rolls_forward_inside_chunk
     o, final, states = cuda.delta_rule_fla(*inputs.values(), state.clone(), positions, True, 8**-0.5)
     o_ref, final_ref, states_ref = gated_delta_rule(**inputs, initial_state=state, capture=positions,
                                                     use_qk_l2norm=True, backend="naive")  # fmt: skip
-    if makes_chunk_states:  # one roll for 37, 100 and 131, as wide as the widest (37 tokens from chunk 0's start)
-        assert calls == [("chunk", 200), ("recurrent", 37)]
+    if makes_chunk_states:  # the first use's check (the last chunk's 8 tokens rolled onto fla's final state), then
+        # one roll for 37, 100 and 131, as wide as the widest (37 tokens from chunk 0's start)
+        assert calls == [("chunk", 200), ("recurrent", 8), ("recurrent", 37)]
     else:
         assert calls[0] == ("chunk", 200) and len(calls) == 1 + len(positions) - 1  # then one a segment
     assert sorted(states) == list(positions)
     assert max_diff(o, o_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in positions)
     assert all(states[p].dtype == torch.float32 for p in positions)
+
+
+def test_fla_chunk_states_that_do_not_roll_onto_the_final_state_are_not_trusted(monkeypatch):
+    """A future fla whose h meant something else (here: the transposed layout, same shape when K == V) must not give
+    wrong states: the first use's check finds it, warns, and states are captured by segments from then on."""
+    calls = []
+    _install_fake_fla_with_chunk_states(monkeypatch, calls, h_layout="transposed")
+    inputs, state = delta_rule_inputs(1, 150, 2, 2, 8, 8, seed=8), random_state(1, 2, 8, 8)
+    with pytest.warns(UserWarning, match="captured by segments"):
+        o, final, states = cuda.delta_rule_fla(*inputs.values(), state.clone(), (40, 150), True, 8**-0.5)
+    assert calls[:2] == [("chunk", 150), ("recurrent", 22)] and cuda._fla_h_trusted is False
+    _, _, states_ref = gated_delta_rule(**inputs, initial_state=state, capture=(40, 150), use_qk_l2norm=True,
+                                        backend="naive")  # fmt: skip
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in (40, 150))
 
 
 def _fake_mamba_chunk_scan_combined(calls):

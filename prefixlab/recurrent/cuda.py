@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -86,6 +87,26 @@ def fla_chunk_states(
     return out, final, sink[0] if len(sink) == 1 else None
 
 
+_fla_h_trusted: bool | None = None  # fla's h checked against fla's own final state, once per process
+
+
+def fla_h_trusted(h: torch.Tensor, k, v, g, beta, final: torch.Tensor, recurrent: Callable) -> bool:
+    """Once per process: the last chunk rolled forward from h must land on fla's own final state, i.e. h means what
+    fla 0.6's does (the state at each chunk's start, in the final state's layout). Else: warn, and let the caller
+    capture by segments from then on."""
+    global _fla_h_trusted
+    if _fla_h_trusted is None:
+        tail = slice((h.shape[1] - 1) * FLA_CHUNK, None)
+        _, rolled = recurrent(k[:, tail], k[:, tail], v[:, tail], g=g[:, tail], beta=beta[:, tail],
+                              initial_state=h[:, -1].to(torch.float32), output_final_state=True)  # fmt: skip
+        error = (rolled - final).abs().max().item()
+        _fla_h_trusted = error <= 0.05 * final.abs().max().item() + 1e-3  # h is rounded to the inputs' dtype
+        if not _fla_h_trusted:
+            warnings.warn(f"prefixlab: this fla's chunk states do not roll forward to its final state (off by "
+                          f"{error:.3g}); states are captured by segments instead", stacklevel=3)  # fmt: skip
+    return _fla_h_trusted
+
+
 def roll_forward(
     h: torch.Tensor, k, v, g, beta, positions: Sequence[int], chunk: int, recurrent: Callable
 ) -> States:
@@ -140,10 +161,13 @@ def delta_rule_fla(
     inside = [p for p in positions if 0 < p < length]
     if length > 1 and inside and tap_fla_chunk_states():
         o, final, h = fla_chunk_states(lambda: segment(0, length, state))
+        recurrent = functools.partial(fused_recurrent_gated_delta_rule, scale=scale,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm)  # fmt: skip
         # else (h in another layout, or made by another backend): the segment driver, a second pass
-        if h is not None and h.shape == (q.shape[0], -(-length // FLA_CHUNK), *state.shape[1:]):
-            captured = roll_forward(h, k, v, g, beta, inside, FLA_CHUNK, functools.partial(
-                fused_recurrent_gated_delta_rule, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm))
+        if h is not None and h.shape == (q.shape[0], -(-length // FLA_CHUNK), *state.shape[1:]) and fla_h_trusted(
+            h, k, v, g, beta, final, recurrent
+        ):
+            captured = roll_forward(h, k, v, g, beta, inside, FLA_CHUNK, recurrent)
             if 0 in positions:
                 captured[0] = state.clone()
             if length in positions:
