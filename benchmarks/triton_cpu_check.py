@@ -70,6 +70,8 @@ def mamba_checks() -> list[bool]:
             f"max |state - token loop| {worst:.2e}, outputs {max_diff(y, y_ref):.2e}"
             + (", outputs bit-identical to a plain call" if batch == 1 and same else ""),
         ))
+    results.append(check("mamba_ssm one pass: varlen states trusted", cuda._mamba_varlen_trusted is True,
+                         "the first use's check (a varlen end at the last token vs the final state) passed"))
     for d_shape in ("per head", "per channel"):  # a decode step: mamba_ssm's selective_state_update
         inputs = ssd_inputs(3, 1, 4, 16, 2, 16, seed=7)
         if d_shape == "per channel":

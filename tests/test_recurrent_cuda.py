@@ -228,6 +228,7 @@ def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch, batch):
     calls = []
     install_fake_module(monkeypatch, "mamba_ssm.ops.triton.ssd_combined",
                         mamba_chunk_scan_combined=_fake_mamba_chunk_scan_combined(calls))
+    monkeypatch.setattr(cuda, "_mamba_varlen_trusted", None)  # checked again, on this fake
     inputs = ssd_inputs(batch, 50, 4, 8, 2, 8, seed=6)
     initial = random_state(batch, 4, 8, 8)
     limit = (0.01, 0.05)  # Nemotron-H style: the kernel must get it
@@ -235,10 +236,40 @@ def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch, batch):
     y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), positions, 16)
     y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, initial_state=initial, capture=positions,
                                        backend="naive")  # fmt: skip
-    assert calls == ([(50, [0, 20, 40])] if batch == 1 else [(5, None), (15, None), (1, None), (19, None), (10, None)])
+    # one sequence: the varlen ends, and once per process one more at the last token (checked against the final state)
+    assert calls == ([(50, [0, 20, 40, 50])] if batch == 1 else
+                     [(5, None), (15, None), (1, None), (19, None), (10, None)])  # fmt: skip
     assert max_diff(y, y_ref) <= 1e-5 and max_diff(final, final_ref) <= 1e-5
     assert sorted(states) == list(positions)
     assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in positions)
+    if batch == 1:  # checked once: the next call asks for the served ends only
+        ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), positions, 16)
+        assert calls[-1] == (50, [0, 20, 40]) and cuda._mamba_varlen_trusted is True
+
+
+def test_mamba_ssm_varlen_states_that_miss_the_final_state_are_not_trusted(monkeypatch):
+    """A mamba_ssm whose varlen states meant something else (here: each sequence from zeros, as with seq_idx) must not
+    give wrong states: the first use's check finds it, warns, and states are captured by segments from then on."""
+    calls = []
+    scan = _fake_mamba_chunk_scan_combined(calls)
+
+    def resetting(x, dt, A, B, C, chunk_size, **kwargs):  # every varlen state from zeros: a per-sequence reset
+        out = scan(x, dt, A, B, C, chunk_size, **kwargs)
+        if kwargs.get("return_varlen_states"):
+            ends = kwargs["cu_seqlens"].tolist()
+            pieces = [ssd(x[:, s:e], dt[:, s:e], A, B[:, s:e], C[:, s:e], kwargs["D"], kwargs["dt_bias"], True,
+                          backend="naive")[1] for s, e in zip(ends, ends[1:], strict=False)]  # fmt: skip
+            out = (*out[:2], torch.cat(pieces))
+        return out
+
+    install_fake_module(monkeypatch, "mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=resetting)
+    monkeypatch.setattr(cuda, "_mamba_varlen_trusted", None)
+    inputs, initial = ssd_inputs(1, 50, 4, 8, 2, 8, seed=3), random_state(1, 4, 8, 8)
+    with pytest.warns(UserWarning, match="captured by segments"):
+        _, _, states = cuda.ssd_mamba_ssm(*inputs.values(), True, (0.0, float("inf")), initial.clone(), (20, 40), 16)
+    _, _, states_ref = ssd(**inputs, initial_state=initial, capture=(20, 40), backend="naive")
+    assert cuda._mamba_varlen_trusted is False and calls[0] == (50, [0, 20, 40, 50])
+    assert all(max_diff(states[p], states_ref[p]) <= 1e-5 for p in (20, 40))
 
 
 def test_mamba_ssm_backend_decodes_one_token_with_selective_state_update(monkeypatch):
