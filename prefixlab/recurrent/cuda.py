@@ -99,12 +99,19 @@ def fla_h_trusted(h: torch.Tensor, k, v, g, beta, final: torch.Tensor, recurrent
         tail = slice((h.shape[1] - 1) * FLA_CHUNK, None)
         _, rolled = recurrent(k[:, tail], k[:, tail], v[:, tail], g=g[:, tail], beta=beta[:, tail],
                               initial_state=h[:, -1].to(torch.float32), output_final_state=True)  # fmt: skip
-        error = (rolled - final).abs().max().item()
-        _fla_h_trusted = error <= 0.05 * final.abs().max().item() + 1e-3  # h is rounded to the inputs' dtype
-        if not _fla_h_trusted:
-            warnings.warn(f"prefixlab: this fla's chunk states do not roll forward to its final state (off by "
-                          f"{error:.3g}); states are captured by segments instead", stacklevel=3)  # fmt: skip
+        _fla_h_trusted = chunk_states_agree(rolled, final, "fla")
     return _fla_h_trusted
+
+
+def chunk_states_agree(got: torch.Tensor, final: torch.Tensor, package: str) -> bool:
+    """A state derived from `package`'s chunk states (kept in the inputs' dtype, so within 5 % of the largest value)
+    against the same call's final state; warns when they do not agree."""
+    error = (got.float() - final.float()).abs().max().item()
+    agree = error <= 0.05 * final.float().abs().max().item() + 1e-3
+    if not agree:
+        warnings.warn(f"prefixlab: {package}'s chunk states do not lead to its final state (off by {error:.3g}); "
+                      "states are captured by segments instead", stacklevel=3)  # fmt: skip
+    return agree
 
 
 def roll_forward(
@@ -191,18 +198,6 @@ def varlen_served(positions: Sequence[int], chunk: int) -> list[int]:
 _mamba_varlen_trusted: bool | None = None  # mamba_ssm's varlen states checked against its final state, once
 
 
-def mamba_varlen_trusted(at_last_token: torch.Tensor, final: torch.Tensor) -> bool:
-    """Once per process: the varlen state at a call's last token must be the call's own final state (varlen states
-    over one continuous scan mean what mamba_ssm 2.x's kernel makes them). Else: warn, and capture by segments."""
-    global _mamba_varlen_trusted
-    error = (at_last_token.float() - final.float()).abs().max().item()
-    _mamba_varlen_trusted = error <= 0.05 * final.float().abs().max().item() + 1e-3  # kept in the inputs' dtype
-    if not _mamba_varlen_trusted:
-        warnings.warn(f"prefixlab: this mamba_ssm's varlen states do not match its final state (off by {error:.3g});"
-                      " states are captured by segments instead", stacklevel=3)  # fmt: skip
-    return _mamba_varlen_trusted
-
-
 def ssd_mamba_ssm(
     x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, positions, chunk_size
 ) -> tuple[torch.Tensor, torch.Tensor, States]:
@@ -213,6 +208,7 @@ def ssd_mamba_ssm(
     a chunk. Batches: the segment driver."""
     from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
 
+    global _mamba_varlen_trusted
     batch, length, heads, head_dim = x.shape
     if initial_state is None:
         initial_state = x.new_zeros(batch, heads, head_dim, B.shape[-1], dtype=torch.float32)
@@ -236,7 +232,9 @@ def ssd_mamba_ssm(
                                     cu_seqlens=torch.tensor(ends, dtype=torch.int32).to(x.device, non_blocking=True))
         else:
             (y, final), varlen = call(x, dt, A, B, C, chunk_size, initial_states=initial), None
-        if not checking or mamba_varlen_trusted(varlen[-1:], final):
+        if checking:
+            _mamba_varlen_trusted = chunk_states_agree(varlen[-1:], final, "mamba_ssm")
+        if _mamba_varlen_trusted is not False:
             known = {0: initial} | {p: varlen[i : i + 1].to(torch.float32) for i, p in enumerate(served)}
             captured = {p: known[p] for p in positions if p in known}
             for p in inside:
