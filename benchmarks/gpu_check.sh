@@ -40,7 +40,8 @@ base=/tmp/site:$PWD
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__,
       'triton', triton.__version__, torch.cuda.get_device_name())"; } >>"$summary" 2>&1
 
-tests="tests/test_recurrent_cuda.py tests/test_attention_kernels.py tests/test_random_stream.py tests/test_compile.py"
+tests="tests/test_recurrent_cuda.py tests/test_recurrent_cuda_mamba_ssm.py tests/test_attention_kernels.py"
+tests="$tests tests/test_random_stream.py tests/test_compile.py"
 tests="$tests tests/test_numerics.py"
 # in order of what matters most, should the machine's time run out (session 22's first run took 525 s; its logs
 # showed which steps need which limits)
@@ -71,7 +72,7 @@ PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_T
 #     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the
 #     stub extension, transformers' Jamba layers would call mamba_ssm's CUDA selective scan, which is not there)
 PYTHONPATH=$PWD/.whl/mamba:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_mamba 150 python3 -m pytest \
-    -p no:cacheprovider -q -n 6 --tb=short -rfs tests/test_recurrent_cuda.py tests/test_random_stream.py \
+    -p no:cacheprovider -q -n 6 --tb=short -rfs tests/test_recurrent_cuda_mamba_ssm.py tests/test_random_stream.py \
     tests/test_numerics.py -k "mamba or bamba or nemotron or zamba or falcon or granite"
 # 5. the recurrent kernels at Qwen3.5's shapes: fla (bf16) with captures, each result printed when measured
 PYTHONPATH=/tmp/fla:$base step bench_recurrent_fla 90 python3 -m prefixlab bench recurrent --device cuda \

@@ -43,5 +43,6 @@ PYTHONPATH=$site:$mamba $PY benchmarks/triton_cpu_check.py
 # transformers' own GatedDeltaNet layers on fla's kernels, prefixlab's torch kernels beside them (as in fp32 on a GPU;
 # mamba_ssm stays off this path: with its stub extension transformers' Jamba layers would fail, and its interpreted
 # kernels take minutes a case)
-PYTHONPATH=$site $PY -m pytest -q -p no:warnings -p no:cacheprovider tests/test_random_stream.py tests/test_recurrent_cuda.py \
+PYTHONPATH=$site $PY -m pytest -q -p no:warnings -p no:cacheprovider tests/test_random_stream.py \
+    tests/test_recurrent_cuda.py tests/test_recurrent_cuda_mamba_ssm.py \
     tests/test_numerics.py -k "not bf16"
