@@ -8,10 +8,10 @@
 #   STEPS, most useful first. Session 26 ran "tests_both capture_overhead bench_hydragen" (425 s; the fla tests did
 #   not finish in tests_both's 260 s), then "hit_ttft hydragen_e2e" (161 s), then the fla tests alone (190 s, not
 #   finished either: ~47 of 72 tests ran, 4 failed, their names lost). Failures now go to $OUT/failures.log as they
-#   happen (tests/conftest.py, PREFIXLAB_FAILURE_LOG). The next GPU session, two calls back to back (a machine
-#   goes back after 30 s idle, and starting one costs ~30-60 s of the 900):
-#     STEPS="tests_cuda_fla tests_cuda_mamba capture_overhead_mamba" FLA_TESTS_LIMIT=300 bash benchmarks/gpu_check.sh
-#       (timeout_s 580; carry .whl), then at once STEPS="hydragen_e2e_4b" (timeout_s 260), then give_back.
+#   happen (tests/conftest.py, PREFIXLAB_FAILURE_LOG). Session 27, two calls back to back (a machine goes back
+#   after 30 s idle): STEPS="tests_fla_mamba" (fla and mamba_ssm test runs at once), then
+#   STEPS="lse_select bench_hydragen capture_overhead_mamba hydragen_e2e_4b" HYDRAGEN_BATCHES=1024
+#   HYDRAGEN_FLAGS=--no-packed (lse_select picks split's kernels for the steps after it).
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -68,6 +68,14 @@ PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.
 #    "mamba2" in transformers' Auto mappings (the test models are now built from transformers' classes by name)
 PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider \
     -q -n 10 --tb=short -rfs $tests
+# 4+4b at once (correctness only; 16 cores compile both sets of Triton kernels), the whole fla run in one call
+PYTHONPATH=$base step tests_fla_mamba ${FLA_TESTS_LIMIT:-300} sh -c "PYTHONPATH=$PWD/.whl/mamba:$base \
+    PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 4 --tb=short -rfs \
+    tests/test_recurrent_cuda_mamba_ssm.py tests/test_random_stream.py tests/test_numerics.py \
+    -k 'mamba or bamba or nemotron or zamba or falcon or granite' >$OUT/tests_cuda_mamba.log 2>&1 & \
+    PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 12 \
+    --tb=short -rfs $tests >$OUT/tests_cuda_fla.log 2>&1; wait; grep -v '^E1126' $OUT/tests_cuda_mamba.log | \
+    tail -n 25; grep -v '^E1126' $OUT/tests_cuda_fla.log | tail -n 60"
 # 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
 #     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the
 #     stub extension, transformers' Jamba layers would call mamba_ssm's CUDA selective scan, which is not there)
@@ -85,9 +93,18 @@ PYTHONPATH=$PWD/.whl/mamba:$base step capture_overhead_mamba 60 python3 benchmar
 #    and phases (benchmarks/gpu_lse_kernels.py). No TORCH_LOGS=recompiles any more: session 24's run with it timed
 #    split at 8.0 ms, twice session 22's 4.0 ms without it on the same split code (not isolated further); the log
 #    had shown three flex graphs (the level call, the suffix call with a dynamic batch, packed's), no more
-PYTHONPATH=$base step bench_hydragen 150 sh -c 'for b in ${HYDRAGEN_BATCHES:-64 256 512 1024}; do
-    python3 -m prefixlab bench hydragen --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 \
-        --q-heads 32 --kv-heads 8 ${HYDRAGEN_FLAGS:-} --json; done'
+#    Session 27: first every kernel prefixlab's CUDA calls can use, at split's two call shapes (B = 1024), the fastest
+#    correct one per call kind exported as PREFIXLAB_LSE_KERNELS for the steps after it; bench_hydragen then times
+#    split with the defaults and with that choice
+PYTHONPATH=$base step lse_select 90 python3 benchmarks/gpu_lse_kernels.py --batch ${LSE_BATCH:-1024} --prefix 16384
+chosen=$(tail -n 1 "$OUT/lse_select.log" 2>/dev/null | python3 -c "import json, sys
+try: print(json.loads(sys.stdin.read())['setting'])
+except Exception: pass")
+[ -n "$chosen" ] && export PREFIXLAB_LSE_KERNELS=$chosen && echo "PREFIXLAB_LSE_KERNELS=$chosen" >>"$summary"
+PYTHONPATH=$base step bench_hydragen 150 sh -c 'for s in "" ${PREFIXLAB_LSE_KERNELS:-}; do
+    for b in ${HYDRAGEN_BATCHES:-64 256 512 1024}; do PREFIXLAB_LSE_KERNELS=$s python3 -m prefixlab bench hydragen \
+        --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 --q-heads 32 --kv-heads 8 \
+        ${HYDRAGEN_FLAGS:-} --json; done; done'
 PYTHONPATH=$base step lse_kernels 60 python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
 PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \

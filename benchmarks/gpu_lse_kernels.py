@@ -2,11 +2,13 @@
 folded queries over the long prefix, each sequence's queries over its suffix): time and error of each candidate.
 
 Session 22 measured split at 4 ms for B=512, P=16,384 on an H200 where its work needs well under 1 ms
-(benchmarks/RESULTS.md, GPU). Candidates: prefixlab's current path (one compiled FlexAttention serving both calls),
-one compiled FlexAttention per call site, and ATen's flash and memory-efficient kernels (both return the LSE).
-Every candidate is checked against the float32 reference; one JSON line each.
+(benchmarks/RESULTS.md, GPU). Candidates: every kernel prefixlab's CUDA path can be set to (`CUDA_LSE_KERNELS`:
+one compiled FlexAttention for both calls, cuDNN's and FlashAttention-2's fused kernels through ATen, two batched
+GEMMs), plus one compiled FlexAttention per call site and ATen's memory-efficient kernel. Every candidate is checked
+against the float32 reference; one JSON line each, then split's phases, then the fastest correct kernel for each
+call kind as a `PREFIXLAB_LSE_KERNELS` setting (the last line).
 
-    python benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384 --suffix 256
+    python benchmarks/gpu_lse_kernels.py --batch 1024 --prefix 16384 --suffix 256
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ import time
 
 import torch
 
-from prefixlab.attention.kernels import attention_with_lse_reference
+from prefixlab.attention.kernels import CUDA_LSE_KERNELS, attention_with_lse_reference
+
+SITE_KIND = {"level": "long", "suffix": "short"}  # which of prefixlab's call kinds each of split's calls is
+OUT_TOLERANCE, LSE_TOLERANCE = 2e-2, 1e-2  # bf16 rounding of outputs of magnitude ~1; the LSE is float32
 
 
 def best_ms(fn, repeats: int) -> float:
@@ -34,23 +39,33 @@ def best_ms(fn, repeats: int) -> float:
     return min(times)
 
 
-def flex_with_lse(compiled):
-    from torch.nn.attention.flex_attention import AuxRequest
+def aten_efficient(q, k, v, mask, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]  # the kernel pads the LSE's query axis
 
-    def run(q, k, v, scale):
+
+def flex_per_site():
+    """One compiled FlexAttention per call site (prefixlab's "flex" shares one between both sites)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    compiled = torch.compile(flex_attention)
+
+    def run(q, k, v, mask, scale):
         out, aux = compiled(q, k, v, scale=scale, return_aux=AuxRequest(lse=True))
         return out, aux.lse
     return run
 
 
-def aten_flash(q, k, v, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
-    return out, lse
-
-
-def aten_efficient(q, k, v, scale):
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, scale=scale)[:2]
-    return out, lse[..., : q.shape[2]]  # the kernel pads the LSE's query axis
+def choose(rows: list[dict]) -> dict:
+    """The fastest kernel prefixlab can be set to (`PREFIXLAB_LSE_KERNELS`) for each call kind, among those within
+    bf16 rounding of the float32 reference; the site-to-kind map is `SITE_KIND`."""
+    best = {}
+    for site, kind in SITE_KIND.items():
+        fit = [r for r in rows if r["kernel"] in CUDA_LSE_KERNELS and f"{site}_ms" in r
+               and r[f"{site}_out_error"] <= OUT_TOLERANCE and r[f"{site}_lse_error"] <= LSE_TOLERANCE]
+        if fit:
+            best[kind] = min(fit, key=lambda r: r[f"{site}_ms"])["kernel"]
+    return {"chosen": best, "setting": ",".join(f"{kind}={name}" for kind, name in best.items())}
 
 
 def main() -> int:
@@ -66,8 +81,6 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_lse_kernels: needs a CUDA device (these kernels are CUDA's)", file=sys.stderr)
         return 2
-    from torch.nn.attention.flex_attention import flex_attention
-
     g = torch.Generator(device="cuda").manual_seed(0)
     group, dim = args.q_heads // args.kv_heads, args.head_dim
 
@@ -81,27 +94,28 @@ def main() -> int:
                         rand(args.batch, args.kv_heads, args.suffix, dim))}
     scale = dim**-0.5
     references = {site: attention_with_lse_reference(*tensors, None, scale) for site, tensors in calls.items()}
-    shared = flex_with_lse(torch.compile(flex_attention))
-    candidates = {"flex_shared": {site: shared for site in calls},  # prefixlab's path today
-                  "flex_per_site": {site: flex_with_lse(torch.compile(flex_attention)) for site in calls},
-                  "aten_flash": {site: aten_flash for site in calls},
-                  "aten_efficient": {site: aten_efficient for site in calls}}
+    candidates = {name: {site: kernel for site in calls} for name, kernel in CUDA_LSE_KERNELS.items()}
+    candidates["flex_per_site"] = {site: flex_per_site() for site in calls}
+    candidates["aten_efficient"] = {site: aten_efficient for site in calls}
+    rows = []
     for name, kernels in candidates.items():
         row = {"kernel": name, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix}
         try:
             for site, tensors in calls.items():
-                out, lse = kernels[site](*tensors, scale)
+                out, lse = kernels[site](*tensors, None, scale)
                 ref_out, ref_lse = references[site]
                 row[f"{site}_out_error"] = (out.float() - ref_out.float()).abs().max().item()
                 row[f"{site}_lse_error"] = (lse.float() - ref_lse.float()).abs().max().item()
             # interleaved as split runs them (level then suffix), the pair timed together and each alone
-            row["pair_ms"] = best_ms(lambda k=kernels: [k[s](*calls[s], scale) for s in calls], args.repeats)
+            row["pair_ms"] = best_ms(lambda k=kernels: [k[s](*calls[s], None, scale) for s in calls], args.repeats)
             for site in calls:
-                row[f"{site}_ms"] = best_ms(lambda k=kernels[site], s=site: k(*calls[s], scale), args.repeats)
+                row[f"{site}_ms"] = best_ms(lambda k=kernels[site], s=site: k(*calls[s], None, scale), args.repeats)
         except Exception as err:  # a candidate this torch / GPU cannot run: report it, go on with the others
             row["error"] = f"{type(err).__name__}: {err}".splitlines()[0][:300]
         print(json.dumps(row), flush=True)
+        rows.append(row)
     print(json.dumps(split_phases(args)), flush=True)
+    print(json.dumps(choose(rows)), flush=True)  # last line: read by gpu_check.sh
     return 0
 
 

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixlab.attention import attention_with_lse, attention_with_lse_reference, combine_partials
+from prefixlab.attention import attention_with_lse, attention_with_lse_reference, combine_partials, kernels
 from prefixlab.errors import InvalidInputError
 
 ATOL = 1e-5
@@ -33,6 +33,43 @@ def test_cpu_kernel_matches_reference_and_sdpa(masked):
     torch.testing.assert_close(out, sdpa, atol=ATOL, rtol=0)
     if masked:
         assert torch.isneginf(lse[0, :, 2]).all() and (out[0, :, 2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matmul_kernel_folds_grouped_heads_and_matches_the_reference(dtype, masked):
+    q, k, v = (t.to(dtype) for t in _qkv(2, q_heads=6, kv_heads=2, m=3, length=9))
+    mask = None
+    if masked:
+        mask = torch.rand(2, 1, 3, 9, generator=torch.Generator().manual_seed(3)) > 0.5
+        mask[1, 0, 0] = False  # a query that sees nothing
+    out, lse = kernels.attention_with_lse_matmul(q, k, v, mask, 0.4)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, v, mask, 0.4)
+    assert out.dtype == dtype and lse.dtype == kernels.accumulate_dtype(dtype)
+    # bf16: the probabilities meet V in bf16, as in fused kernels; the scores and the LSE stay float32
+    torch.testing.assert_close(out, ref_out, atol=1e-5 if dtype != torch.bfloat16 else 2e-2, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=0)
+    if masked:
+        assert torch.isneginf(lse[1, :, 0]).all() and (out[1, :, 0] == 0).all()
+
+
+def test_cuda_kernel_choice_by_call_shape_and_setting(monkeypatch):
+    level = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 16384, 128, dtype=torch.bfloat16)
+    suffix = torch.zeros(1024, 8, 4, 128, dtype=torch.bfloat16), torch.zeros(1024, 8, 256, 128, dtype=torch.bfloat16)
+    assert kernels.cuda_lse_kernels(None) == kernels.DEFAULT_CUDA_LSE_KERNELS
+    setting = "long=cudnn, short=matmul"
+    assert kernels.cuda_lse_kernels(setting) == {"long": "cudnn", "short": "matmul"}
+    monkeypatch.setenv("PREFIXLAB_LSE_KERNELS", setting)
+    assert kernels._cuda_lse_kernel(*level, None) is kernels._attention_with_lse_cudnn
+    assert kernels._cuda_lse_kernel(*suffix, None) is kernels.attention_with_lse_matmul
+    # what a fused kernel cannot take goes to flex: a mask, grouped heads, fp32
+    mask = torch.ones(1, 1, 4096, 16384, dtype=torch.bool)
+    assert kernels._cuda_lse_kernel(*level, mask) is kernels._attention_with_lse_flex
+    assert kernels._cuda_lse_kernel(level[0], level[1][:, :2], None) is kernels._attention_with_lse_flex
+    assert kernels._cuda_lse_kernel(level[0].float(), level[1].float(), None) is kernels._attention_with_lse_flex
+    for bad in ("long=fast", "middle=flex", "cudnn"):
+        with pytest.raises(InvalidInputError, match="PREFIXLAB_LSE_KERNELS"):
+            kernels.cuda_lse_kernels(bad)
 
 
 @pytest.mark.parametrize("operand", ["q", "k", "v"])
@@ -108,3 +145,16 @@ def test_cuda_flex_kernel_and_hydragen_paths_match_reference():
     for method in ("split", "packed"):
         torch.testing.assert_close(hydragen_attention(q[:, :, :1], [level], suffix_k, suffix_v, method=method), ref,
                                    atol=ATOL, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", sorted(kernels.CUDA_LSE_KERNELS))
+def test_each_cuda_lse_kernel_matches_the_reference_in_bf16(name):
+    """Every kernel `PREFIXLAB_LSE_KERNELS` may pick, at a level call's shape (equal heads, no mask)."""
+    q, k, v = (t.cuda().to(torch.bfloat16) for t in _qkv(4, n=1, q_heads=4, kv_heads=4, m=96, length=300, dim=128))
+    out, lse = kernels.CUDA_LSE_KERNELS[name](q, k, v, None, 128**-0.5)
+    ref_out, ref_lse = attention_with_lse_reference(q, k, v, None, 128**-0.5)
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
+    torch.testing.assert_close(lse.float(), ref_lse.float(), atol=1e-2, rtol=0)

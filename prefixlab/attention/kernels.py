@@ -5,16 +5,21 @@ Attention over a union of disjoint key sets equals the LSE-weighted sum of atten
 so Hydragen computes the shared prefix and each suffix separately and merges them with `combine_partials`.
 A query that sees no key of a set gets lse = -inf there and contributes nothing.
 
-Three implementations of `attention_with_lse`, all on (N, heads, M, D) queries and (N, kv_heads, L, D) keys:
+Implementations of `attention_with_lse`, all on (N, heads, M, D) queries and (N, kv_heads, L, D) keys:
 - `attention_with_lse_reference`: matmul + logsumexp, readable, any device;
 - CPU: ATen's fused flash kernel, which returns the LSE (compiled FlexAttention on CPU refuses `return_lse` in
   torch 2.13, and the eager one materialises the scores);
-- CUDA: compiled FlexAttention with `AuxRequest(lse=True)`.
+- CUDA, by call shape (`CUDA_LSE_KERNELS`; Hydragen makes two kinds of call): "long" calls (a shared level: thousands
+  of folded queries over a long prefix, compute-bound) and "short" ones (each sequence's few queries over its own
+  short suffix, memory-bound), each served by one of compiled FlexAttention with `AuxRequest(lse=True)` ("flex"),
+  cuDNN's or FlashAttention-2's fused kernel through ATen ("cudnn", "flash"; no mask, equal head counts, 16-bit), or
+  `attention_with_lse_matmul` ("matmul": two batched GEMMs with float32 scores, fine where M * L is small).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -44,6 +49,39 @@ def attention_with_lse_reference(
     # exp(-inf - -inf) is nan: rows that see nothing get weight 0 instead
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)
     return torch.matmul(probs, v.to(acc)).to(q.dtype), lse
+
+
+def _matmul_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a (..., M, K) @ b (..., K, N) with float32 (float64) products; 16-bit CUDA inputs are not upcast in memory."""
+    acc = accumulate_dtype(a.dtype)
+    if a.dtype == acc:
+        return torch.matmul(a, b)
+    if a.is_cuda:
+        lead = torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+        a, b = a.expand(*lead, *a.shape[-2:]), b.expand(*lead, *b.shape[-2:])
+        out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=acc)
+        return out.view(*lead, *out.shape[-2:])
+    return torch.matmul(a.to(acc), b.to(acc))
+
+
+def attention_with_lse_matmul(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's arithmetic without its copies: a KV head's query heads fold into its query axis (no expanded
+    KV), products accumulate in float32 from 16-bit operands, probabilities meet V in V's dtype (as fused kernels do).
+    Memory-bound at decode over short suffixes, where fused kernels pad a handful of queries to a 64- or 128-row tile.
+    """
+    n, heads, queries, _ = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scores = _matmul_accumulate(q.reshape(n, kv_heads, group * queries, -1), k.transpose(-1, -2)) * scale
+    if mask is not None:
+        mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, queries, keys)
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, group * queries, keys), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: weight 0
+    out = _matmul_accumulate(probs.to(v.dtype), v).to(q.dtype)
+    return out.reshape(n, heads, queries, -1), lse.reshape(n, heads, queries)
 
 
 def _attention_with_lse_cpu(
@@ -87,6 +125,52 @@ def _attention_with_lse_flex(
     return out, aux.lse.to(accumulate_dtype(q.dtype))
 
 
+def _attention_with_lse_cudnn(q, k, v, mask, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, scale=scale)[:2]
+    return out, lse.reshape(q.shape[:3])
+
+
+def _attention_with_lse_flash(q, k, v, mask, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+    return out, lse
+
+
+CUDA_LSE_KERNELS = {"flex": _attention_with_lse_flex, "cudnn": _attention_with_lse_cudnn,
+                    "flash": _attention_with_lse_flash, "matmul": attention_with_lse_matmul}
+# measured on one H200 at Hydragen's decode shapes (benchmarks/RESULTS.md, "GPU (session 27)")
+DEFAULT_CUDA_LSE_KERNELS = {"long": "flex", "short": "flex"}
+SHORT_CALL_SCORES = 1 << 16  # M * L per (sequence, KV head) up to which a call is "short"
+
+
+@functools.cache
+def cuda_lse_kernels(setting: str | None) -> dict[str, str]:
+    """Each call kind's kernel: the defaults, overridden by `PREFIXLAB_LSE_KERNELS` ("long=cudnn,short=matmul")."""
+    chosen = dict(DEFAULT_CUDA_LSE_KERNELS)
+    for item in filter(None, (setting or "").replace(" ", "").split(",")):
+        kind, _, name = item.partition("=")
+        if kind not in chosen or name not in CUDA_LSE_KERNELS:
+            raise InvalidInputError(
+                f"PREFIXLAB_LSE_KERNELS: {item!r} is not KIND=KERNEL with KIND in {sorted(chosen)} and KERNEL in "
+                f"{sorted(CUDA_LSE_KERNELS)}; e.g. PREFIXLAB_LSE_KERNELS=long=cudnn,short=matmul, or unset it")
+        chosen[kind] = name
+    return chosen
+
+
+def active_cuda_lse_kernels() -> dict[str, str]:
+    """The kernels CUDA calls use now (benchmarks record them with their timings)."""
+    return cuda_lse_kernels(os.environ.get("PREFIXLAB_LSE_KERNELS"))
+
+
+def _cuda_lse_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None):
+    kind = "short" if q.shape[2] * (q.shape[1] // k.shape[1]) * k.shape[2] <= SHORT_CALL_SCORES else "long"
+    name = active_cuda_lse_kernels()[kind]
+    fused_fits = mask is None and q.shape[1] == k.shape[1] and q.dtype in (torch.float16, torch.bfloat16) \
+        and q.shape[-1] <= 128
+    if name in ("cudnn", "flash") and not fused_fits:
+        name = "flex"  # what those kernels cannot take (a mask, grouped heads, fp32) goes to flex
+    return CUDA_LSE_KERNELS[name]
+
+
 def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +184,7 @@ def attention_with_lse(
     if q.device.type == "cpu":
         return _attention_with_lse_cpu(q, k, v, mask, scale)
     if q.device.type == "cuda":
-        return _attention_with_lse_flex(q, k, v, mask, scale)
+        return _cuda_lse_kernel(q, k, mask)(q, k, v, mask, scale)
     return attention_with_lse_reference(q, k, v, mask, scale)
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixlab.attention.api import hydragen_attention
+from prefixlab.attention.kernels import active_cuda_lse_kernels
 from prefixlab.attention.packed import packed_compile_failed
 from prefixlab.attention.reference import causal_suffix_mask
 from prefixlab.attention.tree import SharedLevel
@@ -92,7 +93,8 @@ def bench_attention(batch: int, prefix: int, suffix: int, q_heads: int = 8, kv_h
         mask = torch.cat([torch.ones(queries, prefix, dtype=torch.bool, device=device),
                           causal_suffix_mask(queries, suffix, torch.device(device))], dim=1)
     result = dict(batch=batch, prefix=prefix, suffix=suffix, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
-                  queries=queries, dtype=dtype, device=str(q.device), threads=torch.get_num_threads())
+                  queries=queries, dtype=dtype, device=str(q.device), threads=torch.get_num_threads(),
+                  lse_kernels=active_cuda_lse_kernels() if q.device.type == "cuda" else None)
     result["sdpa_ms"] = time_ms(
         lambda: F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=mask, enable_gqa=True), repeats)
     split = lambda: hydragen_attention(q, [level], suffix_k, suffix_v, method="split")  # noqa: E731

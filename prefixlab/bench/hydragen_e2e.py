@@ -27,6 +27,7 @@ from transformers import (
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from prefixlab.attention.hf_cache import HydragenCache
+from prefixlab.attention.kernels import active_cuda_lse_kernels
 from prefixlab.bench import check_device, check_sizes
 from prefixlab.errors import InvalidInputError
 
@@ -152,7 +153,8 @@ def bench_e2e(model_name: str = "llama", completions: int = 64, prompt_tokens: i
         "no_attention": (ZEROS, lambda: _loaded(model, prefilled, completions)),
     }
     result = dict(model=model_name, completions=completions, prompt=prompt_tokens, new_tokens=new_tokens,
-                  device=str(device), dtype=dtype, threads=torch.get_num_threads())
+                  device=str(device), dtype=dtype, threads=torch.get_num_threads(),
+                  lse_kernels=active_cuda_lse_kernels() if device.type == "cuda" else None)
     outputs = {}
     for name, (implementation, make_cache) in runs.items():
         model.set_attn_implementation(implementation)
