@@ -76,6 +76,16 @@ PYTHONPATH=$base step tests_fla_mamba ${FLA_TESTS_LIMIT:-300} sh -c "PYTHONPATH=
     PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 12 \
     --tb=short -rfs $tests >$OUT/tests_cuda_fla.log 2>&1; wait; grep -v '^E1126' $OUT/tests_cuda_mamba.log | \
     tail -n 25; grep -v '^E1126' $OUT/tests_cuda_fla.log | tail -n 60"
+# 4c. session 27's fla run failed three random-stream cases (OLMo-hybrid by 2.2e-3): the models' own fp32 logits
+#     with fla, one forward vs two, against float64 without fla (no prefixlab code), alongside the stream's other
+#     cases with fla, one line per finished test (-v)
+PYTHONPATH=$base step fla_fp32_chunking ${CHUNKING_LIMIT:-200} sh -c "PYTHONPATH=/tmp/fla:$base \
+    PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -v -n 12 --tb=short -rfs \
+    tests/test_random_stream.py -k 'not (olmo_hybrid or qwen3_5_moe_text or qwen3_next)' \
+    >$OUT/tests_stream_fla.log 2>&1 & PYTHONPATH=/tmp/fla:$base python3 benchmarks/gpu_fla_fp32_chunking.py \
+    --out $OUT && python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --reference && \
+    python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --compare; wait; \
+    grep -E 'PASSED|FAILED|ERROR|passed|failed' $OUT/tests_stream_fla.log | tail -n 40"
 # 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
 #     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the
 #     stub extension, transformers' Jamba layers would call mamba_ssm's CUDA selective scan, which is not there)
