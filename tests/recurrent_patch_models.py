@@ -206,7 +206,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, cache=None, start: int = 
         kwargs["cache_params"] = cache
     else:
         kwargs["past_key_values"] = cache
-        kwargs["position_ids"] = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        kwargs["position_ids"] = positions[None].expand(ids.shape[0], -1)
     with torch.no_grad():
         return model(ids, **kwargs).logits
 

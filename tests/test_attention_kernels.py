@@ -54,22 +54,53 @@ def test_matmul_kernel_folds_grouped_heads_and_matches_the_reference(dtype, mask
 
 
 def test_cuda_kernel_choice_by_call_shape_and_setting(monkeypatch):
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
     level = torch.zeros(1, 8, 4096, 128, dtype=torch.bfloat16), torch.zeros(1, 8, 16384, 128, dtype=torch.bfloat16)
     suffix = torch.zeros(1024, 8, 4, 128, dtype=torch.bfloat16), torch.zeros(1024, 8, 256, 128, dtype=torch.bfloat16)
-    assert kernels.cuda_lse_kernels(None) == kernels.DEFAULT_CUDA_LSE_KERNELS
-    setting = "long=cudnn, short=matmul"
-    assert kernels.cuda_lse_kernels(setting) == {"long": "cudnn", "short": "matmul"}
-    monkeypatch.setenv("PREFIXLAB_LSE_KERNELS", setting)
-    assert kernels._cuda_lse_kernel(*level, None) is kernels._attention_with_lse_cudnn
-    assert kernels._cuda_lse_kernel(*suffix, None) is kernels.attention_with_lse_matmul
-    # what a fused kernel cannot take goes to flex: a mask, grouped heads, fp32
+    assert kernels.cuda_lse_kernels(None) == kernels.DEFAULT_CUDA_LSE_KERNELS == {"long": "cudnn", "short": "cudnn"}
+    assert kernels.cuda_lse_kernel_name(*level, None) == ("long", "cudnn")
+    assert kernels.cuda_lse_kernel_name(*suffix, None) == ("short", "cudnn")
+    # what a fused kernel cannot take goes to the kind's fallback: a mask, grouped heads, fp32, an older GPU
     mask = torch.ones(1, 1, 4096, 16384, dtype=torch.bool)
-    assert kernels._cuda_lse_kernel(*level, mask) is kernels._attention_with_lse_flex
-    assert kernels._cuda_lse_kernel(level[0], level[1][:, :2], None) is kernels._attention_with_lse_flex
-    assert kernels._cuda_lse_kernel(level[0].float(), level[1].float(), None) is kernels._attention_with_lse_flex
+    assert kernels.cuda_lse_kernel_name(*level, mask) == ("long", "flex")
+    assert kernels.cuda_lse_kernel_name(suffix[0], suffix[1], mask[:, :, :4, :256]) == ("short", "matmul")
+    assert kernels.cuda_lse_kernel_name(level[0], level[1][:, :2], None) == ("long", "flex")
+    assert kernels.cuda_lse_kernel_name(level[0].float(), level[1].float(), None) == ("long", "flex")
+    monkeypatch.setattr(kernels, "_capability", lambda device: (7, 5))
+    assert kernels.cuda_lse_kernel_name(*suffix, None) == ("short", "matmul")
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    setting = "long=flash, short=matmul"
+    assert kernels.cuda_lse_kernels(setting) == {"long": "flash", "short": "matmul"}
+    monkeypatch.setenv("PREFIXLAB_LSE_KERNELS", setting)
+    assert kernels.cuda_lse_kernel_name(*level, None) == ("long", "flash")
+    assert kernels.cuda_lse_kernel_name(*suffix, None) == ("short", "matmul")
     for bad in ("long=fast", "middle=flex", "cudnn"):
         with pytest.raises(InvalidInputError, match="PREFIXLAB_LSE_KERNELS"):
             kernels.cuda_lse_kernels(bad)
+
+
+def test_a_fused_kernel_that_fails_warns_and_hands_its_calls_to_the_fallback(monkeypatch):
+    calls = []
+
+    def refuses(*args):
+        calls.append("cudnn")
+        raise RuntimeError("cuDNN Frontend error: no valid execution plans")
+
+    monkeypatch.setattr(kernels, "_capability", lambda device: (9, 0))
+    monkeypatch.setitem(kernels.CUDA_LSE_KERNELS, "cudnn", refuses)
+    monkeypatch.setattr(kernels, "_failed_fused", set())
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv(5, q_heads=2, kv_heads=2, m=2, length=8))
+    with pytest.warns(RuntimeWarning, match="cudnn attention kernel failed.*matmul serves"):
+        out, lse = kernels._attention_with_lse_cuda(q, k, v, None, 0.25)
+    ref_out, ref_lse = kernels.attention_with_lse_matmul(q, k, v, None, 0.25)
+    assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+    kernels._attention_with_lse_cuda(q, k, v, None, 0.25)  # not asked again
+    assert calls == ["cudnn"] and kernels.cuda_lse_kernel_name(q, k, None) == ("short", "matmul")
+    # a kernel that runs out of memory is not a kernel that cannot run: the error stands
+    monkeypatch.setattr(kernels, "_failed_fused", set())
+    monkeypatch.setitem(kernels.CUDA_LSE_KERNELS, "cudnn", lambda *a: (_ for _ in ()).throw(torch.OutOfMemoryError()))
+    with pytest.raises(torch.OutOfMemoryError):
+        kernels._attention_with_lse_cuda(q, k, v, None, 0.25)
 
 
 @pytest.mark.parametrize("operand", ["q", "k", "v"])

@@ -12,14 +12,16 @@ Implementations of `attention_with_lse`, all on (N, heads, M, D) queries and (N,
 - CUDA, by call shape (`CUDA_LSE_KERNELS`; Hydragen makes two kinds of call): "long" calls (a shared level: thousands
   of folded queries over a long prefix, compute-bound) and "short" ones (each sequence's few queries over its own
   short suffix, memory-bound), each served by one of compiled FlexAttention with `AuxRequest(lse=True)` ("flex"),
-  cuDNN's or FlashAttention-2's fused kernel through ATen ("cudnn", "flash"; no mask, equal head counts, 16-bit), or
-  `attention_with_lse_matmul` ("matmul": two batched GEMMs with float32 scores, fine where M * L is small).
+  cuDNN's or FlashAttention-2's fused kernel through ATen ("cudnn", the default for both; "flash"; no mask, equal
+  head counts, 16-bit), or `attention_with_lse_matmul` ("matmul": two batched GEMMs with float32 scores, fine where
+  M * L is small); calls a fused kernel cannot take go to flex (long) or matmul (short).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -137,21 +139,27 @@ def _attention_with_lse_flash(q, k, v, mask, scale):
 
 CUDA_LSE_KERNELS = {"flex": _attention_with_lse_flex, "cudnn": _attention_with_lse_cudnn,
                     "flash": _attention_with_lse_flash, "matmul": attention_with_lse_matmul}
-# measured on one H200 at Hydragen's decode shapes (benchmarks/RESULTS.md, "GPU (session 27)")
-DEFAULT_CUDA_LSE_KERNELS = {"long": "flex", "short": "flex"}
+FUSED = ("cudnn", "flash")
+# cuDNN for both kinds: on one H200 at Hydragen's decode shapes (B = 1024, P = 16K) 0.43 ms for the level call
+# (flex 0.63, FlashAttention-2 0.79) and 0.30 ms for the suffix call (flash 0.47, matmul 0.51, flex 0.61); results
+# and command in benchmarks/RESULTS.md, "GPU (session 27)"
+DEFAULT_CUDA_LSE_KERNELS = {"long": "cudnn", "short": "cudnn"}
+# what a fused kernel cannot take (a mask, grouped heads, fp32, head dims over 128, GPUs before sm80) goes here
+FALLBACK_CUDA_LSE_KERNELS = {"long": "flex", "short": "matmul"}
 SHORT_CALL_SCORES = 1 << 16  # M * L per (sequence, KV head) up to which a call is "short"
+_failed_fused: set[str] = set()  # fused kernels that raised in this process: not asked again
 
 
 @functools.cache
 def cuda_lse_kernels(setting: str | None) -> dict[str, str]:
-    """Each call kind's kernel: the defaults, overridden by `PREFIXLAB_LSE_KERNELS` ("long=cudnn,short=matmul")."""
+    """Each call kind's kernel: the defaults, overridden by `PREFIXLAB_LSE_KERNELS` ("long=flex,short=matmul")."""
     chosen = dict(DEFAULT_CUDA_LSE_KERNELS)
     for item in filter(None, (setting or "").replace(" ", "").split(",")):
         kind, _, name = item.partition("=")
         if kind not in chosen or name not in CUDA_LSE_KERNELS:
             raise InvalidInputError(
                 f"PREFIXLAB_LSE_KERNELS: {item!r} is not KIND=KERNEL with KIND in {sorted(chosen)} and KERNEL in "
-                f"{sorted(CUDA_LSE_KERNELS)}; e.g. PREFIXLAB_LSE_KERNELS=long=cudnn,short=matmul, or unset it")
+                f"{sorted(CUDA_LSE_KERNELS)}; e.g. PREFIXLAB_LSE_KERNELS=long=flex,short=matmul, or unset it")
         chosen[kind] = name
     return chosen
 
@@ -161,14 +169,36 @@ def active_cuda_lse_kernels() -> dict[str, str]:
     return cuda_lse_kernels(os.environ.get("PREFIXLAB_LSE_KERNELS"))
 
 
-def _cuda_lse_kernel(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None):
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def cuda_lse_kernel_name(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> tuple[str, str]:
+    """(call kind, kernel name) for a CUDA call: the kind's chosen kernel, or its fallback where that cannot run."""
     kind = "short" if q.shape[2] * (q.shape[1] // k.shape[1]) * k.shape[2] <= SHORT_CALL_SCORES else "long"
     name = active_cuda_lse_kernels()[kind]
-    fused_fits = mask is None and q.shape[1] == k.shape[1] and q.dtype in (torch.float16, torch.bfloat16) \
-        and q.shape[-1] <= 128
-    if name in ("cudnn", "flash") and not fused_fits:
-        name = "flex"  # what those kernels cannot take (a mask, grouped heads, fp32) goes to flex
-    return CUDA_LSE_KERNELS[name]
+    if name in FUSED and (name in _failed_fused or mask is not None or q.shape[1] != k.shape[1]
+                          or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] > 128
+                          or q.shape[-1] % 8 or _capability(q.device) < (8, 0)):
+        name = FALLBACK_CUDA_LSE_KERNELS[kind]
+    return kind, name
+
+
+def _attention_with_lse_cuda(q, k, v, mask, scale):
+    kind, name = cuda_lse_kernel_name(q, k, mask)
+    try:
+        return CUDA_LSE_KERNELS[name](q, k, v, mask, scale)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as error:  # a fused kernel refusing a shape or this GPU: its fallback, from now on
+        if name not in FUSED:
+            raise
+        fallback = FALLBACK_CUDA_LSE_KERNELS[kind]
+        warnings.warn(f"prefixlab: the {name} attention kernel failed here ({str(error)[:200]}); {fallback} serves "
+                      f"its calls from now on", RuntimeWarning, stacklevel=2)
+        _failed_fused.add(name)
+        return CUDA_LSE_KERNELS[fallback](q, k, v, mask, scale)
 
 
 def attention_with_lse(
@@ -184,7 +214,7 @@ def attention_with_lse(
     if q.device.type == "cpu":
         return _attention_with_lse_cpu(q, k, v, mask, scale)
     if q.device.type == "cuda":
-        return _cuda_lse_kernel(q, k, mask)(q, k, v, mask, scale)
+        return _attention_with_lse_cuda(q, k, v, mask, scale)
     return attention_with_lse_reference(q, k, v, mask, scale)
 
 
