@@ -218,11 +218,21 @@ def test_fla_backend_decodes_one_token_over_a_cached_state():
     assert max_diff(captured[0], states[8]) == 0 and max_diff(captured[1], final) == 0
 
 
-def test_fp32_inputs_never_go_to_triton_packages_which_would_compute_in_tf32(monkeypatch):
+def test_fp32_inputs_go_to_triton_packages_only_with_ieee_dots(monkeypatch):
+    """Triton computes fp32 dots in TF32 unless TRITON_F32_DEFAULT=ieee (then transformers' own fp32 layers run the
+    package in fp32 too, and the patched layers run what they run)."""
     monkeypatch.setattr(dispatch, "_installed", lambda package: True)
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     assert dispatch.triton_dtype_unsupported(torch.bfloat16) is None
     for package in ("fla", "mamba_ssm"):
         reason = dispatch.triton_dtype_unsupported(torch.float32)
         assert dispatch.resolve_backend("auto", torch.device("cuda"), package, reason) == "torch"
-        with pytest.raises(InvalidInputError, match="TF32.*use backend='torch'"):
+        with pytest.raises(InvalidInputError, match="TRITON_F32_DEFAULT=ieee.*TF32.*use backend='torch'"):
             dispatch.resolve_backend(package, torch.device("cuda"), package, reason)
+    for precision in ("tf32", "tf32x3"):
+        monkeypatch.setenv("TRITON_F32_DEFAULT", precision)
+        assert dispatch.triton_dtype_unsupported(torch.float32) is not None
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
+    assert dispatch.triton_dtype_unsupported(torch.float32) is None
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla", None) == "fla"
+    assert "float64" in dispatch.triton_dtype_unsupported(torch.float64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -36,10 +37,16 @@ def resolve_backend(
 
 def triton_dtype_unsupported(dtype: torch.dtype) -> str | None:
     """Why a CUDA package's Triton kernels (fla, mamba_ssm) should not take inputs of `dtype` (None: they can):
-    Triton runs float32 dot products at its default precision, TF32, not the float32 arithmetic asked for."""
+    Triton runs float32 dot products at its default precision, TF32, not the float32 arithmetic asked for, unless
+    `TRITON_F32_DEFAULT=ieee` (then transformers' own fp32 layers run those kernels in float32 too)."""
     if dtype in (torch.float16, torch.bfloat16):
         return None
-    return f"is used for float16 / bfloat16 inputs only (it computes {dtype} dot products in TF32), got {dtype}"
+    if dtype == torch.float32 and os.environ.get("TRITON_F32_DEFAULT") == "ieee":
+        return None
+    if dtype == torch.float32:
+        return ("takes float32 only with TRITON_F32_DEFAULT=ieee set (else Triton computes float32 dot products in "
+                "TF32)")
+    return f"takes float16 / bfloat16, or float32 with TRITON_F32_DEFAULT=ieee; got {dtype}"
 
 
 @functools.cache
