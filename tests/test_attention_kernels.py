@@ -189,3 +189,35 @@ def test_each_cuda_lse_kernel_matches_the_reference_in_bf16(name):
     assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
     torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
     torch.testing.assert_close(lse.float(), ref_lse.float(), atol=1e-2, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("batch", "q_heads", "kv_heads", "dim", "queries", "ragged"), [
+    (3, 8, 8, 64, 1, False),  # equal heads, d 64: cuDNN for both calls
+    (5, 32, 8, 128, 1, True),  # 4:1 groups, ragged suffixes: the suffix call is masked (matmul)
+    (4, 16, 2, 128, 5, False),  # several queries a sequence: causal suffix mask
+    (64, 8, 1, 128, 1, False),  # one KV head, a long level: cuDNN's long call
+])
+def test_split_on_the_default_cuda_kernels_matches_sdpa_in_bf16(batch, q_heads, kv_heads, dim, queries, ragged):
+    """Split on the kernels CUDA calls pick by default (cuDNN, flex or matmul where cuDNN cannot), over a two-level
+    tree (a root every sequence sees, a child half of them see), against SDPA over each sequence's materialised KV."""
+    from prefixlab.attention import SharedLevel, hydragen_attention
+
+    g = torch.Generator(device="cuda").manual_seed(batch)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    levels = [SharedLevel(rand(kv_heads, 1000 + batch, dim), rand(kv_heads, 1000 + batch, dim)),
+              SharedLevel(rand(kv_heads, 77, dim), rand(kv_heads, 77, dim), parent=0)]
+    seq_levels = [i % 2 for i in range(batch)]
+    suffix = 33
+    lengths = [suffix - (i * 7) % 20 if ragged else suffix for i in range(batch)]
+    args = (rand(batch, q_heads, queries, dim), levels, rand(batch, kv_heads, suffix, dim),
+            rand(batch, kv_heads, suffix, dim))
+    extra = dict(seq_levels=seq_levels, suffix_lengths=lengths if ragged else None)
+    split = hydragen_attention(*args, **extra, method="split")
+    expected = hydragen_attention(*args, **extra, method="sdpa")
+    assert torch.isfinite(split).all()
+    torch.testing.assert_close(split.float(), expected.float(), atol=2e-2, rtol=2e-2)

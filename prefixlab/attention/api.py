@@ -22,7 +22,8 @@ METHODS = ("auto", "split", "packed", "sdpa")
 # FlexAttention in every case swept (one level or many small ones, B 4..64); on an H200 (bf16, P=16,384) packed ran
 # at 0.16-0.35x SDPA where split ran at 1.7-1.9x, and inductor failed to compile its decoding template at B=64. So
 # "auto" splits everywhere; packed stays available by name (one launch for a whole tree) until a GPU run shows a
-# shape where it wins.
+# shape where it wins. Since session 27 split's calls run cuDNN's fused kernel on CUDA: 13.7x SDPA at B=1024 (19.8x
+# in a CUDA graph).
 
 
 def choose_method(q: torch.Tensor, plan: TreePlan) -> str:
