@@ -48,3 +48,18 @@ def test_hit_ttft_resumes_at_the_whole_prefix():
     row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
     assert row["reused_tokens"] == 256 and row["hit_ms"] > 0 and row["floor_ms"] > 0
     assert row["ratio"] == row["hit_ms"] / row["floor_ms"]
+
+
+def test_lse_kernel_choice_takes_the_fastest_correct_kernel_per_call_kind():
+    sys.path.insert(0, str(HERE))
+    from gpu_lse_kernels import LSE_TOLERANCE, OUT_TOLERANCE, choose
+
+    ok = {"level_out_error": OUT_TOLERANCE / 2, "level_lse_error": LSE_TOLERANCE / 2,
+          "suffix_out_error": OUT_TOLERANCE / 2, "suffix_lse_error": LSE_TOLERANCE / 2}
+    rows = [{"kernel": "flex", "level_ms": 0.63, "suffix_ms": 0.61, **ok},
+            {"kernel": "cudnn", "level_ms": 0.43, "suffix_ms": 0.70, **ok},
+            {"kernel": "matmul", "level_ms": 9.9, "suffix_ms": 0.2, **ok, "suffix_out_error": OUT_TOLERANCE * 2},
+            {"kernel": "flash", "error": "RuntimeError: no kernel"},
+            {"kernel": "aten_efficient", "level_ms": 0.1, "suffix_ms": 0.1, **ok}]  # not one prefixlab can use
+    assert choose(rows) == {"chosen": {"long": "cudnn", "short": "flex"}, "setting": "long=cudnn,short=flex"}
+    assert choose([]) == {"chosen": {}, "setting": ""}
