@@ -12,9 +12,10 @@
 #   passed; fla 88 of 90 ran, 3 random-stream cases failed by fp32 logit differences), then "lse_select
 #   bench_hydragen capture_overhead_mamba hydragen_e2e_4b" with HYDRAGEN_BATCHES=1024 HYDRAGEN_FLAGS=--no-packed
 #   (239 s), then "fla_fp32_chunking" (its diagnostic hit a test-helper bug, since fixed). The next GPU session:
-#     STEPS="fla_fp32_chunking" CHUNKING_LIMIT=200 bash benchmarks/gpu_check.sh   (carry .whl; timeout_s 240)
-#   to see whether fla alone moves those models' fp32 logits as much when a prompt is cut, then the fla tests
-#   (step tests_cuda_fla) with float32 now going to fla under TRITON_F32_DEFAULT=ieee.
+#     STEPS="fla_fp32_chunking hydragen_sweep" CHUNKING_LIMIT=200 bash benchmarks/gpu_check.sh
+#   (carry .whl; timeout_s 400) to see whether fla alone moves those models' fp32 logits as much when a prompt is
+#   cut, and the Hydragen paper's sweep on cuDNN, then the fla tests (step tests_cuda_fla) with float32 now going to
+#   fla under TRITON_F32_DEFAULT=ieee.
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -115,9 +116,13 @@ try: print(json.loads(sys.stdin.read())['setting'])
 except Exception: pass")
 [ -n "$chosen" ] && export PREFIXLAB_LSE_KERNELS=$chosen && echo "PREFIXLAB_LSE_KERNELS=$chosen" >>"$summary"
 PYTHONPATH=$base step bench_hydragen 150 sh -c 'for s in "" ${PREFIXLAB_LSE_KERNELS:-}; do
-    for b in ${HYDRAGEN_BATCHES:-64 256 512 1024}; do PREFIXLAB_LSE_KERNELS=$s python3 -m prefixlab bench hydragen \
-        --device cuda --dtype bf16 --batch $b --prefix 16384 --suffix 256 --q-heads 32 --kv-heads 8 \
-        ${HYDRAGEN_FLAGS:-} --json; done; done'
+    PREFIXLAB_LSE_KERNELS=$s python3 -m prefixlab bench hydragen --device cuda --dtype bf16 \
+        --batch ${HYDRAGEN_BATCHES:-64,256,512,1024} --prefix 16384 --suffix 256 --q-heads 32 --kv-heads 8 \
+        ${HYDRAGEN_FLAGS:-} --json; done'
+# 6b. the Hydragen paper's figure: speed-up vs batch for several prefix lengths, one process, on the default kernels
+PYTHONPATH=$base step hydragen_sweep 150 python3 -m prefixlab bench hydragen --device cuda --dtype bf16 \
+    --batch 16,64,256,1024 --prefix 2048,4096,8192,16384 --suffix 256 --q-heads 32 --kv-heads 8 --no-packed \
+    --json --plot $OUT/hydragen_sweep.png
 PYTHONPATH=$base step lse_kernels 60 python3 benchmarks/gpu_lse_kernels.py --batch 512 --prefix 16384
 # 7. the compiled torch path on CUDA (fp32; compiles take a while)
 PYTHONPATH=$base step bench_recurrent_compiled 90 python3 -m prefixlab bench recurrent --device cuda \

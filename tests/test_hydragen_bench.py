@@ -19,8 +19,23 @@ def test_cli_json_has_the_timings_and_speedup(capsys):
     assert result["speedup"] == result["sdpa_ms"] / result["split_ms"] and result["packed_ms"] is None
 
 
+def test_cli_sweeps_batch_and_prefix_lists_one_line_a_point_and_plots(capsys, tmp_path):
+    plot = tmp_path / "sweep.png"
+    code = main(["bench", "hydragen", "--batch", "2,3", "--prefix", "16,32", "--suffix", "4", "--q-heads", "4",
+                 "--kv-heads", "2", "--head-dim", "16", "--repeats", "1", "--no-packed", "--json", "--plot",
+                 str(plot)])
+    assert code == 0
+    points = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(p["prefix"], p["batch"]) for p in points] == [(16, 2), (16, 3), (32, 2), (32, 3)]
+    assert plot.stat().st_size > 0
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["hydragen", "--batch", "0", "--no-packed"], "--batch=0 must be at least 1"),
+    (["hydragen", "--batch", "64,x"], "--batch='64,x' must be a whole number or a comma-separated list"),
+    (["hydragen", "--prefix", "128,0"], "--prefix=0 must be at least 1"),
+    (["hydragen", "--plot", "sweep.txt"], "use a .png, .pdf or .svg file name"),
+    (["hydragen", "--e2e", "--plot", "sweep.png"], "drop it with --e2e"),
     (["hydragen", "--head-dim", "0"], "--head-dim=0 must be at least 1"),
     (["hydragen", "--q-heads", "3", "--kv-heads", "2"], "multiple of --kv-heads=2"),
     (["hydragen", "--device", "tpu"], "not a torch device name"),

@@ -1,6 +1,7 @@
 """`prefixlab bench hydragen`: Hydragen attention vs SDPA over materialised per-sequence KV; `--e2e` for generate.
 
     prefixlab bench hydragen --batch 64 --prefix 4096 --suffix 128 --json
+    prefixlab bench hydragen --batch 64,256,1024 --prefix 4096,16384 --json --plot sweep.png   (the paper's sweep)
     prefixlab bench hydragen --e2e --model llama --completions 64 --prompt 2048 --new-tokens 32 --json
     prefixlab bench hydragen --e2e --device cuda --dtype bf16 --completions 512 --prompt 16384 --json
 """
@@ -142,6 +143,44 @@ def _format(result: dict) -> str:
     )
 
 
+def sizes_list(text: str, name: str) -> list[int]:
+    """`--name 64` or `--name 64,256,1024`: the sizes of a sweep, each at least 1."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise InvalidInputError(f"--{name}={text!r} must be a whole number or a comma-separated list of them, "
+                                f"e.g. --{name} 64,256") from None
+    check_sizes(**{name: min(sizes)})
+    return sizes
+
+
+def plot_sweep(results: list[dict], path: str) -> None:
+    """The Hydragen paper's figure: speed-up over SDPA vs batch, one line per prefix length (split eager, and split
+    in a CUDA graph dashed where measured); written with the Agg canvas."""
+    from matplotlib.figure import Figure
+
+    from prefixlab.sim.report import check_plot_path
+
+    path = check_plot_path(path)
+    figure = Figure(figsize=(6, 4), layout="constrained")
+    axes = figure.add_subplot()
+    for prefix in dict.fromkeys(r["prefix"] for r in results):
+        mine = sorted((r["batch"], r["split_speedup"], r["split_graph_speedup"]) for r in results
+                      if r["prefix"] == prefix)
+        line, = axes.plot([m[0] for m in mine], [m[1] for m in mine], marker="o", label=f"P={prefix}")
+        graphed = [(m[0], m[2]) for m in mine if m[2] is not None]
+        if graphed:
+            axes.plot(*zip(*graphed, strict=True), marker="s", linestyle="--", color=line.get_color(),
+                      label=f"P={prefix}, CUDA graph")
+    axes.axhline(1.0, color="gray", linewidth=0.8)
+    batches = sorted({r["batch"] for r in results})
+    axes.set(xscale="log", xlabel="batch (sequences sharing the prefix)", ylabel="speed-up over SDPA (x)")
+    axes.set_xticks(batches, [str(b) for b in batches])
+    axes.minorticks_off()
+    axes.legend()
+    figure.savefig(path)
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
@@ -150,20 +189,37 @@ def _run(args: argparse.Namespace) -> int:
     if args.e2e:
         from prefixlab.bench.hydragen_e2e import bench_e2e
 
+        if args.plot:
+            raise InvalidInputError("--plot draws the attention sweep (--batch / --prefix lists); drop it with --e2e")
+
         result = bench_e2e(args.model, args.completions, args.prompt, args.new_tokens, repeats=args.repeats,
                            device=args.device, dtype=args.dtype)
-    else:
-        result = bench_attention(args.batch, args.prefix, args.suffix, args.q_heads, args.kv_heads, args.head_dim,
-                                 args.queries, args.dtype, args.device, args.repeats, packed=not args.no_packed)
-    print(json.dumps(result) if args.json else _format(result))
+        print(json.dumps(result) if args.json else _format(result))
+        return 0
+    batches, prefixes = sizes_list(args.batch, "batch"), sizes_list(args.prefix, "prefix")
+    if args.plot:
+        from prefixlab.sim.report import check_plot_path
+
+        check_plot_path(args.plot)  # before the sweep's time is spent
+    results = []
+    for prefix in prefixes:
+        for batch in batches:
+            result = bench_attention(batch, prefix, args.suffix, args.q_heads, args.kv_heads, args.head_dim,
+                                     args.queries, args.dtype, args.device, args.repeats, packed=not args.no_packed)
+            print(json.dumps(result) if args.json else _format(result), flush=True)
+            results.append(result)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the next point's materialised KV may need all of it
+    if args.plot:
+        plot_sweep(results, args.plot)
     return 0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `bench hydragen`."""
     p = subparsers.add_parser("hydragen", help="Hydragen shared-prefix attention vs SDPA (and --e2e generate)")
-    p.add_argument("--batch", type=int, default=64, help="sequences sharing the prefix")
-    p.add_argument("--prefix", type=int, default=4096, help="shared prefix tokens")
+    p.add_argument("--batch", default="64", help="sequences sharing the prefix (a comma-separated list sweeps)")
+    p.add_argument("--prefix", default="4096", help="shared prefix tokens (a comma-separated list sweeps)")
     p.add_argument("--suffix", type=int, default=128, help="per-sequence tokens after the prefix")
     p.add_argument("--queries", type=int, default=1, help="query tokens per sequence (1 = decode)")
     p.add_argument("--q-heads", type=int, default=8)
@@ -180,5 +236,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--completions", type=int, default=64, help="--e2e: num_return_sequences")
     p.add_argument("--prompt", type=int, default=2048, help="--e2e: prompt tokens")
     p.add_argument("--new-tokens", type=int, default=32, help="--e2e: tokens generated per completion")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a line per point of a sweep)")
+    p.add_argument("--plot", help="write speed-up vs batch, a line per prefix, to this .png/.pdf/.svg")
     p.set_defaults(func=_run)
