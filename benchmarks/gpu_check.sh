@@ -13,9 +13,10 @@
 #   bench_hydragen capture_overhead_mamba hydragen_e2e_4b" with HYDRAGEN_BATCHES=1024 HYDRAGEN_FLAGS=--no-packed
 #   (239 s), then "fla_fp32_chunking" (its diagnostic hit a test-helper bug, since fixed). The next GPU session:
 #     STEPS="fla_fp32_chunking hydragen_sweep" CHUNKING_LIMIT=200 bash benchmarks/gpu_check.sh
-#   (carry .whl; timeout_s 400) to see whether fla alone moves those models' fp32 logits as much when a prompt is
-#   cut, and the Hydragen paper's sweep on cuDNN, then the fla tests (step tests_cuda_fla) with float32 now going to
-#   fla under TRITON_F32_DEFAULT=ieee.
+#   (carry .whl; timeout_s 400): fla's own fp32 logits when a prompt is cut, as installed and with its fused solve
+#   in IEEE (the three failures' cause, found afterwards on the CPU: fla 0.6 hard-codes TF32 there on sm80+ GPUs;
+#   tests/conftest.py now sets it to IEEE), and the Hydragen paper's sweep on cuDNN; then the fla tests
+#   (step tests_cuda_fla), which should now pass whole.
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -86,9 +87,9 @@ PYTHONPATH=$base step tests_fla_mamba ${FLA_TESTS_LIMIT:-300} sh -c "PYTHONPATH=
 PYTHONPATH=$base step fla_fp32_chunking ${CHUNKING_LIMIT:-200} sh -c "PYTHONPATH=/tmp/fla:$base \
     PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -v -n 12 --tb=short -rfs \
     tests/test_random_stream.py -k 'not (olmo_hybrid or qwen3_5_moe_text or qwen3_next)' \
-    >$OUT/tests_stream_fla.log 2>&1 & PYTHONPATH=/tmp/fla:$base python3 benchmarks/gpu_fla_fp32_chunking.py \
-    --out $OUT && python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --reference && \
-    python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --compare; wait; \
+    >$OUT/tests_stream_fla.log 2>&1 & python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --reference && \
+    for s in '' --ieee-solve; do PYTHONPATH=/tmp/fla:$base python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT \
+    \$s && python3 benchmarks/gpu_fla_fp32_chunking.py --out $OUT --compare; done; wait; \
     grep -E 'PASSED|FAILED|ERROR|passed|failed' $OUT/tests_stream_fla.log | tail -n 40"
 # 4b. mamba_ssm's Triton SSD kernels (never run on a GPU before session 26's code): prefixlab's mamba_ssm backend
 #     (one pass for a sequence, segments for a batch) and the Mamba2 families served with it (not Jamba: with the

@@ -3,11 +3,13 @@ GatedDeltaNet / KDA layers on fla's Triton kernels (IEEE fp32 dots), against a f
 
 A prefix cache resumes a prompt from a stored state: the model then runs the prompt in two forwards. Session 27's
 CUDA run with fla failed three random-stream cases by 1.1e-5, 2.7e-5 and 2.2e-3 (OLMo-hybrid, whose beta reaches 2)
-against the one-forward run. This separates what the kernels do on their own from what prefixlab does: no prefixlab
-code runs here. Two processes (fla changes transformers' kernels at import):
+against the one-forward run; on the CPU the cause showed (Triton's interpreter rounding TF32 as a GPU does): fla 0.6
+computes its fused triangular solve in TF32 on sm80+ GPUs whatever TRITON_F32_DEFAULT says. This measures it on a
+GPU without prefixlab code: fla as installed, and with `--ieee-solve` (tests/conftest.py's override). Two processes
+(fla changes transformers' kernels at import):
 
-    PYTHONPATH=<fla>:... python3 benchmarks/gpu_fla_fp32_chunking.py --out DIR             # fp32, fla
-    PYTHONPATH=...       python3 benchmarks/gpu_fla_fp32_chunking.py --out DIR --reference # float64, torch
+    PYTHONPATH=<fla>:... python3 benchmarks/gpu_fla_fp32_chunking.py --out DIR [--ieee-solve]  # fp32, fla
+    PYTHONPATH=...       python3 benchmarks/gpu_fla_fp32_chunking.py --out DIR --reference     # float64, torch
     python3 benchmarks/gpu_fla_fp32_chunking.py --out DIR --compare
 """
 
@@ -61,7 +63,7 @@ def compare(out: Path) -> None:
             print(json.dumps({"family": family, "missing": True}))
             continue
         one, exact = fla[family]["one"], ref[family]["one"]
-        row = {"family": family, "logit_max_abs": exact.abs().max().item(),
+        row = {"family": family, "fla_solve": fla.get("solve"), "logit_max_abs": exact.abs().max().item(),
                "one_vs_float64": (one - exact).abs().max().item()}
         for split in SPLITS:
             two = fla[family][f"split{split}"]
@@ -79,12 +81,17 @@ def main() -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reference", action="store_true", help="float64 without fla (run without fla on the path)")
     parser.add_argument("--compare", action="store_true")
+    parser.add_argument("--ieee-solve", action="store_true", help="fla's fused solve in IEEE fp32 (as the tests)")
     args = parser.parse_args()
     if args.compare:
         compare(args.out)
         return 0
     torch.backends.cuda.matmul.allow_tf32 = False
-    results = {}
+    if args.ieee_solve:
+        from cuda_packages import force_fla_ieee_solve
+
+        print(json.dumps({"ieee_solve": force_fla_ieee_solve()}), flush=True)
+    results = {"solve": "ieee" if args.ieee_solve else "as installed"}
     for family in FAMILIES:
         try:
             results[family] = logits(family, torch.float64 if args.reference else torch.float32)

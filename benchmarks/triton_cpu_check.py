@@ -47,6 +47,27 @@ def fla_checks() -> list[bool]:
     ]
 
 
+def fla_tf32_solve_check() -> bool:
+    """fla 0.6's fused triangular solve at its sm80+ setting (TF32, rounded by the edited interpreter as a GPU rounds
+    it) against its IEEE one, on beta in [0, 2] (OLMo-hybrid's negative eigenvalues): why fp32 never goes to fla,
+    and why tests/conftest.py sets the solve to IEEE. Also shows the interpreter's TF32 rounding is in place."""
+    import triton.language as tl
+    from fla.ops.gated_delta_rule import chunk_fwd
+
+    inputs = delta_rule_inputs(1, 128, 2, 2, 16, 16, seed=5)
+    inputs["beta"] = inputs["beta"] * 2
+    o_ref = gated_delta_rule(**inputs, use_qk_l2norm=True, backend="naive")[0]
+    errors = {}
+    for precision in ("tf32", "ieee"):
+        chunk_fwd.SOLVE_TRIL_DOT_PRECISION = tl.constexpr(precision)
+        o = chunk_gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], g=inputs["g"], beta=inputs["beta"],
+                                   scale=16**-0.5, use_qk_l2norm_in_kernel=True)[0]
+        errors[precision] = max_diff(o, o_ref)
+    chunk_fwd.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+    return check("fla fused solve: TF32 vs IEEE, beta up to 2", errors["ieee"] <= TOLERANCE < errors["tf32"],
+                 f"max |output - token loop| {errors['tf32']:.2e} in TF32, {errors['ieee']:.2e} in IEEE")
+
+
 def mamba_checks() -> list[bool]:
     results = []
     for batch, positions in ((1, (0, 11, 64, 77, 100, 200)), (1, (0, 5, 40, 45, 63, 64, 65, 96, 130, 131, 199, 200)),
@@ -87,4 +108,4 @@ def mamba_checks() -> list[bool]:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if all(fla_checks() + mamba_checks()) else 1)
+    sys.exit(0 if all(fla_checks() + [fla_tf32_solve_check()] + mamba_checks()) else 1)

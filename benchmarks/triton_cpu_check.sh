@@ -6,14 +6,17 @@
 # The packages go into a scratch directory on PYTHONPATH, never into .venv (on a CPU machine with fla installed,
 # transformers' hybrid models send CPU tensors to fla). Two edits to those scratch copies make the interpreter run
 # them: triton's interpreter turns a one-element array into a loop bound with int(array) (numpy refuses), and fla's
-# chunk_delta_h.py calls .to(tl.int64) on a loop index that the interpreter makes a Python int. mamba_ssm has no
+# chunk_delta_h.py calls .to(tl.int64) on a loop index that the interpreter makes a Python int. A third makes the
+# interpreter round fp32 operands to TF32 where a kernel asks for TF32, as a GPU does (triton_cpu_site/
+# interpreter_tf32.py): fla 0.6's fused triangular solve asks for it on sm80+ GPUs, whatever TRITON_F32_DEFAULT says. mamba_ssm has no
 # wheel (its PyPI tarball compiles CUDA extensions): its pure-Python package is used, with a stub for the extension
 # its package __init__ imports. The autotuners' timing runs are replaced by a constant (benchmarks/triton_cpu_site).
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 SCRATCH=${SCRATCH:-/tmp/prefixlab-triton-cpu}
 site=$SCRATCH/site mamba=$SCRATCH/mamba
-if [ ! -f "$SCRATCH/.ready" ]; then
+READY="triton-cpu-2"  # what the scratch directory holds; a change in the setup below rebuilds it
+if [ "$(cat "$SCRATCH/.ready" 2>/dev/null)" != "$READY" ]; then
     rm -rf "$SCRATCH" && mkdir -p "$site" "$mamba" "$SCRATCH/dl"
     $PY -m pip download --quiet --no-deps -d "$SCRATCH/dl" triton==3.6.0 fla-core==0.6.0 flash-linear-attention==0.6.0 \
         einops
@@ -35,14 +38,16 @@ EOF
     sed -i 's/lambda self: int(self.handle.data))/lambda self: int(self.handle.data.item()))/' \
         "$site/triton/runtime/interpreter.py"
     sed -i 's/= i_t.to(tl.int64)/= i_t/' "$site/fla/ops/common/chunk_delta_h.py"
-    cp benchmarks/triton_cpu_site/sitecustomize.py "$site/"
-    touch "$SCRATCH/.ready"
+    $PY benchmarks/triton_cpu_site/interpreter_tf32.py "$site/triton/runtime/interpreter.py"
+    cp benchmarks/triton_cpu_site/sitecustomize.py benchmarks/triton_cpu_site/sm80_fla.py "$site/"
+    echo "$READY" >"$SCRATCH/.ready"
 fi
 export TRITON_INTERPRET=1 TRITON_F32_DEFAULT=ieee
 PYTHONPATH=$site:$mamba $PY benchmarks/triton_cpu_check.py
 # transformers' own GatedDeltaNet layers on fla's kernels, prefixlab's torch kernels beside them (as in fp32 on a GPU;
 # mamba_ssm stays off this path: with its stub extension transformers' Jamba layers would fail, and its interpreted
-# kernels take minutes a case)
-PYTHONPATH=$site $PY -m pytest -q -p no:warnings -p no:cacheprovider tests/test_random_stream.py \
+# kernels take minutes a case), fla set up as on an sm80+ GPU (its fused solve in TF32, which the edited interpreter
+# rounds as a GPU does): tests/conftest.py's IEEE override has to hold for the fp32 comparisons to pass
+PYTHONPATH=$site $PY -m pytest -q -p no:warnings -p no:cacheprovider -p sm80_fla tests/test_random_stream.py \
     tests/test_recurrent_cuda.py tests/test_recurrent_cuda_mamba_ssm.py \
     tests/test_numerics.py -k "not bf16"

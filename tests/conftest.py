@@ -1,6 +1,8 @@
 import os
 
 import pytest
+import torch
+from cuda_packages import force_fla_ieee_solve
 
 from prefixlab.data import shared_file
 
@@ -9,6 +11,10 @@ from prefixlab.data import shared_file
 # same prompt is prefilled in other chunks (measured on an H200, session 24), so no 1e-5 comparison could hold.
 # IEEE fp32 dots make the reference an fp32 reference; an explicit TRITON_F32_DEFAULT is left as given.
 os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+# ... and fla's fused triangular solve hard-codes TF32 on sm80+ GPUs (tests/cuda_packages.py): IEEE there too,
+# wherever fla's kernels run (a GPU, or Triton's CPU interpreter in `make check-triton-cpu`)
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    force_fla_ieee_solve()
 
 
 def require_shared(relative: str):

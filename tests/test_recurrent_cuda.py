@@ -12,6 +12,7 @@ from cuda_packages import install_fake_module, max_diff, needs_cuda, needs_packa
 from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent import cuda, dispatch, gated_delta_rule
 from prefixlab.recurrent.cuda import run_in_segments
+from prefixlab.recurrent.delta_rule import fla_unsupported
 from prefixlab.recurrent.inputs import delta_rule_inputs, random_state
 
 
@@ -218,21 +219,22 @@ def test_fla_backend_decodes_one_token_over_a_cached_state():
     assert max_diff(captured[0], states[8]) == 0 and max_diff(captured[1], final) == 0
 
 
-def test_fp32_inputs_go_to_triton_packages_only_with_ieee_dots(monkeypatch):
-    """Triton computes fp32 dots in TF32 unless TRITON_F32_DEFAULT=ieee (then transformers' own fp32 layers run the
-    package in fp32 too, and the patched layers run what they run)."""
+def test_fp32_inputs_go_to_mamba_ssm_only_with_ieee_dots_and_never_to_fla(monkeypatch):
+    """Triton computes fp32 dots in TF32 unless TRITON_F32_DEFAULT=ieee; fla 0.6 also hard-codes TF32 for its fused
+    triangular solve on sm80+ GPUs (a module constant the setting does not reach), so fp32 never goes to fla."""
     monkeypatch.setattr(dispatch, "_installed", lambda package: True)
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     assert dispatch.triton_dtype_unsupported(torch.bfloat16) is None
-    for package in ("fla", "mamba_ssm"):
-        reason = dispatch.triton_dtype_unsupported(torch.float32)
-        assert dispatch.resolve_backend("auto", torch.device("cuda"), package, reason) == "torch"
-        with pytest.raises(InvalidInputError, match="TRITON_F32_DEFAULT=ieee.*TF32.*use backend='torch'"):
-            dispatch.resolve_backend(package, torch.device("cuda"), package, reason)
+    assert fla_unsupported(torch.bfloat16, False) is None
+    for reason in (dispatch.triton_dtype_unsupported(torch.float32), fla_unsupported(torch.float32, False)):
+        assert dispatch.resolve_backend("auto", torch.device("cuda"), "mamba_ssm", reason) == "torch"
+        with pytest.raises(InvalidInputError, match="TF32.*use backend='torch'"):
+            dispatch.resolve_backend("mamba_ssm", torch.device("cuda"), "mamba_ssm", reason)
     for precision in ("tf32", "tf32x3"):
         monkeypatch.setenv("TRITON_F32_DEFAULT", precision)
         assert dispatch.triton_dtype_unsupported(torch.float32) is not None
     monkeypatch.setenv("TRITON_F32_DEFAULT", "ieee")
     assert dispatch.triton_dtype_unsupported(torch.float32) is None
-    assert dispatch.resolve_backend("auto", torch.device("cuda"), "fla", None) == "fla"
+    assert dispatch.resolve_backend("auto", torch.device("cuda"), "mamba_ssm", None) == "mamba_ssm"
+    assert "triangular solve in TF32" in fla_unsupported(torch.float32, False)
     assert "float64" in dispatch.triton_dtype_unsupported(torch.float64)

@@ -126,9 +126,14 @@ def delta_rule_naive(
 
 
 def fla_unsupported(dtype: torch.dtype, per_channel_decay: bool) -> str | None:
-    """Why fla's chunk kernel cannot take these inputs (None: it can)."""
+    """Why fla's chunk kernel cannot take these inputs (None: it can). Never float32: besides Triton's TF32 default,
+    fla 0.6 computes its fused triangular solve in TF32 on sm80+ GPUs whatever TRITON_F32_DEFAULT says (a module
+    constant; OLMo-hybrid's logits moved by 2e-3 with it, benchmarks/RESULTS.md, GPU session 27)."""
     if per_channel_decay:
         return "takes one decay per head, not per key channel (KDA)"
+    if dtype == torch.float32:
+        return ("is used for float16 / bfloat16 inputs only (fla computes float32 dot products of its triangular "
+                "solve in TF32 on sm80+ GPUs)")
     return triton_dtype_unsupported(dtype)
 
 
