@@ -36,9 +36,10 @@ def resolve_backend(
 
 
 def triton_dtype_unsupported(dtype: torch.dtype) -> str | None:
-    """Why a CUDA package's Triton kernels (fla, mamba_ssm) should not take inputs of `dtype` (None: they can):
-    Triton runs float32 dot products at its default precision, TF32, not the float32 arithmetic asked for, unless
-    `TRITON_F32_DEFAULT=ieee` (then transformers' own fp32 layers run those kernels in float32 too)."""
+    """Why a CUDA package's Triton kernels should not take inputs of `dtype` (None: they can): Triton runs float32
+    dot products at its default precision, TF32, not the float32 arithmetic asked for, unless
+    `TRITON_F32_DEFAULT=ieee`. mamba_ssm's SSD kernels use that default; fla adds a rule of its own
+    (`delta_rule.fla_unsupported`: its fused triangular solve is TF32 on sm80+ GPUs whatever the setting)."""
     if dtype in (torch.float16, torch.bfloat16):
         return None
     if dtype == torch.float32 and os.environ.get("TRITON_F32_DEFAULT") == "ieee":
