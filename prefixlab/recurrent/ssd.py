@@ -22,7 +22,8 @@ States = dict[int, torch.Tensor]
 
 
 def ssd_backend(backend: str, device: torch.device, dtype: torch.dtype, tokens: int) -> str:
-    """The backend `ssd` runs for `tokens` inputs of `dtype` on `device` (mamba_ssm: CUDA, fp16 / bf16)."""
+    """The backend `ssd` runs for `tokens` inputs of `dtype` on `device` (mamba_ssm: CUDA, fp16 / bf16; fp32 under
+    TRITON_F32_DEFAULT=ieee)."""
     return resolve_backend(backend, device, "mamba_ssm", triton_dtype_unsupported(dtype), tokens=tokens)
 
 
