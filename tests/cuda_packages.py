@@ -42,8 +42,6 @@ def force_fla_ieee_solve() -> list[str]:
     Triton refuses a changed global afterwards). Returns the modules changed."""
     if importlib.util.find_spec("fla") is None:
         return []
-    import triton.language as tl
-
     changed = []
     for name in FLA_SOLVE_PRECISION_MODULES:
         try:
@@ -52,6 +50,6 @@ def force_fla_ieee_solve() -> list[str]:
             continue
         precision = getattr(module, "SOLVE_TRIL_DOT_PRECISION", None)
         if precision is not None and getattr(precision, "value", precision) != "ieee":
-            module.SOLVE_TRIL_DOT_PRECISION = tl.constexpr("ieee")
+            module.SOLVE_TRIL_DOT_PRECISION = type(precision)("ieee")  # triton.language.constexpr("ieee")
             changed.append(name)
     return changed

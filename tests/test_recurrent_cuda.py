@@ -7,7 +7,14 @@ import types
 
 import pytest
 import torch
-from cuda_packages import install_fake_module, max_diff, needs_cuda, needs_package
+from cuda_packages import (
+    FLA_SOLVE_PRECISION_MODULES,
+    force_fla_ieee_solve,
+    install_fake_module,
+    max_diff,
+    needs_cuda,
+    needs_package,
+)
 
 from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent import cuda, dispatch, gated_delta_rule
@@ -238,3 +245,23 @@ def test_fp32_inputs_go_to_mamba_ssm_only_with_ieee_dots_and_never_to_fla(monkey
     assert dispatch.resolve_backend("auto", torch.device("cuda"), "mamba_ssm", None) == "mamba_ssm"
     assert "triangular solve in TF32" in fla_unsupported(torch.float32, False)
     assert "float64" in dispatch.triton_dtype_unsupported(torch.float64)
+
+
+def test_force_fla_ieee_solve_sets_tf32_solve_constants_to_ieee(monkeypatch):
+    """fla as on an sm80+ GPU (its fused solve's precision constant at TF32, as fla 0.6 sets it there): the tests'
+    override makes it IEEE in both kernels that have it and leaves an IEEE one alone."""
+    import importlib.machinery
+
+    class Constexpr(str):  # stands in for triton.language.constexpr: a value, rebuilt from its type
+        @property
+        def value(self):
+            return str(self)
+
+    install_fake_module(monkeypatch, "fla.ops.gated_delta_rule.chunk_fwd", SOLVE_TRIL_DOT_PRECISION=Constexpr("tf32"))
+    install_fake_module(monkeypatch, "fla.ops.kda.chunk_intra", SOLVE_TRIL_DOT_PRECISION=Constexpr("ieee"))
+    sys.modules["fla"].__spec__ = importlib.machinery.ModuleSpec("fla", None)  # find_spec reads it
+    assert force_fla_ieee_solve() == ["fla.ops.gated_delta_rule.chunk_fwd"]
+    for name in FLA_SOLVE_PRECISION_MODULES:
+        precision = sys.modules[name].SOLVE_TRIL_DOT_PRECISION
+        assert isinstance(precision, Constexpr) and precision.value == "ieee"
+    assert force_fla_ieee_solve() == []
