@@ -66,6 +66,19 @@ def _matmul_accumulate(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.to(acc), b.to(acc))
 
 
+def fold_grouped_queries(
+    q: torch.Tensor, kv_heads: int, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """GQA without expanded KV: (N, Hq, M, D) queries -> (N, Hkv, G * M, D), a KV head's G query heads along its
+    query axis; a (N|1, 1, M, L) mask follows -> (N|1, 1, G * M, L)."""
+    n, heads, queries, dim = q.shape
+    group = heads // kv_heads
+    if mask is not None:
+        keys = mask.shape[-1]
+        mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, queries, keys).reshape(-1, 1, group * queries, keys)
+    return q.reshape(n, kv_heads, group * queries, dim), mask
+
+
 def attention_with_lse_matmul(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,12 +87,10 @@ def attention_with_lse_matmul(
     Memory-bound at decode over short suffixes, where fused kernels pad a handful of queries to a 64- or 128-row tile.
     """
     n, heads, queries, _ = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
-    group = heads // kv_heads
-    scores = _matmul_accumulate(q.reshape(n, kv_heads, group * queries, -1), k.transpose(-1, -2)) * scale
+    folded, mask = fold_grouped_queries(q, k.shape[1], mask)
+    scores = _matmul_accumulate(folded, k.transpose(-1, -2)) * scale
     if mask is not None:
-        mask = mask.unsqueeze(2).expand(mask.shape[0], 1, group, queries, keys)
-        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, group * queries, keys), float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows that see nothing: weight 0
     out = _matmul_accumulate(probs.to(v.dtype), v).to(q.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.attention.kernels import attention_with_lse, combine_partials, compiled_combine
+from prefixlab.attention.kernels import attention_with_lse, combine_partials, compiled_combine, fold_grouped_queries
 from prefixlab.attention.reference import causal_suffix_mask
 from prefixlab.attention.tree import TreePlan
 
@@ -41,12 +41,8 @@ def level_partial(q: torch.Tensor, level_keys: torch.Tensor, level_values: torch
 def suffix_partial(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float):
     """Attention of each sequence's queries (B, Hq, Tq, D) over its own suffix (B, Hkv, S, D); mask (B, Tq, S)."""
     batch, q_heads, queries, dim = q.shape
-    kv_heads = keys.shape[1]
-    group = q_heads // kv_heads
-    folded = q.reshape(batch, kv_heads, group * queries, dim)  # GQA: a KV head's query heads share its suffix
-    if mask is not None:
-        mask = mask[:, None, None].expand(batch, 1, group, queries, mask.shape[-1]).reshape(batch, 1, group * queries,
-                                                                                           -1)
+    # GQA: a KV head's query heads share its suffix
+    folded, mask = fold_grouped_queries(q, keys.shape[1], None if mask is None else mask[:, None])
     out, lse = attention_with_lse(folded, keys, values, mask, scale)
     return out.reshape(batch, q_heads, queries, dim), lse.reshape(batch, q_heads, queries)
 
