@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -211,8 +212,10 @@ def main() -> int:
                 rows[routing, order] = row if before is None or row["seconds"] < before["seconds"] else \
                     {**before, "outputs_identical": row["outputs_identical"], "in_input_order": row["in_input_order"]}
     del model
+    state.wait_for_everyone()  # every process is done with the folder's files
     if not state.is_main_process:
         return 0
+    shutil.rmtree(folder)
     by, rows = rows, list(rows.values())
     for row in rows:
         if args.baseline:
