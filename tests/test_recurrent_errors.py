@@ -1,5 +1,6 @@
 """Bad input to the kernels raises InvalidInputError naming the argument, and never touches the caller's tensors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,8 @@ DELTA_CASES = [
     ({"backend": "triton"}, "backend"),
     ({"backend": "fla"}, "backend"),  # CPU tensors never go to a CUDA package, installed or not
     ({"scale": "big"}, "scale"),
+    ({"scale": float("nan")}, "finite"),
+    ({"capture": (np.bool_(True),)}, "capture"),
 ]
 
 
@@ -87,3 +90,12 @@ def test_valid_calls_leave_inputs_unchanged():
             final.add_(1.0)
             states[0].add_(1.0)
         assert all(torch.equal(call[name], t) for name, t in before.items())
+
+
+def test_capture_takes_numpy_integers_as_ints():
+    """Positions computed with numpy (e.g. np.arange) are ints too; the states are keyed by Python ints."""
+    for fn, call in ((gated_delta_rule, delta_call()), (ssd, ssd_call())):
+        _, _, by_int = fn(**call, capture=(2, 5), backend="torch")
+        _, _, by_numpy = fn(**call, capture=tuple(np.arange(2, 6, 3)), backend="torch")
+        assert [type(p) for p in by_numpy] == [int, int]
+        assert all(torch.equal(by_int[p], by_numpy[p]) for p in (2, 5))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from numbers import Integral
 
+import numpy as np
 import torch
 
 from prefixlab.errors import InvalidInputError
@@ -62,7 +64,8 @@ def check_state(name: str, state: torch.Tensor | None, shape: Sequence[int], com
 
 
 def check_capture(capture: Iterable[int], length: int, name: str = "capture") -> tuple[int, ...]:
-    """Capture positions: sorted, distinct ints in [0, length] (p = state after the first p tokens)."""
+    """Capture positions: sorted, distinct ints in [0, length] (p = state after the first p tokens). Integers of
+    any kind (numpy's too) are taken and returned as Python ints."""
     require(
         not isinstance(capture, (str, bytes, torch.Tensor)) and hasattr(capture, "__iter__"),
         f"{name} must be a sequence of ints, got {type(capture).__name__}",
@@ -70,10 +73,11 @@ def check_capture(capture: Iterable[int], length: int, name: str = "capture") ->
     positions = tuple(capture)
     for p in positions:
         require(
-            isinstance(p, int) and not isinstance(p, bool),
+            isinstance(p, Integral) and not isinstance(p, bool | np.bool_),
             f"{name} must hold ints, got {p!r} ({type(p).__name__})",
         )
         require(0 <= p <= length, f"{name} position {p} is outside [0, {length}] for a call over {length} tokens")
+    positions = tuple(int(p) for p in positions)
     require(
         all(a < b for a, b in zip(positions, positions[1:], strict=False)),
         f"{name} must be sorted and distinct, got {list(positions)}",

@@ -7,6 +7,7 @@ Per token, with state S [K, V] (decay per head, or per key channel for KDA):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,8 @@ def gated_delta_rule(
     _checks.check_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     positions = _checks.check_capture(capture, length)
     _checks.check_chunk_size(chunk_size)
-    require(scale is None or isinstance(scale, (int, float)), f"scale must be a float or None, got {scale!r}")
+    require(scale is None or (isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale)),
+            f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
     backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), tokens=length)
 
     out_dtype = q.dtype
