@@ -154,3 +154,17 @@ def test_a_forward_that_died_unseen_is_refused_once_then_the_cache_serves_again(
     assert not cache.started and store.stats()["locked_matches"] == 0
     assert torch.equal(generate(model, prompt, cache), expected)
     store.close()
+
+
+def test_a_used_cache_over_a_closed_store_is_refused_not_run_on_its_old_states(model):
+    """Closing the store takes the hooks off the model: a cache that served a request must not then take another
+    forward (nothing would cut or check its tokens: they would run on the old request's states)."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 12, seed=8)
+    cache = HybridPrefixCache(store)
+    generate(model, prompt, cache)
+    store.close()
+    with pytest.raises(StoreClosedError, match="was closed.*Build a new PrefixStore"):
+        generate(model, prompt, cache)
+    with pytest.raises(StoreClosedError, match="was closed"):
+        model(input_ids=prompt, past_key_values=cache)

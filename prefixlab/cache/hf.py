@@ -149,7 +149,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
-        if not self._started and self.store is not None:
+        if self.store is not None:
             check_open(self.store)  # generate asks this first: a cache over a closed store fails before any forward
         return self._seen
 
@@ -158,7 +158,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
 
     # -- guard: only the store's model may write into this cache ----------------------------------------------------
     def _require_started(self) -> None:
-        if self._started:
+        if self._started:  # (its store closed: the hooks that cut and check the forward's tokens are gone)
+            check_open(self.store)
             return
         if self.store is None:
             raise InvalidInputError(
