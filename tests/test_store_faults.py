@@ -52,6 +52,16 @@ def test_a_bad_row_in_a_batch_raises_and_locks_nothing(model, bad_id):
     store.close()
 
 
+def test_float_token_ids_are_refused_before_anything_is_looked_up_or_admitted(model):
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    generate(model, tokens(1, 20, seed=1), HybridPrefixCache(store))  # held by the store, admitted at its next use
+    before = entries(store)
+    with pytest.raises(InvalidInputError, match="integer token ids.*long"):
+        generate(model, tokens(1, 20, seed=2).float(), HybridPrefixCache(store))
+    assert entries(store) == before and store.stats()["locked_matches"] == 0
+    store.close()
+
+
 class Interrupt:
     """A forward pre-hook on one layer raising KeyboardInterrupt on its `at`-th call."""
 
