@@ -172,12 +172,23 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             "PrefixStore for this model and a HybridPrefixCache over it"
         )
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def _require_driven(self) -> None:
+        """Layers write into the cache only inside a forward its store's hooks announced (`record`)."""
         self._require_started()
+        if not self._pending:
+            raise ModelMismatchError(
+                "a forward the store's hooks did not drive ran over this HybridPrefixCache (another model, or a "
+                f"submodule called directly); its store serves {type(self.store.model).__name__} "
+                f"({self.store.identity[:12]}). Give each model a HybridPrefixCache over its own PrefixStore and call "
+                "the model itself"
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._require_driven()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        self._require_started()
+        self._require_driven()
         return super().get_conv_state(layer_idx, state_idx)
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
