@@ -125,6 +125,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
+        self._generation = -1  # the store's generation at begin: a store cleared since gets nothing of this request
         self._admit_limit: float = float("inf")  # columns that may be admitted (multimodal.py: none past an image)
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
@@ -219,6 +220,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         self.store.check_weights()
+        self._generation = self.store.generation
         self._admit_limit = float("inf") if reusable is None else reusable
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, length), length - self._admit_limit)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
@@ -236,7 +238,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
         it. The last `logits_tokens` columns are always computed, columns past `reusable` neither looked up nor
         admitted (as in `begin`). Returns the leading columns now held."""
-        if not self._admit_rows or self._pending:
+        if not self._admit_rows or self._pending or self._generation != self.store.generation:
             return 0
         if reusable is not None:
             self._admit_limit = min(self._admit_limit, self._seen + reusable)
@@ -399,6 +401,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
         if not self._started or self._pending or not self._admit_rows:
+            return 0
+        if self._generation != self.store.generation:  # the store was cleared since: maybe other weights' tensors
+            if not self._committed:
+                self._report.admission = "not admitted (the store was cleared after the request began)"
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         end = min(self._seen if self._decode_start is None or not differed else self._decode_start, self._admit_limit)
