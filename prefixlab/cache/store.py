@@ -127,6 +127,11 @@ class PrefixStore:
         return self.model.device
 
     @property
+    def weights(self) -> tuple:
+        """The weights version (`weights_version`) the store's entries were computed with."""
+        return self._weights
+
+    @property
     def records_in_kernel(self) -> bool:
         """Whether the model's recurrent layers report states mid-forward (prefixlab.recurrent.patch)."""
         return bool(getattr(self.model, "prefixlab_patched", False))
