@@ -62,6 +62,19 @@ def test_float_token_ids_are_refused_before_anything_is_looked_up_or_admitted(mo
     store.close()
 
 
+def test_a_request_whose_first_forward_the_model_refuses_is_not_counted(model):
+    """position_ids of another length: the store refuses them as not plain (runs uncached), then the model raises;
+    before, stats() counted a refused_input sequence for a request that never ran."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 20, seed=3)
+    generate(model, prompt, HybridPrefixCache(store))
+    before = store.stats()
+    with pytest.raises(RuntimeError):
+        model(input_ids=prompt, position_ids=torch.arange(25)[None], past_key_values=HybridPrefixCache(store))
+    assert store.stats() == before
+    store.close()
+
+
 class Interrupt:
     """A forward pre-hook on one layer raising KeyboardInterrupt on its `at`-th call."""
 

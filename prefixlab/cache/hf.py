@@ -119,6 +119,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
         self._seen = 0  # tokens the cache tensors describe
         self._pending = 0  # tokens of the forward in flight
+        self._ran = False  # a forward of this request succeeded
         self._admit_rows: list[int] = []  # rows we may admit (all, unless the mask is not plain left padding)
         self._pads: list[int] = []  # per row: leading pad columns (left padding)
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
@@ -357,7 +358,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     def forward_done(self) -> None:
         """The forward in flight succeeded: its tokens are now held; capture the state at its end if planned."""
         self._seen += self._pending
-        self._pending = 0
+        self._pending, self._ran = 0, True
         self.prefixlab_capture_positions = None
         self.store.hold(self)  # admitted on the store's next use
         if self._seen in self._plan:
@@ -367,7 +368,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     @under_store_lock
     def forward_failed(self) -> None:
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
-        reusing this cache starts a new request. The store never saw a partial state."""
+        reusing this cache starts a new request. The store never saw a partial state, nor counts a request whose
+        first forward failed (bad input the model refused)."""
+        if not self._ran and not self.store.closed:
+            self.store.record_request([], replacing=self._report.rows)
         self._forget_request()
 
     def _forget_request(self) -> None:
