@@ -209,6 +209,17 @@ def test_cache_used_by_a_model_without_store_is_refused(model):
         generate(stranger, tokens(1, 8), HybridPrefixCache(new_store(model)))
 
 
+
+@pytest.mark.parametrize("stranger", ["qwen3_5", "llama"])
+def test_a_used_cache_passed_to_a_model_without_its_store_is_refused(model, stranger):
+    """A cache that served a request holds its tokens: another model's forward (no hooks of the cache's store) must
+    not run over them (generate would cut the prompt to what the cache claims to hold)."""
+    store = new_store(model)
+    cache = HybridPrefixCache(store)
+    generate(model, tokens(1, 8), cache)
+    with pytest.raises(ModelMismatchError, match="hooks did not drive"):
+        generate(build(stranger, seed=2), tokens(1, 8), cache)
+
 def test_bad_arguments_raise_clear_errors(model):
     with pytest.raises(InvalidInputError, match="PrefixStore"):
         HybridPrefixCache(object())

@@ -198,6 +198,21 @@ def test_a_split_direct_forward_returns_the_logits_of_every_token_it_ran(family)
     torch.testing.assert_close(kept, expected[:, 17:20], rtol=0, atol=TOLERANCE)
 
 
+def test_a_split_direct_forward_keeps_the_logits_a_tensor_of_indices_names():
+    """logits_to_keep as a tensor of column indices (transformers allows it) on a patch=False prefill split at a
+    planned capture: before, InvalidInputError after the request was looked up and counted in stats()."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    keep = torch.tensor([0, 3, 21])
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        got = model(input_ids=second, past_key_values=HybridPrefixCache(store), logits_to_keep=keep).logits  # split
+        expected = model(input_ids=second, logits_to_keep=keep).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
+
 def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
     model = build("qwen3_5")
     store = PrefixStore(model, capacity="64MB")

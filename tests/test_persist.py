@@ -186,6 +186,38 @@ def test_the_fingerprint_is_computed_once_per_store(saved, tmp_path, monkeypatch
     assert len(calls) == 1
 
 
+
+@pytest.mark.parametrize("saved_before", [False, True], ids=["first-save", "second-save"])
+def test_a_save_after_the_weights_changed_holds_only_the_new_weights_entries(tmp_path, saved_before):
+    """Weights that change under a store (an optimizer step) make its entries stale: a save must neither write them
+    under the new weights' fingerprint nor write new entries under the fingerprint of an earlier save."""
+    model = build(FAMILY)
+    store = PrefixStore(model, capacity="64MB", block_size=4)
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    generate(model, PROMPTS[0], store)
+    if saved_before:
+        store.save(tmp_path / "before.safetensors")
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1.05)
+    if saved_before:  # the next request notices, empties the store and admits the new weights' entry
+        with pytest.warns(RuntimeWarning, match="weights changed"):
+            generate(model, PROMPTS[0], store)
+        store.save(tmp_path / "s.safetensors")
+    else:
+        with pytest.warns(RuntimeWarning, match="weights changed"):
+            store.save(tmp_path / "s.safetensors")
+    store.close()
+    loaded = PrefixStore.load(tmp_path / "s.safetensors", model)
+    expected, _ = generate(model, PROMPTS[0])
+    out, reused = generate(model, PROMPTS[0], loaded)
+    assert torch.equal(out, expected) and reused == (29 if saved_before else 0)
+    loaded.close()
+    old = build(FAMILY)
+    old.load_state_dict(original)
+    with pytest.raises(ModelMismatchError, match="other weights"):
+        PrefixStore.load(tmp_path / "s.safetensors", old)
+
 def safetensors_header(path) -> tuple[int, dict]:
     """(where the data starts, the JSON header) of a safetensors file: 8 bytes of header length, then the header."""
     data = path.read_bytes()

@@ -169,6 +169,33 @@ def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offloa
     assert torch.equal(generate(cache), generate()) and cache.reused_tokens == 24  # the new weights' entries
 
 
+@pytest.mark.parametrize("clear", ["weights", "explicit"])
+def test_a_request_pending_when_the_store_was_cleared_is_never_admitted(clear):
+    """A request's cache is admitted at the store's next use: one that began before the weights changed (or before
+    store.clear()) must not be admitted after the clear, else its old-weights KV and states are reused."""
+    import recurrent_patch_models  # unit-scale weights: a stale state shows in the tokens
+
+    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    store = PrefixStore(model, capacity="64MB")
+    prompt = torch.randint(3, 60, (1, 25), generator=torch.Generator().manual_seed(0))
+
+    def generate(cache=None, ids=prompt):
+        extra = {} if cache is None else {"past_key_values": cache}
+        return model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra)
+
+    stale = HybridPrefixCache(store)
+    generate(stale)  # held, not admitted yet
+    for param in model.parameters():
+        param.data = param.data * 1.05
+    if clear == "explicit":
+        store.clear()
+    else:
+        with pytest.warns(RuntimeWarning, match="weights changed"):
+            generate(HybridPrefixCache(store), prompt.flip(1))
+    assert "not admitted" in str(stale.report())
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(cache), generate()) and cache.reused_tokens == 0
+
 def test_clear_empties_the_store_between_requests_only():
     model = build("llama")
     store = PrefixStore(model, capacity="64MB")

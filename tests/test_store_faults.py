@@ -52,6 +52,29 @@ def test_a_bad_row_in_a_batch_raises_and_locks_nothing(model, bad_id):
     store.close()
 
 
+def test_float_token_ids_are_refused_before_anything_is_looked_up_or_admitted(model):
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    generate(model, tokens(1, 20, seed=1), HybridPrefixCache(store))  # held by the store, admitted at its next use
+    before = entries(store)
+    with pytest.raises(InvalidInputError, match="integer token ids.*long"):
+        generate(model, tokens(1, 20, seed=2).float(), HybridPrefixCache(store))
+    assert entries(store) == before and store.stats()["locked_matches"] == 0
+    store.close()
+
+
+def test_a_request_whose_first_forward_the_model_refuses_is_not_counted(model):
+    """position_ids of another length: the store refuses them as not plain (runs uncached), then the model raises;
+    before, stats() counted a refused_input sequence for a request that never ran."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 20, seed=3)
+    generate(model, prompt, HybridPrefixCache(store))
+    before = store.stats()
+    with pytest.raises(RuntimeError):
+        model(input_ids=prompt, position_ids=torch.arange(25)[None], past_key_values=HybridPrefixCache(store))
+    assert store.stats() == before
+    store.close()
+
+
 class Interrupt:
     """A forward pre-hook on one layer raising KeyboardInterrupt on its `at`-th call."""
 
@@ -154,3 +177,17 @@ def test_a_forward_that_died_unseen_is_refused_once_then_the_cache_serves_again(
     assert not cache.started and store.stats()["locked_matches"] == 0
     assert torch.equal(generate(model, prompt, cache), expected)
     store.close()
+
+
+def test_a_used_cache_over_a_closed_store_is_refused_not_run_on_its_old_states(model):
+    """Closing the store takes the hooks off the model: a cache that served a request must not then take another
+    forward (nothing would cut or check its tokens: they would run on the old request's states)."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 12, seed=8)
+    cache = HybridPrefixCache(store)
+    generate(model, prompt, cache)
+    store.close()
+    with pytest.raises(StoreClosedError, match="was closed.*Build a new PrefixStore"):
+        generate(model, prompt, cache)
+    with pytest.raises(StoreClosedError, match="was closed"):
+        model(input_ids=prompt, past_key_values=cache)

@@ -119,12 +119,14 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         self._fed: list[torch.Tensor] = []  # [batch, t] token chunks fed so far, on CPU
         self._seen = 0  # tokens the cache tensors describe
         self._pending = 0  # tokens of the forward in flight
+        self._ran = False  # a forward of this request succeeded
         self._admit_rows: list[int] = []  # rows we may admit (all, unless the mask is not plain left padding)
         self._pads: list[int] = []  # per row: leading pad columns (left padding)
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
+        self._generation = -1  # the store's generation at begin: a store cleared since gets nothing of this request
         self._admit_limit: float = float("inf")  # columns that may be admitted (multimodal.py: none past an image)
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
@@ -149,7 +151,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens the cache already holds (every layer holds the same count, recurrent-only models included)."""
-        if not self._started and self.store is not None:
+        if self.store is not None:
             check_open(self.store)  # generate asks this first: a cache over a closed store fails before any forward
         return self._seen
 
@@ -158,7 +160,8 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
 
     # -- guard: only the store's model may write into this cache ----------------------------------------------------
     def _require_started(self) -> None:
-        if self._started:
+        if self._started:  # (its store closed: the hooks that cut and check the forward's tokens are gone)
+            check_open(self.store)
             return
         if self.store is None:
             raise InvalidInputError(
@@ -171,12 +174,23 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             "PrefixStore for this model and a HybridPrefixCache over it"
         )
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+    def _require_driven(self) -> None:
+        """Layers write into the cache only inside a forward its store's hooks announced (`record`)."""
         self._require_started()
+        if not self._pending:
+            raise ModelMismatchError(
+                "a forward the store's hooks did not drive ran over this HybridPrefixCache (another model, or a "
+                f"submodule called directly); its store serves {type(self.store.model).__name__} "
+                f"({self.store.identity[:12]}). Give each model a HybridPrefixCache over its own PrefixStore and call "
+                "the model itself"
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self._require_driven()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
-        self._require_started()
+        self._require_driven()
         return super().get_conv_state(layer_idx, state_idx)
 
     # -- driven by the store's forward hooks ------------------------------------------------------------------------
@@ -207,6 +221,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
             return 0
         self._admit_rows, self._pads = list(range(batch)), pads
         self.store.check_weights()
+        self._generation = self.store.generation
         self._admit_limit = float("inf") if reusable is None else reusable
         tail = max(self.store.min_prefill_tokens, min(logits_tokens, length), length - self._admit_limit)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
@@ -224,7 +239,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
         it. The last `logits_tokens` columns are always computed, columns past `reusable` neither looked up nor
         admitted (as in `begin`). Returns the leading columns now held."""
-        if not self._admit_rows or self._pending:
+        if not self._admit_rows or self._pending or self._generation != self.store.generation:
             return 0
         if reusable is not None:
             self._admit_limit = min(self._admit_limit, self._seen + reusable)
@@ -343,7 +358,7 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     def forward_done(self) -> None:
         """The forward in flight succeeded: its tokens are now held; capture the state at its end if planned."""
         self._seen += self._pending
-        self._pending = 0
+        self._pending, self._ran = 0, True
         self.prefixlab_capture_positions = None
         self.store.hold(self)  # admitted on the store's next use
         if self._seen in self._plan:
@@ -353,7 +368,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
     @under_store_lock
     def forward_failed(self) -> None:
         """A forward raised: some layers advanced and others not, so nothing here is trustworthy. Forget it all;
-        reusing this cache starts a new request. The store never saw a partial state."""
+        reusing this cache starts a new request. The store never saw a partial state, nor counts a request whose
+        first forward failed (bad input the model refused)."""
+        if not self._ran and not self.store.closed:
+            self.store.record_request([], replacing=self._report.rows)
         self._forget_request()
 
     def _forget_request(self) -> None:
@@ -387,6 +405,10 @@ class HybridPrefixCache(TensorEdits, DynamicCache, ModelDrivenCache):
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
         if not self._started or self._pending or not self._admit_rows:
+            return 0
+        if self._generation != self.store.generation:  # the store was cleared since: maybe other weights' tensors
+            if not self._committed:
+                self._report.admission = "not admitted (the store was cleared after the request began)"
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         end = min(self._seen if self._decode_start is None or not differed else self._decode_start, self._admit_limit)

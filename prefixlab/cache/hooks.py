@@ -295,8 +295,6 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
     collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
-    if collect and not isinstance(keep, int):
-        raise InvalidInputError("with HybridPrefixCache(store) on patch=False, logits_to_keep must be an int")
     logits = []
     for stop in splits:
         # unkeyed: splits come before any placeholder (the cache plans none past it): plain text, run without media
@@ -315,11 +313,14 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
 
 
 def _join_logits(output, segments: tuple):
-    """The output of a split prefill with the logits of every segment, cut to the caller's logits_to_keep."""
+    """The output of a split prefill with the logits of every segment, cut to the caller's logits_to_keep (indices:
+    of the forward's columns, all run: `_logits_tokens`)."""
     logits, keep = segments
     if getattr(output, "logits", None) is not None:
         joined = torch.cat([*logits, output.logits], dim=-2)
-        output.logits = joined[..., -keep:, :] if keep else joined
+        if not isinstance(keep, int):
+            joined = joined[..., keep.to(joined.device), :]
+        output.logits = joined[..., -keep:, :] if isinstance(keep, int) and keep else joined
     return output
 
 

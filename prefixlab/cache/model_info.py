@@ -111,7 +111,13 @@ def weights_version(model: torch.nn.Module) -> tuple:
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
-    """InvalidInputError naming the first row with a token id outside the model's embedding table."""
+    """InvalidInputError if `ids` are not integers, or naming the first row with a token id outside the model's
+    embedding table."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise InvalidInputError(
+            f"input_ids must hold integer token ids, got dtype {ids.dtype}; pass e.g. input_ids.long(): nothing was "
+            "looked up or admitted"
+        )
     try:
         vocab = model.get_input_embeddings().num_embeddings
     except (AttributeError, NotImplementedError):

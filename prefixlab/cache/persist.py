@@ -56,7 +56,8 @@ if TYPE_CHECKING:
 FORMAT = 2
 HEADER_KEY, HEADER_DIGEST_KEY = "prefixlab", "prefixlab.blake2b"
 TIERS = ("host", "device")  # load order: device entries are admitted last, so they win a tight device budget
-_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # store -> weights fingerprint of its model
+# store -> (the weights version it was computed at, the weights fingerprint of its model)
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def digest(data) -> str:
@@ -92,10 +93,11 @@ def weights_fingerprint(model: torch.nn.Module) -> dict[str, str]:
 
 
 def store_fingerprint(store: PrefixStore) -> dict[str, str]:
-    """The weights fingerprint of the store's model, computed once per store."""
-    fingerprint = _fingerprints.get(store)
-    if fingerprint is None:
-        fingerprint = _fingerprints[store] = weights_fingerprint(store.model)
+    """The weights fingerprint of the store's model, computed once per store and weights version."""
+    version, fingerprint = _fingerprints.get(store, (None, None))
+    if fingerprint is None or version != store.weights:
+        fingerprint = weights_fingerprint(store.model)
+        _fingerprints[store] = store.weights, fingerprint
     return fingerprint
 
 
@@ -105,6 +107,7 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
     path = Path(path)
     if not path.parent.is_dir() or path.is_dir():
         raise InvalidInputError(f"path={str(path)!r} must be a file path in an existing directory")
+    store.check_weights()  # entries of weights changed since are dropped, not saved as the new weights'
     store.flush()
     tensors: dict[str, torch.Tensor] = {}
     tiers = {tier: _tier_to_flat(core, tier, tensors)
@@ -171,7 +174,7 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
         saved["offload_capacity"] = header["offload_capacity_bytes"]
     store = cls(model, **(saved | options))
     try:
-        _fingerprints[store] = fingerprint
+        _fingerprints[store] = store.weights, fingerprint
         with store.lock:  # the new store may already be the model's default: other threads wait for the entries
             dropped = _admit(store, entries)
     except BaseException as err:

@@ -105,6 +105,7 @@ class PrefixStore:
         self._weights = weights_version(model)  # what the entries were computed with (clear)
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, object] = {}
+        self.generation = 0  # bumped by clear(): caches that began before it admit nothing (HybridPrefixCache.commit)
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
                           "offload_hits": 0, "decoded_tokens_left_out": 0}
         self._reasons = dict.fromkeys(REASONS, 0)
@@ -124,6 +125,11 @@ class PrefixStore:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def weights(self) -> tuple:
+        """The weights version (`weights_version`) the store's entries were computed with."""
+        return self._weights
 
     @property
     def records_in_kernel(self) -> bool:
@@ -171,6 +177,7 @@ class PrefixStore:
             raise InvalidInputError("PrefixStore.clear() while a request holds cached entries; call it between "
                                     "requests")
         self._open, self._host_matches = {}, set()
+        self.generation += 1
         self._build_tiers()
         self._weights = weights_version(self.model)
 
