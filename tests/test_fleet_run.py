@@ -15,6 +15,7 @@ from hf_models import config as tiny_config
 
 import prefixlab.fleet.serve
 from prefixlab.cli import main
+from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import outputs, serve
 from prefixlab.fleet.launch import TEST_EXIT_AFTER
 from prefixlab.fleet.prompts import read_prompts
@@ -341,3 +342,11 @@ def test_the_first_token_clock_waits_for_the_gpu_before_reading_the_time(monkeyp
     clock = FirstTokenClock()
     assert clock(None, scores) is scores and clock(None, scores) is scores
     assert events == [("sync", "cuda:0"), ("clock", None)]  # once, before the clock; later steps untouched
+
+
+def test_a_token_id_beyond_64_bits_is_a_bad_line(tmp_path):
+    bad = tmp_path / "huge.jsonl"
+    bad.write_text('{"id": 1, "input_ids": [5, 99999999999999999999999]}\n{"id": 2, "input_ids": [5, 6]}\n')
+    with pytest.raises(InvalidInputError, match=rf"{bad}:1: 'input_ids' must be a list of token ids"):
+        read_prompts(bad, vocab_size=128)
+    assert [p.id for p in read_prompts(bad, on_error="skip")] == [2]
