@@ -350,3 +350,11 @@ def test_a_token_id_beyond_64_bits_is_a_bad_line(tmp_path):
     with pytest.raises(InvalidInputError, match=rf"{bad}:1: 'input_ids' must be a list of token ids"):
         read_prompts(bad, vocab_size=128)
     assert [p.id for p in read_prompts(bad, on_error="skip")] == [2]
+
+
+def test_an_output_record_whose_id_is_not_a_prompt_id_is_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    for record in ('{"id": [1]}', '{"id": {"a": 1}}', '{"id": null}', '{"id": true}'):
+        out.write_text(record + "\n")
+        with pytest.raises(InvalidInputError, match="not a prefixlab run output"):
+            outputs.finished(out)

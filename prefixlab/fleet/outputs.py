@@ -38,8 +38,9 @@ def _records(path: Path) -> Iterable[dict]:
                     raise InvalidInputError(f"{path}:{number} is not a JSON line; it is not a prefixlab run output "
                                             "(move it away or pass another --out)") from None
                 continue  # a last line cut short by a process that died while writing it: redone
-            if not isinstance(record, dict) or "id" not in record:
-                raise InvalidInputError(f"{path}:{number} has no 'id'; it is not a prefixlab run output "
+            prompt_id = record.get("id") if isinstance(record, dict) else None
+            if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int):
+                raise InvalidInputError(f"{path}:{number} has no string or int 'id'; it is not a prefixlab run output "
                                         "(move it away or pass another --out)")
             yield record
 
