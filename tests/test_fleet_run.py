@@ -358,3 +358,18 @@ def test_an_output_record_whose_id_is_not_a_prompt_id_is_refused(tmp_path):
         out.write_text(record + "\n")
         with pytest.raises(InvalidInputError, match="not a prefixlab run output"):
             outputs.finished(out)
+
+
+def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, files, tmp_path):
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join((files / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
+    args = ["run", prompts, "--model", files / "config.json", "--max-new-tokens", "1", "--out"]
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("")
+    link.symlink_to(target)
+    assert main([*args, link]) == 0
+    assert link.is_symlink() and len(read_out(target)) == 2  # the target holds the results, the link stays a link
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)
+    assert main([*args, pipe]) == 2
+    assert "not a regular file" in capsys.readouterr().err and pipe.is_fifo()
