@@ -373,3 +373,9 @@ def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, 
     os.mkfifo(pipe)
     assert main([*args, pipe]) == 2
     assert "not a regular file" in capsys.readouterr().err and pipe.is_fifo()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
+def test_an_out_that_cannot_be_written_is_a_clear_error(capsys, files):
+    assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", "/proc/out.jsonl"]) == 2
+    assert "cannot write" in capsys.readouterr().err

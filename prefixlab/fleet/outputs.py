@@ -90,7 +90,11 @@ def claim(out: Path) -> None:
         import fcntl
     except ImportError:
         return
-    handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
+    try:
+        handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
+    except OSError as err:
+        raise InvalidInputError(f"cannot write next to {out} ({err.strerror}); pass an --out in a folder you can "
+                                "write to") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
