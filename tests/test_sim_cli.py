@@ -153,6 +153,7 @@ def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
         (["--capacity-gb", "nan"], "must be a finite number > 0"),
         (["--capacity-gb", "inf"], "must be a finite number > 0"),
         (["--capacity-gb", "1e-12"], "below one byte"),
+        (["--capacity-gb", "1e300"], "too large to count in bytes"),
         (["--model", "gpt-9"], "gpt-9"),
         (["--model", "/nonexistent/config.json"], "no such config file"),
         (["--on-error", "ignore"], "--on-error 'ignore': use one of stop, skip"),

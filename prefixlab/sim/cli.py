@@ -52,6 +52,9 @@ def parse_capacities_gb(text: str) -> list[float]:
     """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"."""
     capacities = [parse_number(part.strip(), "--capacity-gb") for part in text.split(",")]
     for capacity_gb in capacities:
+        if not math.isfinite(capacity_gb * report.BYTES_PER_GB):
+            raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is too large to count in bytes; pass sizes in GB, "
+                                    "e.g. 1,2,5")
         if report.gb_to_bytes(capacity_gb) < 1:
             raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is below one byte; pass sizes in GB, e.g. 1,2,5")
     return capacities
