@@ -1,8 +1,10 @@
 """`prefixlab trace build`, end to end through prefixlab.cli.main."""
 
 import json
+import os
 
 import numpy as np
+import pytest
 from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
 
 from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
@@ -75,3 +77,8 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
     assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
+def test_trace_build_to_a_place_that_cannot_be_written(capsys):
+    assert_one_line_error(capsys, "trace", "build", "builtin", "-o", "/proc/trace.jsonl", match="cannot write")

@@ -251,7 +251,11 @@ def run_trace_build(args: argparse.Namespace) -> int:
             path_prefix=args.path_prefix,
             on_error=check_on_error(args.on_error),
         )
-    formats.write_trace(args.output, requests)
+    try:
+        formats.write_trace(args.output, requests)
+    except OSError as err:
+        raise InvalidInputError(f"-o {args.output!r}: cannot write it ({err.strerror}); pass a path you can write "
+                                "to") from None
     input_tokens = sum(len(r.input_tokens) for r in requests)
     print(f"wrote {len(requests)} requests ({input_tokens} input tokens) to {args.output}", file=sys.stderr)
     return 0
