@@ -1,6 +1,7 @@
 """`prefixlab simulate`, end to end through prefixlab.cli.main (`trace build`: test_trace_cli.py)."""
 
 import json
+import os
 
 import pytest
 from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
@@ -116,6 +117,13 @@ def test_simulate_plot(capsys, tmp_path, stand_in_replay):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "no" / "x.png", match="does not exist")
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "x.txt", match=".png")
+    (tmp_path / "folder.png").mkdir()
+    assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "folder.png", match="is a folder")
+    assert len(stand_in_replay) == 6  # refused before any replay
+    if os.path.isdir("/proc"):  # Linux: no file can be created there (as root too)
+        code, _, err = run(capsys, "simulate", "builtin", "--policy", "vllm+", "--capacity-gb", "1", "--plot",
+                           "/proc/hits.png")
+        assert code == 2 and err.startswith("prefixlab: error: --plot '/proc/hits.png': cannot write"), err
 
 
 def test_simulate_reads_trace_files_and_skips_bad_lines(capsys, tmp_path, stand_in_replay):
