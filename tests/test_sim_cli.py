@@ -136,6 +136,10 @@ def test_simulate_reads_trace_files_and_skips_bad_lines(capsys, tmp_path, stand_
     with pytest.warns(UserWarning, match="t.jsonl:"):
         code, _, _ = run(capsys, "simulate", path, "--policy", "marconi", "--capacity-gb", "1", "--on-error", "skip")
     assert code == 0 and stand_in_replay[-1][0] == len(good)
+    path.write_text('{"session_id": "x", "turn_id": 0, "ts": NaN, "input_tokens": [1]}\n')  # no line left
+    with pytest.warns(UserWarning, match="t.jsonl:1"):
+        assert_one_line_error(capsys, "simulate", path, "--on-error", "skip", match="no request left")
+    assert stand_in_replay[-1][0] == len(good)  # nothing replayed
 
 
 def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):

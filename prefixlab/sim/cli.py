@@ -104,7 +104,10 @@ def load_spec(model: str) -> ModelSpec:
 def load_requests(trace: str, on_error: str) -> list[Request]:
     """The requests of a trace file, or of the builtin synthetic trace for "builtin"."""
     check_on_error(on_error)
-    return build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
+    requests = build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
+    if not requests:
+        raise InvalidInputError(f"{trace}: no request left to replay (every line was skipped); fix the trace")
+    return requests
 
 
 def parse_replicas(text: str) -> list[int]:
