@@ -82,3 +82,12 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
 def test_trace_build_to_a_place_that_cannot_be_written(capsys):
     assert_one_line_error(capsys, "trace", "build", "builtin", "-o", "/proc/trace.jsonl", match="cannot write")
+
+
+def test_trace_build_mix_of_nothing_writes_no_file(capsys, tmp_path):
+    bad, out = tmp_path / "bad.jsonl", tmp_path / "mix.jsonl"
+    bad.write_text('{"session_id": "x", "turn_id": 0, "ts": NaN, "input_tokens": [1]}\n')
+    with pytest.warns(UserWarning, match="bad.jsonl:1"):
+        assert_one_line_error(capsys, "trace", "build", "mix", bad, "--on-error", "skip", "-o", out,
+                              match="no request")
+    assert not out.exists()

@@ -254,6 +254,8 @@ def run_trace_build(args: argparse.Namespace) -> int:
             path_prefix=args.path_prefix,
             on_error=check_on_error(args.on_error),
         )
+    if not requests:
+        raise InvalidInputError(f"trace build {args.kind}: no request to write (every input line was skipped)")
     try:
         formats.write_trace(args.output, requests)
     except OSError as err:
