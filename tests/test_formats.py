@@ -143,6 +143,7 @@ def test_marconi_malformed_line_names_file_and_line(tmp_path, bad_row, reason):
         (mooncake_row(0, 10, [True]), "hash_ids must be integers"),
         (mooncake_row(0, 10, [-1]), "hash_ids must be integers"),
         ({**mooncake_row(0, 10, [1]), "output_length": 1.5}, "output_length must be a non-negative integer"),
+        ({**mooncake_row(0, 10, [1]), "output_length": 10**13}, r"output_length must be below 2\*\*32"),
         ({k: v for k, v in mooncake_row(0, 10, [1]).items() if k != "timestamp"}, "missing field 'timestamp'"),
     ],
 )

@@ -155,6 +155,8 @@ class MooncakeParser:
         index, self.num_seen = self.num_seen, self.num_seen + 1
         input_length = _non_negative_int(obj, "input_length")
         output_length = _non_negative_int(obj, "output_length")
+        if output_length >= 1 << 32:  # output token j of a request is keyed j < 2**32 (_OUTPUT_KEY_STRIDE)
+            raise LineError(f"output_length must be below 2**32 tokens, got {output_length}")
         timestamp_ms = _finite_number(obj, "timestamp")
         hash_ids = _field(obj, "hash_ids", (list,), "a list of block hash ids")
         num_blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
