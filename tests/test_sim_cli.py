@@ -256,6 +256,8 @@ def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
     for fleet_option in (["--routing", "random"], ["--single-cache"], ["--balance-eps", "0.3"]):  # need --replicas
         assert_one_line_error(capsys, "simulate", "builtin", *fleet_option, match="add --replicas N")
     assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "0", match="--replicas")
+    # more replicas than requests: refused before any cache is built (--replicas 10000000000 took all memory)
+    assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "2,1000", match="more than the trace's")
 
 
 @pytest.mark.parametrize("fleet", [(), ("--replicas", "2", "--single-cache")])

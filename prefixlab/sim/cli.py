@@ -186,6 +186,9 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     if args.plot:
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
+    if max(replica_counts) > len(requests):
+        raise InvalidInputError(f"--replicas {max(replica_counts)} is more than the trace's {len(requests)} requests: "
+                                f"at most {len(requests)} replicas can each serve one")
     note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
     bound = ceiling(requests, spec)
     runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))
