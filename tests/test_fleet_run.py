@@ -236,7 +236,8 @@ def launch(files, out, *launch_options, env: dict | None = None, run_options=())
                "run", files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json",
                *run_options]
     env = {**{key: value for key, value in os.environ.items() if key != TEST_EXIT_AFTER},
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "TMPDIR": str(out.parent), **(env or {})}  # torchrun's log folder (torchelastic_*) is never removed
     done = subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=300, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     return done, (json.loads(lines[-1]) if lines else None)
@@ -254,6 +255,7 @@ def test_two_launched_processes(files, reference, tmp_path):
     records = read_out(out)
     assert [(r["id"], r["output_ids"]) for r in records] == list(reference.items())
     assert {r["process"] for r in records} == {0, 1} and not list(tmp_path.glob("out.jsonl.part*"))
+    assert list(tmp_path.glob("torchelastic_*"))  # the launcher's leftover log folder went to tmp_path, not /tmp
 
 
 @needs_accelerate
