@@ -124,6 +124,7 @@ def test_mooncake_partial_last_block_is_prefix_of_full_block(tmp_path):
         (marconi_row(turn_id=-1), "turn_id must be a non-negative integer"),
         (marconi_row(ts="soon"), "ts must be a number"),
         ({**marconi_row(), "ts": float("nan")}, "ts must be finite"),
+        ({**marconi_row(), "ts": 10**400}, "ts must be finite"),  # an int beyond float: OverflowError
         (marconi_row(session_id=None), "session_id must be a string or integer"),
     ],
 )
@@ -144,6 +145,7 @@ def test_marconi_malformed_line_names_file_and_line(tmp_path, bad_row, reason):
         (mooncake_row(0, 10, [-1]), "hash_ids must be integers"),
         ({**mooncake_row(0, 10, [1]), "output_length": 1.5}, "output_length must be a non-negative integer"),
         ({**mooncake_row(0, 10, [1]), "output_length": 10**13}, r"output_length must be below 2\*\*32"),
+        ({**mooncake_row(0, 10, [1]), "timestamp": -10**400}, "timestamp must be finite"),
         ({k: v for k, v in mooncake_row(0, 10, [1]).items() if k != "timestamp"}, "missing field 'timestamp'"),
     ],
 )

@@ -126,7 +126,11 @@ def _non_negative_int(obj: Any, name: str) -> int:
 
 
 def _finite_number(obj: Any, name: str) -> float:
-    value = float(_field(obj, name, (int, float), "a number"))
+    value = _field(obj, name, (int, float), "a number")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise LineError(f"{name} must be finite, got an integer beyond the range of floats") from None
     if not math.isfinite(value):
         raise LineError(f"{name} must be finite, got {value}")
     return value
