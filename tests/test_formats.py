@@ -120,6 +120,7 @@ def test_mooncake_partial_last_block_is_prefix_of_full_block(tmp_path):
         (marconi_row(outputs=[[1], [2]]), "output_tokens must be a flat list"),
         (marconi_row(inputs=[1, -4]), "out of range"),
         (marconi_row(inputs=[1, 2**70]), "out of range"),  # numpy holds it as an object, not a non-int
+        (marconi_row(inputs=[1, None]), "input_tokens must be a flat list of integer token ids, found None"),
         ({**marconi_row(), "input_tokens": "1 2 3"}, "input_tokens must be a list of token ids"),
         (marconi_row(turn_id=-1), "turn_id must be a non-negative integer"),
         (marconi_row(ts="soon"), "ts must be a number"),

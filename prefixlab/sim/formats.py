@@ -98,8 +98,9 @@ def token_array(values: Any, field: str) -> np.ndarray:
     except (ValueError, OverflowError) as err:
         raise LineError(f"{field} must be a flat list of integer token ids ({err})") from None
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
-        if not_int is not None:  # else integers numpy holds as objects: beyond 64 bits
+        all_ints = object()  # the default of next(): None is a value a list can hold
+        not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), all_ints)
+        if not_int is not all_ints:  # else integers numpy holds as objects: beyond 64 bits
             raise LineError(f"{field} must be a flat list of integer token ids, found {not_int!r}")
     if array.dtype.kind not in "iu" or array.min() < 0 or (array.dtype.kind == "u" and
                                                             array.max() > np.iinfo(np.int64).max):
