@@ -190,6 +190,8 @@ def test_write_trace_converts_everything_before_writing(tmp_path):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3)), "not a request"])
     with pytest.raises(InvalidInputError, match=r"requests\[0\]\.output_tokens must be a 1-D integer array"):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3), np.array([0.5]))])
+    with pytest.raises(InvalidInputError, match=r"requests\[1\]\.ts=inf is not a finite"):  # JSON has no Infinity
+        write_trace(path, [Request("a", 0, 0.0, np.arange(3)), Request("a", 1, float("inf"), np.arange(3))])
     assert path.read_text() == "previous contents\n"
 
 

@@ -237,6 +237,9 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
     for index, request in enumerate(requests):
         if not isinstance(request, Request):
             raise InvalidInputError(f"requests[{index}] is a {type(request).__name__}; write_trace takes Requests")
+        if not math.isfinite(request.ts):
+            raise InvalidInputError(f"requests[{index}].ts={request.ts} is not a finite arrival time (seconds); JSON "
+                                    "has no NaN or Infinity and read_trace refuses them")
         for name in ("input_tokens", "output_tokens"):
             tokens = np.asarray(getattr(request, name))
             if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):
