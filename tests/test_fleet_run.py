@@ -381,3 +381,12 @@ def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, 
 def test_an_out_that_cannot_be_written_is_a_clear_error(capsys, files):
     assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", "/proc/out.jsonl"]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_an_output_file_that_is_not_utf8_is_refused_and_a_bom_is_read(tmp_path):
+    out = tmp_path / "out.jsonl"
+    out.write_bytes(b'\xff\xfe{"id": 1}\n')
+    with pytest.raises(InvalidInputError, match="not a prefixlab run output"):
+        outputs.finished(out)
+    out.write_bytes(b'\xef\xbb\xbf{"id": 1, "output_ids": [8]}\n{"id": 2, "output_ids": [9]}\n')  # saved by an editor
+    assert list(outputs.finished(out)) == [1, 2]

@@ -27,14 +27,14 @@ def part_files(out: Path) -> list[Path]:
 
 
 def _records(path: Path) -> Iterable[dict]:
-    with open(path, encoding="utf-8") as lines:
+    with open(path, "rb") as lines:  # bytes: json.loads decodes them (a BOM too), so bad UTF-8 is a bad line
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
+            except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+                if line.endswith(b"\n"):
                     raise InvalidInputError(f"{path}:{number} is not a JSON line; it is not a prefixlab run output "
                                             "(move it away or pass another --out)") from None
                 continue  # a last line cut short by a process that died while writing it: redone
