@@ -120,10 +120,12 @@ def test_mooncake_partial_last_block_is_prefix_of_full_block(tmp_path):
         (marconi_row(outputs=[[1], [2]]), "output_tokens must be a flat list"),
         (marconi_row(inputs=[1, -4]), "out of range"),
         (marconi_row(inputs=[1, 2**70]), "out of range"),  # numpy holds it as an object, not a non-int
+        (marconi_row(inputs=[1, None]), "input_tokens must be a flat list of integer token ids, found None"),
         ({**marconi_row(), "input_tokens": "1 2 3"}, "input_tokens must be a list of token ids"),
         (marconi_row(turn_id=-1), "turn_id must be a non-negative integer"),
         (marconi_row(ts="soon"), "ts must be a number"),
         ({**marconi_row(), "ts": float("nan")}, "ts must be finite"),
+        ({**marconi_row(), "ts": 10**400}, "ts must be finite"),  # an int beyond float: OverflowError
         (marconi_row(session_id=None), "session_id must be a string or integer"),
     ],
 )
@@ -143,6 +145,8 @@ def test_marconi_malformed_line_names_file_and_line(tmp_path, bad_row, reason):
         (mooncake_row(0, 10, [True]), "hash_ids must be integers"),
         (mooncake_row(0, 10, [-1]), "hash_ids must be integers"),
         ({**mooncake_row(0, 10, [1]), "output_length": 1.5}, "output_length must be a non-negative integer"),
+        ({**mooncake_row(0, 10, [1]), "output_length": 10**13}, r"output_length must be below 2\*\*32"),
+        ({**mooncake_row(0, 10, [1]), "timestamp": -10**400}, "timestamp must be finite"),
         ({k: v for k, v in mooncake_row(0, 10, [1]).items() if k != "timestamp"}, "missing field 'timestamp'"),
     ],
 )
@@ -186,6 +190,8 @@ def test_write_trace_converts_everything_before_writing(tmp_path):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3)), "not a request"])
     with pytest.raises(InvalidInputError, match=r"requests\[0\]\.output_tokens must be a 1-D integer array"):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3), np.array([0.5]))])
+    with pytest.raises(InvalidInputError, match=r"requests\[1\]\.ts=inf is not a finite"):  # JSON has no Infinity
+        write_trace(path, [Request("a", 0, 0.0, np.arange(3)), Request("a", 1, float("inf"), np.arange(3))])
     assert path.read_text() == "previous contents\n"
 
 

@@ -1,6 +1,7 @@
 """`prefixlab simulate`, end to end through prefixlab.cli.main (`trace build`: test_trace_cli.py)."""
 
 import json
+import os
 
 import pytest
 from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
@@ -116,6 +117,13 @@ def test_simulate_plot(capsys, tmp_path, stand_in_replay):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "no" / "x.png", match="does not exist")
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "x.txt", match=".png")
+    (tmp_path / "folder.png").mkdir()
+    assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "folder.png", match="is a folder")
+    assert len(stand_in_replay) == 6  # refused before any replay
+    if os.path.isdir("/proc"):  # Linux: no file can be created there (as root too)
+        code, _, err = run(capsys, "simulate", "builtin", "--policy", "vllm+", "--capacity-gb", "1", "--plot",
+                           "/proc/hits.png")
+        assert code == 2 and err.startswith("prefixlab: error: --plot '/proc/hits.png': cannot write"), err
 
 
 def test_simulate_reads_trace_files_and_skips_bad_lines(capsys, tmp_path, stand_in_replay):
@@ -128,6 +136,10 @@ def test_simulate_reads_trace_files_and_skips_bad_lines(capsys, tmp_path, stand_
     with pytest.warns(UserWarning, match="t.jsonl:"):
         code, _, _ = run(capsys, "simulate", path, "--policy", "marconi", "--capacity-gb", "1", "--on-error", "skip")
     assert code == 0 and stand_in_replay[-1][0] == len(good)
+    path.write_text('{"session_id": "x", "turn_id": 0, "ts": NaN, "input_tokens": [1]}\n')  # no line left
+    with pytest.warns(UserWarning, match="t.jsonl:1"):
+        assert_one_line_error(capsys, "simulate", path, "--on-error", "skip", match="no request left")
+    assert stand_in_replay[-1][0] == len(good)  # nothing replayed
 
 
 def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
@@ -153,6 +165,7 @@ def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
         (["--capacity-gb", "nan"], "must be a finite number > 0"),
         (["--capacity-gb", "inf"], "must be a finite number > 0"),
         (["--capacity-gb", "1e-12"], "below one byte"),
+        (["--capacity-gb", "1e300"], "too large to count in bytes"),
         (["--model", "gpt-9"], "gpt-9"),
         (["--model", "/nonexistent/config.json"], "no such config file"),
         (["--on-error", "ignore"], "--on-error 'ignore': use one of stop, skip"),
@@ -243,6 +256,8 @@ def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
     for fleet_option in (["--routing", "random"], ["--single-cache"], ["--balance-eps", "0.3"]):  # need --replicas
         assert_one_line_error(capsys, "simulate", "builtin", *fleet_option, match="add --replicas N")
     assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "0", match="--replicas")
+    # more replicas than requests: refused before any cache is built (--replicas 10000000000 took all memory)
+    assert_one_line_error(capsys, "simulate", "builtin", "--replicas", "2,1000", match="more than the trace's")
 
 
 @pytest.mark.parametrize("fleet", [(), ("--replicas", "2", "--single-cache")])

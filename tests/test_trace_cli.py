@@ -1,8 +1,10 @@
 """`prefixlab trace build`, end to end through prefixlab.cli.main."""
 
 import json
+import os
 
 import numpy as np
+import pytest
 from cli_helpers import assert_one_line_error, only_sim_subcommands, run  # noqa: F401 (an autouse fixture)
 
 from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
@@ -52,6 +54,8 @@ def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
     assert same_trace(read_trace(out), expected)
 
     assert_one_line_error(capsys, *conversations, "--rate", "fast", "-o", out, match="--rate 'fast' is not a number")
+    # sessions 1 / 1e-310 s apart: the second arrives at inf, which a JSON trace cannot hold
+    assert_one_line_error(capsys, *conversations, "--rate", "1e-310", "-o", out, match="ts=inf is not a finite")
     assert_one_line_error(capsys, *shared, "--num-requests", "2.5", "-o", out, match="not an integer")
     missing = ("trace", "build", "conversations", "--input", tmp_path / "none.jsonl", "--tokenizer", tok)
     assert_one_line_error(capsys, *missing, "-o", out, match="does not exist")
@@ -75,3 +79,17 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
     assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
+def test_trace_build_to_a_place_that_cannot_be_written(capsys):
+    assert_one_line_error(capsys, "trace", "build", "builtin", "-o", "/proc/trace.jsonl", match="cannot write")
+
+
+def test_trace_build_mix_of_nothing_writes_no_file(capsys, tmp_path):
+    bad, out = tmp_path / "bad.jsonl", tmp_path / "mix.jsonl"
+    bad.write_text('{"session_id": "x", "turn_id": 0, "ts": NaN, "input_tokens": [1]}\n')
+    with pytest.warns(UserWarning, match="bad.jsonl:1"):
+        assert_one_line_error(capsys, "trace", "build", "mix", bad, "--on-error", "skip", "-o", out,
+                              match="no request")
+    assert not out.exists()

@@ -27,19 +27,20 @@ def part_files(out: Path) -> list[Path]:
 
 
 def _records(path: Path) -> Iterable[dict]:
-    with open(path, encoding="utf-8") as lines:
+    with open(path, "rb") as lines:  # bytes: json.loads decodes them (a BOM too), so bad UTF-8 is a bad line
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                if line.endswith("\n"):
+            except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+                if line.endswith(b"\n"):
                     raise InvalidInputError(f"{path}:{number} is not a JSON line; it is not a prefixlab run output "
                                             "(move it away or pass another --out)") from None
                 continue  # a last line cut short by a process that died while writing it: redone
-            if not isinstance(record, dict) or "id" not in record:
-                raise InvalidInputError(f"{path}:{number} has no 'id'; it is not a prefixlab run output "
+            prompt_id = record.get("id") if isinstance(record, dict) else None
+            if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int):
+                raise InvalidInputError(f"{path}:{number} has no string or int 'id'; it is not a prefixlab run output "
                                         "(move it away or pass another --out)")
             yield record
 
@@ -89,7 +90,11 @@ def claim(out: Path) -> None:
         import fcntl
     except ImportError:
         return
-    handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
+    try:
+        handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
+    except OSError as err:
+        raise InvalidInputError(f"cannot write next to {out} ({err.strerror}); pass an --out in a folder you can "
+                                "write to") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

@@ -60,9 +60,9 @@ def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_t
         ids = encode(obj["text"])
     else:
         ids = obj["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
                                                 for t in ids):
-            raise ValueError("'input_ids' must be a list of non-negative ints")
+            raise ValueError("'input_ids' must be a list of token ids (ints in [0, 2**63))")
     if not ids:
         raise ValueError("the prompt is empty")
     new_tokens = obj.get("max_new_tokens", default_new_tokens)

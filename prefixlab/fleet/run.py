@@ -87,11 +87,14 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"--order {args.order!r}: use radix or input")
     if args.hydragen and args.order != "radix":
         raise InvalidInputError("--hydragen batches the siblings under radix-order primes: use it with --order radix")
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # a symlink's target: the merge renames a new file over OUT
     if not out.parent.is_dir():
         raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     if out.is_dir():
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
+    if out.exists() and not out.is_file():
+        raise InvalidInputError(f"--out {args.out!r} is not a regular file (a pipe or device): the run rewrites OUT "
+                                "at the end; pass the path of a file (OUT.jsonl)")
     encode, decode = _encoder(args.tokenizer)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
     batching = _hydragen_mode(model) if args.hydragen else None

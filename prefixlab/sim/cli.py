@@ -52,6 +52,9 @@ def parse_capacities_gb(text: str) -> list[float]:
     """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"."""
     capacities = [parse_number(part.strip(), "--capacity-gb") for part in text.split(",")]
     for capacity_gb in capacities:
+        if not math.isfinite(capacity_gb * report.BYTES_PER_GB):
+            raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is too large to count in bytes; pass sizes in GB, "
+                                    "e.g. 1,2,5")
         if report.gb_to_bytes(capacity_gb) < 1:
             raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is below one byte; pass sizes in GB, e.g. 1,2,5")
     return capacities
@@ -101,7 +104,10 @@ def load_spec(model: str) -> ModelSpec:
 def load_requests(trace: str, on_error: str) -> list[Request]:
     """The requests of a trace file, or of the builtin synthetic trace for "builtin"."""
     check_on_error(on_error)
-    return build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
+    requests = build.builtin_trace() if trace == "builtin" else formats.read_trace(trace, on_error)
+    if not requests:
+        raise InvalidInputError(f"{trace}: no request left to replay (every line was skipped); fix the trace")
+    return requests
 
 
 def parse_replicas(text: str) -> list[int]:
@@ -180,6 +186,9 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     if args.plot:
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
+    if max(replica_counts) > len(requests):
+        raise InvalidInputError(f"--replicas {max(replica_counts)} is more than the trace's {len(requests)} requests: "
+                                f"at most {len(requests)} replicas can each serve one")
     note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
     bound = ceiling(requests, spec)
     runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))
@@ -248,7 +257,13 @@ def run_trace_build(args: argparse.Namespace) -> int:
             path_prefix=args.path_prefix,
             on_error=check_on_error(args.on_error),
         )
-    formats.write_trace(args.output, requests)
+    if not requests:
+        raise InvalidInputError(f"trace build {args.kind}: no request to write (every input line was skipped)")
+    try:
+        formats.write_trace(args.output, requests)
+    except OSError as err:
+        raise InvalidInputError(f"-o {args.output!r}: cannot write it ({err.strerror}); pass a path you can write "
+                                "to") from None
     input_tokens = sum(len(r.input_tokens) for r in requests)
     print(f"wrote {len(requests)} requests ({input_tokens} input tokens) to {args.output}", file=sys.stderr)
     return 0

@@ -98,8 +98,9 @@ def token_array(values: Any, field: str) -> np.ndarray:
     except (ValueError, OverflowError) as err:
         raise LineError(f"{field} must be a flat list of integer token ids ({err})") from None
     if array.ndim != 1 or array.dtype.kind not in "iu":
-        not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), None)
-        if not_int is not None:  # else integers numpy holds as objects: beyond 64 bits
+        all_ints = object()  # the default of next(): None is a value a list can hold
+        not_int = next((v for v in values if not isinstance(v, int) or isinstance(v, bool)), all_ints)
+        if not_int is not all_ints:  # else integers numpy holds as objects: beyond 64 bits
             raise LineError(f"{field} must be a flat list of integer token ids, found {not_int!r}")
     if array.dtype.kind not in "iu" or array.min() < 0 or (array.dtype.kind == "u" and
                                                             array.max() > np.iinfo(np.int64).max):
@@ -126,7 +127,11 @@ def _non_negative_int(obj: Any, name: str) -> int:
 
 
 def _finite_number(obj: Any, name: str) -> float:
-    value = float(_field(obj, name, (int, float), "a number"))
+    value = _field(obj, name, (int, float), "a number")
+    try:
+        value = float(value)
+    except OverflowError:
+        raise LineError(f"{name} must be finite, got an integer beyond the range of floats") from None
     if not math.isfinite(value):
         raise LineError(f"{name} must be finite, got {value}")
     return value
@@ -155,6 +160,8 @@ class MooncakeParser:
         index, self.num_seen = self.num_seen, self.num_seen + 1
         input_length = _non_negative_int(obj, "input_length")
         output_length = _non_negative_int(obj, "output_length")
+        if output_length >= 1 << 32:  # output token j of a request is keyed j < 2**32 (_OUTPUT_KEY_STRIDE)
+            raise LineError(f"output_length must be below 2**32 tokens, got {output_length}")
         timestamp_ms = _finite_number(obj, "timestamp")
         hash_ids = _field(obj, "hash_ids", (list,), "a list of block hash ids")
         num_blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
@@ -230,6 +237,9 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
     for index, request in enumerate(requests):
         if not isinstance(request, Request):
             raise InvalidInputError(f"requests[{index}] is a {type(request).__name__}; write_trace takes Requests")
+        if not math.isfinite(request.ts):
+            raise InvalidInputError(f"requests[{index}].ts={request.ts} is not a finite arrival time (seconds); JSON "
+                                    "has no NaN or Infinity and read_trace refuses them")
         for name in ("input_tokens", "output_tokens"):
             tokens = np.asarray(getattr(request, name))
             if tokens.ndim != 1 or (tokens.size and tokens.dtype.kind not in "iu"):

@@ -125,7 +125,18 @@ def check_plot_path(path: str | Path) -> Path:
         raise InvalidInputError(f"--plot {str(path)!r}: use a .png, .pdf or .svg file name")
     if not path.parent.is_dir():
         raise InvalidInputError(f"--plot {str(path)!r}: folder {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise InvalidInputError(f"--plot {str(path)!r} is a folder; pass the path of the image file to write")
     return path
+
+
+def _save(figure, path: Path) -> None:
+    """`figure.savefig(path)`; a path that cannot be written is InvalidInputError."""
+    try:
+        figure.savefig(path)
+    except OSError as err:
+        raise InvalidInputError(f"--plot {str(path)!r}: cannot write it ({err.strerror}); pass a path you can write "
+                                "to") from None
 
 
 def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
@@ -142,7 +153,7 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
         axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
     axes.set(xlabel="cache capacity (GB)", ylabel="token hit rate (%)", ylim=(0, 100))
     axes.legend()
-    figure.savefig(path)
+    _save(figure, path)
 
 
 ROUTING_COLORS = {"random": "tab:red", "round-robin": "tab:orange", "affinity": "tab:blue", "one cache": "tab:gray"}
@@ -181,4 +192,4 @@ def plot_fleet(rows: list[dict[str, Any]], path: str | Path) -> None:
     axes.set_xticks(replicas, [str(n) for n in replicas])
     axes.minorticks_off()
     figure.legend(loc="outside right upper", fontsize="small")
-    figure.savefig(path)
+    _save(figure, path)
