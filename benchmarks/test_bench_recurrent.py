@@ -34,9 +34,19 @@ def report(benchmark, result: dict) -> None:
     print("\n" + ", ".join(f"{key}={value}" for key, value in result.items()))
 
 
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @torch.no_grad()
-def test_capturing_8_states_costs_at_most_10_percent(benchmark):
-    result = capture_overhead(LENGTH, HEADS, DIM, captures=8, repeats=REPEATS, backend="compiled")
+def test_capturing_8_states_costs_at_most_10_percent(benchmark, one_thread):
+    """A bar, so timed in this process's CPU seconds on one thread: other processes' load (a shared CI machine)
+    inflated wall times unevenly (14 % once, 1.1 % rerun alone)."""
+    result = capture_overhead(LENGTH, HEADS, DIM, captures=8, repeats=REPEATS, backend="compiled", clock="cpu")
     report(benchmark, result)
     inputs = delta_rule_inputs(1, LENGTH, HEADS, HEADS, DIM, DIM)
     positions = spread_positions(LENGTH, 8)

@@ -91,3 +91,13 @@ def test_e2e_refuses_an_unknown_model_and_the_4b_model_off_a_gpu():
         bench_e2e("gpt2", completions=2, prompt_tokens=12, new_tokens=2)
     with pytest.raises(InvalidInputError, match="for a GPU"):
         bench_e2e("qwen3_5_4b", completions=2, prompt_tokens=12, new_tokens=2, device="cpu")
+
+
+def test_the_cpu_clock_counts_this_process_work_not_waiting():
+    """`--clock cpu` (the benchmark bars' clock on a shared machine): time spent not computing does not count."""
+    import time
+
+    from prefixlab.bench.recurrent import best_times_s
+
+    wait = {"wait": lambda: time.sleep(0.05)}
+    assert best_times_s(wait, 1, clock="wall")["wait"] >= 0.05 > 0.02 > best_times_s(wait, 1, clock="cpu")["wait"]

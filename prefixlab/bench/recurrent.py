@@ -22,21 +22,25 @@ from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_mamba
 from prefixlab.recurrent.inputs import delta_rule_inputs, ssd_inputs
 from prefixlab.recurrent.ssd import ssd
 
+# "cpu": this process's CPU seconds, which other processes' load hardly moves (with --threads 1, the work itself)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
-def best_times_s(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Best wall time in seconds of each fn over `repeats` interleaved runs, after one warm-up run each (GPU work
-    waited for: CUDA launches return before the kernels finish)."""
+
+def best_times_s(fns: dict[str, Callable[[], object]], repeats: int, clock: str = "wall") -> dict[str, float]:
+    """Best time in seconds (`clock`: CLOCKS) of each fn over `repeats` interleaved runs, after one warm-up run each
+    (GPU work waited for: CUDA launches return before the kernels finish)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    now = CLOCKS[clock]
     for fn in fns.values():
         fn()
     best = dict.fromkeys(fns, float("inf"))
     for _ in range(repeats):
         for name, fn in fns.items():
             sync()
-            start = time.perf_counter()
+            start = now()
             fn()
             sync()
-            best[name] = min(best[name], time.perf_counter() - start)
+            best[name] = min(best[name], now() - start)
     return best
 
 
@@ -58,7 +62,7 @@ def spread_positions(length: int, count: int) -> tuple[int, ...]:
 
 @torch.no_grad()
 def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: int, backend: str,
-                     device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+                     device: str = "cpu", dtype: torch.dtype = torch.float32, clock: str = "wall") -> dict:
     """Prefill capturing `captures` states vs the same prefill returning only the final state."""
     inputs = _on(delta_rule_inputs(1, length, heads, heads, dim, dim), device, dtype)
     positions = spread_positions(length, captures)
@@ -68,16 +72,17 @@ def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: 
             "with_captures": lambda: gated_delta_rule(**inputs, capture=positions, use_qk_l2norm=True, backend=backend),
         },
         repeats,
+        clock,
     )
     return {"bench": "capture_overhead", "length": length, "heads": heads, "dim_k": dim, "dim_v": dim,
-            "captures": captures, "backend": _ran(backend, device, "fla", dtype), "device": device,
+            "captures": captures, "backend": _ran(backend, device, "fla", dtype), "device": device, "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "overhead": times["with_captures"] / times["final_only"] - 1.0}  # fmt: skip
 
 
 @torch.no_grad()
 def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, backend: str,
-                               device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+                               device: str = "cpu", dtype: torch.dtype = torch.float32, clock: str = "wall") -> dict:
     """gated_delta_rule vs transformers' torch_chunk_gated_delta_rule (chunk 64, l2norm in kernel, final state)."""
     inputs = _on(delta_rule_inputs(1, length, heads, heads, dim, dim), device, dtype)
     q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
@@ -89,16 +94,17 @@ def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, 
             "prefixlab": lambda: gated_delta_rule(q, k, v, g, beta, chunk_size=64, use_qk_l2norm=True, backend=backend),
         },
         repeats,
+        clock,
     )
     return {"bench": "gated_delta_rule_vs_transformers", "length": length, "heads": heads, "dim_k": dim,
-            "dim_v": dim, "backend": _ran(backend, device, "fla", dtype), "device": device,
+            "dim_v": dim, "backend": _ran(backend, device, "fla", dtype), "device": device, "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip
 
 
 @torch.no_grad()
 def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int, repeats: int, backend: str,
-                        device: str = "cpu", dtype: torch.dtype = torch.float32) -> dict:
+                        device: str = "cpu", dtype: torch.dtype = torch.float32, clock: str = "wall") -> dict:
     """ssd vs transformers' mamba2 torch path (mamba2_chunk_scan, chunk 256, final state), one group."""
     inputs = _on(ssd_inputs(1, length, heads, head_dim, 1, state_size), device, dtype)
     x, dt, A, B, C, D, dt_bias = (inputs[name] for name in ("x", "dt", "A", "B", "C", "D", "dt_bias"))
@@ -110,9 +116,11 @@ def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int,
             "prefixlab": lambda: ssd(x, dt, A, B, C, D=D, dt_bias=dt_bias, chunk_size=256, backend=backend),
         },
         repeats,
+        clock,
     )
     return {"bench": "ssd_vs_transformers", "length": length, "heads": heads, "head_dim": head_dim,
             "state_size": state_size, "backend": _ran(backend, device, "mamba_ssm", dtype), "device": device,
+            "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip
 
@@ -132,15 +140,17 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = str(check_device(args.device)), DTYPES[args.dtype]
+    if args.clock == "cpu" and device != "cpu":
+        raise InvalidInputError("--clock cpu times CPU work; on a GPU use --clock wall (kernels run asynchronously)")
     _ran(args.backend, device, "fla", dtype)  # a backend these inputs cannot take: say so before any work
     ssd_backend = args.backend if args.backend != "fla" else "auto"  # fla has no SSD kernel: mamba_ssm when there
     benches = [
         lambda: capture_overhead(args.length, args.heads, args.dim, args.captures, args.repeats, args.backend, device,
-                                 dtype),
+                                 dtype, args.clock),
         lambda: delta_rule_vs_transformers(args.length, args.heads, args.dim, args.repeats, args.backend, device,
-                                           dtype),
+                                           dtype, args.clock),
         lambda: ssd_vs_transformers(args.length, args.ssd_heads, args.ssd_head_dim, args.ssd_state, args.repeats,
-                                    ssd_backend, device, dtype),
+                                    ssd_backend, device, dtype, args.clock),
     ]  # fmt: skip
     for bench in benches:  # each printed when done: a run stopped at a time limit keeps what it measured
         result = bench()
@@ -172,5 +182,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                         help="inputs' dtype (the fla backend: bf16 / fp16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall seconds, or this process's "
+                        "CPU seconds (cpu: other processes' load hardly moves it; the work itself with --threads 1)")
     parser.add_argument("--json", action="store_true", help="one JSON object per benchmark")
     parser.set_defaults(func=run)
