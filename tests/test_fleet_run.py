@@ -112,6 +112,20 @@ def test_a_rerun_refuses_records_of_another_prompt_or_model(capsys, files, tmp_p
     assert f"ids [{first['id']!r}]" in capsys.readouterr().err and out.read_bytes() == before
 
 
+def test_a_rerun_refuses_records_of_a_config_with_the_same_weights(capsys, files, tmp_path):
+    """Another rope_theta builds the same weights but other outputs: a rerun mixed the two models' records."""
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join((files / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
+    config = json.loads((files / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.jsonl"
+    assert main(["run", prompts, "--model", files / "config.json", "--out", out, "--max-new-tokens", "1"]) == 0
+    capsys.readouterr()
+    assert main(["run", prompts, "--model", tmp_path / "config.json", "--out", out, "--max-new-tokens", "1"]) == 2
+    assert "made from another prompt, max_new_tokens or model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("hydragen", [False, True])
 def test_a_model_that_takes_its_cache_as_cache_params(capsys, tmp_path, hydragen):
     """Mamba2 takes its cache as cache_params= (generate refused past_key_values=: every run failed)."""

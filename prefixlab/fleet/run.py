@@ -106,9 +106,9 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
                                 f"{len(prompts)} processes")
     launch.share_cores(state, processes)
-    digests = gather_object([serve.weights_digest(model)])
+    digests = gather_object([serve.model_digest(model)])
     if len(set(digests)) > 1:
-        raise InvalidInputError(f"the processes built different weights ({digests}); check --seed and --model")
+        raise InvalidInputError(f"the processes built different models ({digests}); check --seed and --model")
 
     store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
