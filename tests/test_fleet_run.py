@@ -342,6 +342,16 @@ def test_text_prompts_with_a_tokenizer_file(capsys, files, tmp_path):
     records = read_out(out)
     assert [r["prompt_tokens"] for r in records] == [8, 8]
     assert [r["text"] for r in records] == [tokenizer.decode(r["output_ids"]) for r in records]
+    # a rerun without the tokenizer (or with another) would write records without (or with other) text beside them
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"id": k, "input_ids": [3, 4, 5]}) + "\n" for k in range(2)))
+    ids_out, half = tmp_path / "ids_out.jsonl", tmp_path / "half.jsonl"
+    half.write_text(ids.read_text().splitlines(keepends=True)[0])
+    args = ["--model", files / "config.json", "--out", ids_out, "--max-new-tokens", "1"]
+    assert main(["run", half, *args, "--tokenizer", tmp_path / "tokenizer.json"]) == 0
+    capsys.readouterr()
+    assert main(["run", ids, *args]) == 2
+    assert "(or --tokenizer)" in capsys.readouterr().err and len(read_out(ids_out)) == 1
 
 
 def test_the_first_token_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):
