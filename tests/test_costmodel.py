@@ -92,3 +92,15 @@ def test_bad_specs_are_refused():
         LayerGroup("mlp", -1, 1.0)
     with pytest.raises(InvalidInputError, match="kind"):
         MARCONI.layer_count("conv1d")
+
+
+def test_negative_costs_and_sizes_are_refused():
+    with pytest.raises(InvalidInputError, match="linear_flops_per_token"):
+        LayerGroup("mlp", 1, -1.0)
+    with pytest.raises(InvalidInputError, match="state_bytes"):
+        LayerGroup("mamba2", 1, 1.0, state_bytes=-8)
+    with pytest.raises(InvalidInputError, match="pair_flops"):
+        LayerGroup("attention", 1, 1.0, pair_flops=float("nan"))
+    with pytest.raises(InvalidInputError, match="hidden=0"):
+        LayerGroup("mlp", 1, 1.0, dims=(("hidden", 0),))
+    assert LayerGroup("moe", 0, 1.0, dims=(("experts", 0),)).count == 0  # no layers: their dims do not matter

@@ -236,3 +236,20 @@ def test_unsupported_model_lists_supported_types():
 def test_windowed_kv_only_models_are_refused(config):
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
         ModelSpec.from_config(config)
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    (LlamaConfig(**{**DIMS, "intermediate_size": -48}, num_hidden_layers=2), "intermediate=-48"),
+    (LlamaConfig(**{**DIMS, "intermediate_size": 0}, num_hidden_layers=2), "intermediate=0"),
+    (LlamaConfig(**{**DIMS, "num_key_value_heads": -2}, num_hidden_layers=2), "kv_heads=-2"),
+    (Qwen3_5TextConfig(**DIMS, **{**GDN, "linear_num_value_heads": -4}), "v_heads=-4"),
+    (Qwen3_5TextConfig(**DIMS, **{**GDN, "linear_conv_kernel_dim": 0}), "conv_kernel=0"),
+    (Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, state_size=-8,
+                  n_groups=2, conv_kernel=3), "state_size=-8"),
+], ids=["negative-mlp", "zero-mlp", "negative-kv-heads", "negative-gdn-heads", "zero-conv", "negative-state"])
+def test_nonsense_sizes_are_refused(config, named):
+    """Negative or zero sizes gave negative bytes or FLOPs; optional parts (no shared expert) may still be 0."""
+    with pytest.raises(InvalidInputError, match=named):
+        ModelSpec.from_config(config)
+    no_shared = Qwen3_5MoeTextConfig(**DIMS, **GDN, **{**QWEN_MOE, "shared_expert_intermediate_size": 0})
+    assert ModelSpec.from_config(no_shared).prefill_flops(8) > 0

@@ -112,6 +112,20 @@ def test_a_rerun_refuses_records_of_another_prompt_or_model(capsys, files, tmp_p
     assert f"ids [{first['id']!r}]" in capsys.readouterr().err and out.read_bytes() == before
 
 
+def test_a_rerun_refuses_records_of_a_config_with_the_same_weights(capsys, files, tmp_path):
+    """Another rope_theta builds the same weights but other outputs: a rerun mixed the two models' records."""
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text("".join((files / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
+    config = json.loads((files / "config.json").read_text())
+    config["rope_parameters"]["rope_theta"] = 10.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out.jsonl"
+    assert main(["run", prompts, "--model", files / "config.json", "--out", out, "--max-new-tokens", "1"]) == 0
+    capsys.readouterr()
+    assert main(["run", prompts, "--model", tmp_path / "config.json", "--out", out, "--max-new-tokens", "1"]) == 2
+    assert "made from another prompt, max_new_tokens or model" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("hydragen", [False, True])
 def test_a_model_that_takes_its_cache_as_cache_params(capsys, tmp_path, hydragen):
     """Mamba2 takes its cache as cache_params= (generate refused past_key_values=: every run failed)."""
@@ -328,6 +342,16 @@ def test_text_prompts_with_a_tokenizer_file(capsys, files, tmp_path):
     records = read_out(out)
     assert [r["prompt_tokens"] for r in records] == [8, 8]
     assert [r["text"] for r in records] == [tokenizer.decode(r["output_ids"]) for r in records]
+    # a rerun without the tokenizer (or with another) would write records without (or with other) text beside them
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"id": k, "input_ids": [3, 4, 5]}) + "\n" for k in range(2)))
+    ids_out, half = tmp_path / "ids_out.jsonl", tmp_path / "half.jsonl"
+    half.write_text(ids.read_text().splitlines(keepends=True)[0])
+    args = ["--model", files / "config.json", "--out", ids_out, "--max-new-tokens", "1"]
+    assert main(["run", half, *args, "--tokenizer", tmp_path / "tokenizer.json"]) == 0
+    capsys.readouterr()
+    assert main(["run", ids, *args]) == 2
+    assert "(or --tokenizer)" in capsys.readouterr().err and len(read_out(ids_out)) == 1
 
 
 def test_the_first_token_clock_waits_for_the_gpu_before_reading_the_time(monkeypatch):

@@ -246,3 +246,28 @@ def test_mooncake_tokens_match_per_block_reference(hash_ids, data):
     length = data.draw(st.integers(max(0, (len(hash_ids) - 1) * block + 1), len(hash_ids) * block))
     reference = [splitmix64_reference(h * block + j) >> 33 for h in hash_ids for j in range(block)][:length]
     assert mooncake_input_tokens(hash_ids, length).tolist() == reference
+
+
+def test_write_trace_failing_midway_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "out.jsonl"
+    path.write_text("previous contents\n")
+    dumps, calls = json.dumps, []
+
+    def failing_dumps(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        return dumps(*args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", failing_dumps)
+    with pytest.raises(OSError, match="No space"):
+        write_trace(path, [Request("a", 0, 0.0, np.arange(3)), Request("a", 1, 1.0, np.arange(4))])
+    monkeypatch.undo()
+    assert path.read_text() == "previous contents\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary file left behind
+    write_trace(path, [Request("a", 0, 0.0, np.arange(3))])
+    assert [len(r.input_tokens) for r in read_trace(path)] == [3]
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(path)
+    write_trace(link, [Request("a", 0, 0.0, np.arange(5))])
+    assert link.is_symlink() and [len(r.input_tokens) for r in read_trace(path)] == [5]

@@ -38,6 +38,9 @@ FP32_BYTES = 4
 Tokens = int | np.ndarray  # a token count, or an integer array of them (vectorised pricing)
 
 LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe")
+# Dims that may be 0 (a flag, or a part the model may lack); every other dim of a group with layers must be >= 1.
+OPTIONAL_DIMS = frozenset({"gated", "output_gate", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                           "shared_intermediate", "latent_size"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +61,12 @@ class LayerGroup:
             raise InvalidInputError(f"LayerGroup kind={self.kind!r} is unknown; use one of {LAYER_KINDS}")
         if self.count < 0:
             raise InvalidInputError(f"LayerGroup count={self.count} must be >= 0")
+        costs = ("linear_flops_per_token", "pair_flops", "kv_bytes_per_token", "state_bytes")
+        bad = [f"{name}={getattr(self, name)}" for name in costs if not getattr(self, name) >= 0]
+        if self.count:  # a group with no layers is dropped, whatever dims its (absent) layers would have
+            bad += [f"{name}={value}" for name, value in self.dims if value < (name not in OPTIONAL_DIMS)]
+        if bad:
+            raise InvalidInputError(f"{self.kind} layers: {', '.join(bad)}; sizes must be >= 1 (costs >= 0)")
 
 
 def attention_layers(

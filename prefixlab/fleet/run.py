@@ -16,6 +16,7 @@ written and lists the prompts lost; rerunning the same command completes them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import signal
 import sys
@@ -49,16 +50,24 @@ def _store_model(args: argparse.Namespace, model):
     return StoreModel(args.policy, parse_capacity(args.capacity), spec)
 
 
+def _output_digest(model_digest: str, tokenizer: str | None) -> str:
+    """What a run's records are made with: the model, and the tokenizer that decodes their `text` (if any)."""
+    if tokenizer is None:
+        return model_digest
+    return hashlib.sha256(model_digest.encode() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+
+
 def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> None:
-    """Records already in OUT must come from this run's prompts and model: a rerun keeps them, so a changed prompt,
-    max_new_tokens or model would leave stale outputs behind (records written before fingerprints pass)."""
+    """Records already in OUT must come from this run's prompts, model and tokenizer: a rerun keeps them, so a changed
+    prompt, max_new_tokens, model or tokenizer would leave stale outputs behind (records written before fingerprints
+    pass)."""
     changed = [p.id for p in prompts if p.id in done and (done[p.id].get("request", p.fingerprint) != p.fingerprint
                                                           or done[p.id].get("model", model_digest) != model_digest)]
     if changed:
         raise InvalidInputError(
-            f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model than this "
-            f"run's (ids {changed[:5]}{' ...' if len(changed) > 5 else ''}); pass another --out, or remove their lines "
-            f"from {out} (and its .part files) to redo them")
+            f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model (or "
+            f"--tokenizer) than this run's (ids {changed[:5]}{' ...' if len(changed) > 5 else ''}); pass another "
+            f"--out, or remove their lines from {out} (and its .part files) to redo them")
 
 
 class Stopped(Exception):
@@ -106,16 +115,17 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
                                 f"{len(prompts)} processes")
     launch.share_cores(state, processes)
-    digests = gather_object([serve.weights_digest(model)])
+    digests = gather_object([serve.model_digest(model)])
     if len(set(digests)) > 1:
-        raise InvalidInputError(f"the processes built different weights ({digests}); check --seed and --model")
+        raise InvalidInputError(f"the processes built different models ({digests}); check --seed and --model")
+    digest = _output_digest(digests[0], args.tokenizer)
 
     store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
     if state.is_main_process:
         outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
         done = outputs.finished(out)
-        _check_resumed(out, prompts, done, digests[0])
+        _check_resumed(out, prompts, done, digest)
         pending = [p.index for p in prompts if p.id not in done]
         plan = [len(prompts) - len(pending),
                 dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
@@ -154,7 +164,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
                       position=rank) as bar:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
-                            decode=decode, progress=bar.update, stats=stats, model_digest=digests[0])
+                            decode=decode, progress=bar.update, stats=stats, model_digest=digest)
         try:
             gathered = gather_object([stats.as_dict()])
         except RuntimeError:  # a peer died while this process waited (torch.distributed's error)

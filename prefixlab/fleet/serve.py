@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -94,9 +95,14 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
     return loaded.to(device).eval()
 
 
-def weights_digest(model) -> str:
-    """A short hash of (a sample of) the weights' bits: processes compare it to catch differently seeded models."""
+def model_digest(model) -> str:
+    """A short hash of what outputs depend on besides the prompt: (a sample of) the weights' bits, the config and
+    the generation config (a rope_theta or eos_token_id of their own changes outputs, not weights). Processes
+    compare it to catch differently seeded models; a resumed run, to catch another model."""
     digest = hashlib.sha256()
+    for config in (model.config, model.generation_config):
+        settings = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     for name, tensor in sorted(model.state_dict().items()):
         sample = tensor.detach().reshape(-1)[:4096].cpu().contiguous()
         digest.update(name.encode())

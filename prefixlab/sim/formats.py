@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -233,7 +235,8 @@ def marconi_record(request: Request) -> dict[str, Any]:
 
 
 def write_trace(path: str | Path, requests: list[Request]) -> None:
-    """Write `requests` as Marconi JSONL (one object a line)."""
+    """Write `requests` as Marconi JSONL (one object a line). The file is replaced atomically: a failure midway
+    leaves the previous file as it was and no temporary file behind."""
     for index, request in enumerate(requests):
         if not isinstance(request, Request):
             raise InvalidInputError(f"requests[{index}] is a {type(request).__name__}; write_trace takes Requests")
@@ -248,7 +251,14 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
                     f"shape {tokens.shape}"
                 )
     records = [marconi_record(r) for r in requests]  # all converted before the file is opened
-    with Path(path).open("w", encoding="utf-8") as out:
-        for record in records:
-            out.write(json.dumps(record, separators=(",", ":")))
-            out.write("\n")
+    path = Path(path).resolve()  # a symlink's target: the rename must not replace the link itself
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    try:
+        with temporary.open("w", encoding="utf-8") as out:
+            for record in records:
+                out.write(json.dumps(record, separators=(",", ":")))
+                out.write("\n")
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
