@@ -220,3 +220,24 @@ def test_patched_recurrent_layers_record_the_store_states():
         _assert_same(_generate(standard, prompt, 17, do_sample=True, num_return_sequences=N), out)
     finally:
         store.close()
+
+
+def test_assisted_decoding_over_a_store_hit_is_refused_not_wrong():
+    """Assisted decoding (prompt_lookup_num_tokens) feeds the WHOLE prompt to its first forward, whatever the cache
+    holds: over the store's prefix loaded into a HydragenCache the model attended to it twice and generated other
+    tokens than the plain model, silently. Now the forward is refused with what to do instead."""
+    standard, hydragen = build("llama"), build("llama")
+    hydragen.set_attn_implementation("hydragen")
+    store = PrefixStore(hydragen, capacity="64MB", block_size=8)
+    try:
+        prompt = torch.tensor([[5, 6, 7, 8] * 4 + [5, 6, 7]])  # repeats: prompt lookup proposes candidates
+        _fill(store, prompt)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=1)
+        assert cache.get_seq_length() == prompt.shape[1] - 1
+        with pytest.raises(InvalidInputError, match="Assisted decoding"):
+            _generate(hydragen, prompt, 0, cache, do_sample=False, prompt_lookup_num_tokens=3)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=1)  # without assistance: exact
+        _assert_same(_generate(standard, prompt, 0, do_sample=False), _generate(hydragen, prompt, 0, cache,
+                                                                                  do_sample=False))
+    finally:
+        store.close()
