@@ -241,3 +241,17 @@ def test_assisted_decoding_over_a_store_hit_is_refused_not_wrong():
                                                                                   do_sample=False))
     finally:
         store.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_lookup(pair, store):
+    """An id past the embedding table was looked up (a hit on the ids before it) and handed to generate, which
+    failed deep in torch (IndexError: index out of range in self)."""
+    _, hydragen = pair
+    prompt = _tokens(18, PREFIX)
+    _fill(store, prompt)
+    before = _snapshot(store)
+    for bad in (VOCAB, VOCAB + 1000):
+        ids = torch.cat([prompt, torch.tensor([[bad, 5]])], dim=1)
+        with pytest.raises(InvalidInputError, match=rf"\[0, {PREFIX}\] = {bad} is not a token id"):
+            hydragen_cache_from_store(store, ids, batch_size=N)
+    _assert_untouched(store, before)
