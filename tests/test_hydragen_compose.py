@@ -255,3 +255,20 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_lookup(pair, st
         with pytest.raises(InvalidInputError, match=rf"\[0, {PREFIX}\] = {bad} is not a token id"):
             hydragen_cache_from_store(store, ids, batch_size=N)
     _assert_untouched(store, before)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "zamba2"])
+def test_models_without_a_shareable_attention_layer_are_refused_as_such(family):
+    """Falcon-H1 and Zamba2 keep attention KV in a cache layer shared with a recurrent one, which HydragenCache
+    cannot share: the store built for the same model was refused as "another model" (ModelMismatchError)."""
+    from prefixlab.errors import UnsupportedModelError
+
+    model = build(family)
+    model.set_attn_implementation("hydragen")
+    store = PrefixStore(model, capacity="64MB", block_size=8)
+    try:
+        with pytest.raises(UnsupportedModelError, match="no attention layer HydragenCache can share"):
+            hydragen_cache_from_store(store, _tokens(19, PREFIX), batch_size=N)
+        assert store.stats()["locked_matches"] == 0
+    finally:
+        store.close()

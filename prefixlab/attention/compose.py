@@ -70,6 +70,11 @@ def hydragen_cache_from_store(
         raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
     cache = HydragenCache(model.config)  # refuses models whose attention cannot read shared KV, before any lookup
     attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedPrefixLayer)]
+    if not attention:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no attention layer HydragenCache can share (none, or its KV kept in a cache "
+            "layer shared with a recurrent one): serve it with HybridPrefixCache(store)"
+        )
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
     probe = prompt_ids[0, : -store.min_prefill_tokens].detach().cpu().numpy()  # generate runs the rest
