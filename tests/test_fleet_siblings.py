@@ -212,3 +212,35 @@ def test_serve_runs_a_model_without_attention_exactly():
     with torch.inference_mode():
         assert {r["id"]: r["output_ids"] for r in records} == \
             {p.id: serve.generate_uncached(reference, p.tokens, 3) for p in prompts}
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
+def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family):
+    """Bamba's forward numbers its input from 0 when given no position_ids, even over a cache: each row's own
+    tokens were prefilled at positions 0.. instead of after the shared prefix (other RoPE in their keys, while the
+    tiny model's few greedy tokens happened to agree). Their keys now equal the plain model's."""
+    from transformers import DynamicCache
+
+    from prefixlab.attention.hf_cache import SharedPrefixLayer
+
+    model = build(family)
+    model.set_attn_implementation("hydragen")
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 128, PREFIX)
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (6, 3)]
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.inference_mode():
+            serve.prime(model, store, prefix)
+            head = torch.as_tensor(rows[0][:PREFIX + store.min_prefill_tokens])[None]
+            joined = siblings._prefill_rows(model, store, head, rows)
+            for b, tokens in enumerate(rows):
+                plain = DynamicCache(config=model.config)
+                model(torch.as_tensor(tokens[:-1])[None], past_key_values=plain, use_cache=True)
+                for layer, expected in zip(joined.layers, plain.layers, strict=True):
+                    if isinstance(layer, SharedPrefixLayer):
+                        own = len(tokens) - 1 - PREFIX
+                        torch.testing.assert_close(layer.keys[b, :, layer.keys.shape[2] - own:],
+                                                   expected.keys[0, :, PREFIX:], atol=1e-5, rtol=0)
+    finally:
+        store.close()

@@ -112,6 +112,14 @@ def test_varlen_prefill_without_padding():
         start += n
     with pytest.raises(InvalidInputError, match="sum to the packed token count"):
         varlen_prefill_attention(q, k, v, [3, 5, 3])
+    # were errors deep in torch: repeat_interleave on floats / bools, a head_dim mismatch, mixed dtypes computed
+    for bad in ([3.0, 5.0, 2.0], [True] * 10):
+        with pytest.raises(InvalidInputError, match="lengths="):
+            varlen_prefill_attention(q, k, v, bad, compiled=False)
+    with pytest.raises(InvalidInputError, match="head_dim"):
+        varlen_prefill_attention(q, k[..., :4], v[..., :4], lengths, compiled=False)
+    with pytest.raises(InvalidInputError, match="dtype"):
+        varlen_prefill_attention(q.double(), k, v, lengths, compiled=False)
 
 
 def test_empty_prefix_is_plain_attention_bit_for_bit():

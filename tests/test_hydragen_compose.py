@@ -220,3 +220,55 @@ def test_patched_recurrent_layers_record_the_store_states():
         _assert_same(_generate(standard, prompt, 17, do_sample=True, num_return_sequences=N), out)
     finally:
         store.close()
+
+
+def test_assisted_decoding_over_a_store_hit_is_refused_not_wrong():
+    """Assisted decoding (prompt_lookup_num_tokens) feeds the WHOLE prompt to its first forward, whatever the cache
+    holds: over the store's prefix loaded into a HydragenCache the model attended to it twice and generated other
+    tokens than the plain model, silently. Now the forward is refused with what to do instead."""
+    standard, hydragen = build("llama"), build("llama")
+    hydragen.set_attn_implementation("hydragen")
+    store = PrefixStore(hydragen, capacity="64MB", block_size=8)
+    try:
+        prompt = torch.tensor([[5, 6, 7, 8] * 4 + [5, 6, 7]])  # repeats: prompt lookup proposes candidates
+        _fill(store, prompt)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=1)
+        assert cache.get_seq_length() == prompt.shape[1] - 1
+        with pytest.raises(InvalidInputError, match="Assisted decoding"):
+            _generate(hydragen, prompt, 0, cache, do_sample=False, prompt_lookup_num_tokens=3)
+        cache = hydragen_cache_from_store(store, prompt, batch_size=1)  # without assistance: exact
+        _assert_same(_generate(standard, prompt, 0, do_sample=False), _generate(hydragen, prompt, 0, cache,
+                                                                                  do_sample=False))
+    finally:
+        store.close()
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_the_lookup(pair, store):
+    """An id past the embedding table was looked up (a hit on the ids before it) and handed to generate, which
+    failed deep in torch (IndexError: index out of range in self)."""
+    _, hydragen = pair
+    prompt = _tokens(18, PREFIX)
+    _fill(store, prompt)
+    before = _snapshot(store)
+    for bad in (VOCAB, VOCAB + 1000):
+        ids = torch.cat([prompt, torch.tensor([[bad, 5]])], dim=1)
+        with pytest.raises(InvalidInputError, match=rf"\[0, {PREFIX}\] = {bad} is not a token id"):
+            hydragen_cache_from_store(store, ids, batch_size=N)
+    _assert_untouched(store, before)
+
+
+@pytest.mark.parametrize("family", ["falcon_h1", "zamba2"])
+def test_models_without_a_shareable_attention_layer_are_refused_as_such(family):
+    """Falcon-H1 and Zamba2 keep attention KV in a cache layer shared with a recurrent one, which HydragenCache
+    cannot share: the store built for the same model was refused as "another model" (ModelMismatchError)."""
+    from prefixlab.errors import UnsupportedModelError
+
+    model = build(family)
+    model.set_attn_implementation("hydragen")
+    store = PrefixStore(model, capacity="64MB", block_size=8)
+    try:
+        with pytest.raises(UnsupportedModelError, match="no attention layer HydragenCache can share"):
+            hydragen_cache_from_store(store, _tokens(19, PREFIX), batch_size=N)
+        assert store.stats()["locked_matches"] == 0
+    finally:
+        store.close()

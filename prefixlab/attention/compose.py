@@ -22,6 +22,7 @@ import torch
 
 from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
 from prefixlab.cache.defaults import check_unconverted
+from prefixlab.cache.model_info import check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
@@ -62,12 +63,18 @@ def hydragen_cache_from_store(
             f"prompt_ids must be a (1, T>0) tensor of token ids, got {getattr(prompt_ids, 'shape', prompt_ids)}; "
             "for several prompts build one cache per prompt"
         )
+    check_token_ids(prompt_ids, model)  # before the lookup: generate would fail deep in torch on such an id
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int (the sequences generate runs)")
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
     cache = HydragenCache(model.config)  # refuses models whose attention cannot read shared KV, before any lookup
     attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedPrefixLayer)]
+    if not attention:
+        raise UnsupportedModelError(
+            f"{type(model).__name__} has no attention layer HydragenCache can share (none, or its KV kept in a cache "
+            "layer shared with a recurrent one): serve it with HybridPrefixCache(store)"
+        )
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
     probe = prompt_ids[0, : -store.min_prefill_tokens].detach().cpu().numpy()  # generate runs the rest

@@ -35,6 +35,23 @@ def _suffix_mask(attention_mask: torch.Tensor | None, kv: SharedBatchKV, queries
     return mask[:, :, kv.prefix_length :]
 
 
+def _check_positions(position_ids: object, kv: SharedBatchKV, suffix_mask: torch.Tensor | None) -> None:
+    """InvalidInputError unless each row's last query is the token right after the keys it sees: a multi-token
+    forward that feeds cached tokens again (assisted decoding's first one, over a loaded prefix) would attend to
+    them twice."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
+        return  # M-RoPE models give (3, B, T) positions, not columns
+    seen = kv.suffix_keys.shape[2] if suffix_mask is None else suffix_mask[:, -1].sum(-1)
+    if bool((position_ids[:, -1] != kv.prefix_length + seen - 1).any()):
+        raise InvalidInputError(
+            f"the forward's positions do not continue the HydragenCache ({kv.prefix_length} shared tokens, then "
+            "each row's own): it feeds tokens the cache already holds, or positions that restart. Assisted decoding "
+            "(prompt_lookup_num_tokens, assistant_model) feeds the whole prompt again on its first forward: "
+            "generate without it over a loaded HydragenCache (or use HybridPrefixCache(store)); in a direct "
+            "forward pass position_ids that continue the cache"
+        )
+
+
 def hydragen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -55,6 +72,8 @@ def hydragen_attention_forward(
     if suffix_mask is False:  # a shared column is masked for some row: attend over the materialised rows instead
         keys, values = key.materialize()
         return sdpa_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, **kwargs)
+    if query.shape[2] > 1:  # a prefill (one check per layer; decode steps follow generate's own positions)
+        _check_positions(kwargs.get("position_ids"), key, suffix_mask)
     out = hydragen_attention(query, key.levels, key.suffix_keys, key.suffix_values, seq_levels=key.seq_levels,
                              suffix_mask=suffix_mask, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

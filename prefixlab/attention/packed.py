@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from prefixlab.attention.reference import suffix_visibility
-from prefixlab.attention.tree import SharedLevel, TreePlan, check_levels, level_visibility
+from prefixlab.attention.tree import SharedLevel, TreePlan, _check_tensor, check_levels, level_visibility
 from prefixlab.compile import compile_or_eager
 from prefixlab.errors import InvalidInputError
 
@@ -140,6 +140,14 @@ def varlen_prefill_attention(
 ) -> torch.Tensor:
     """Causal prefill of prompts of different lengths packed WITHOUT padding (flash-attn varlen style), each after
     its shared levels: q (N, Hq, D), k/v (N, Hkv, D) with N = sum(lengths) tokens, sequence after sequence."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, tensor, 3, q)
+    if k.shape[2] != q.shape[2]:
+        raise InvalidInputError(f"k head_dim {k.shape[2]} differs from q head_dim {q.shape[2]}")
+    given = torch.as_tensor(lengths).reshape(-1)
+    if given.is_floating_point() or given.is_complex() or given.dtype == torch.bool:
+        raise InvalidInputError(f"lengths={given.tolist()} must be integers (tokens per sequence)")
+    lengths = given.tolist()
     if sum(lengths) != q.shape[0] or k.shape[0] != q.shape[0] or v.shape != k.shape or min(lengths, default=1) < 1:
         raise InvalidInputError(
             f"lengths={list(lengths)} must be positive and sum to the packed token count of q/k/v ({q.shape[0]})"

@@ -226,5 +226,7 @@ def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
     for cache, tokens in zip(caches, rows, strict=True):
         if len(tokens) - 1 > reused:
             own = torch.as_tensor(tokens[reused:-1], dtype=torch.long, device=model.device)[None]
-            model(input_ids=own, past_key_values=cache, use_cache=True, **keep)
+            # positions given: some models (Bamba) number a forward's tokens from 0 without them, even over a cache
+            positions = torch.arange(reused, len(tokens) - 1, device=model.device)[None]
+            model(input_ids=own, position_ids=positions, past_key_values=cache, use_cache=True, **keep)
     return HydragenCache.join_rows(model.config, caches)
