@@ -272,3 +272,24 @@ def test_models_without_a_shareable_attention_layer_are_refused_as_such(family):
         assert store.stats()["locked_matches"] == 0
     finally:
         store.close()
+
+
+def test_ids_an_embedding_cannot_take_and_a_model_with_active_dropout_are_refused_before_the_lookup(pair, store):
+    """uint8 ids passed (generate then failed in torch's embedding); a model with dropout active was served (its
+    outputs are random: HybridPrefixCache refuses it too)."""
+    _, hydragen = pair
+    prompt = _tokens(19, PREFIX)
+    _fill(store, prompt)
+    before = _snapshot(store)
+    with pytest.raises(InvalidInputError, match=r"integer token ids \(int64 or int32\), got dtype torch.uint8"):
+        hydragen_cache_from_store(store, prompt.to(torch.uint8), batch_size=N)
+    attention = next(m for m in hydragen.modules() if hasattr(m, "attention_dropout"))
+    rate, attention.attention_dropout = attention.attention_dropout, 0.1
+    hydragen.train()
+    try:
+        with pytest.raises(InvalidInputError, match="dropout active"):
+            hydragen_cache_from_store(store, prompt, batch_size=N)
+    finally:
+        hydragen.eval()
+        attention.attention_dropout = rate
+    _assert_untouched(store, before)

@@ -191,3 +191,16 @@ def test_a_used_cache_over_a_closed_store_is_refused_not_run_on_its_old_states(m
         generate(model, prompt, cache)
     with pytest.raises(StoreClosedError, match="was closed"):
         model(input_ids=prompt, past_key_values=cache)
+
+
+def test_an_unknown_option_is_refused_before_the_model_is_touched(model, tmp_path):
+    """It reached PrefixCacheCore as a bare TypeError (from PrefixStore.load too, after the file was read)."""
+    with pytest.raises(InvalidInputError, match="no option foo; it takes capacity"):
+        PrefixStore(model, capacity="64MB", foo=1)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    generate(model, tokens(1, 20, seed=4), HybridPrefixCache(store))
+    store.save(tmp_path / "store.safetensors")
+    store.close()
+    with pytest.raises(InvalidInputError, match="no option foo"):
+        PrefixStore.load(tmp_path / "store.safetensors", model, foo=1)
+    assert not getattr(model, "prefixlab_patched", False) and not model._forward_pre_hooks

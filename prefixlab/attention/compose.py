@@ -22,7 +22,7 @@ import torch
 
 from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
 from prefixlab.cache.defaults import check_unconverted
-from prefixlab.cache.model_info import check_token_ids
+from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
@@ -64,6 +64,7 @@ def hydragen_cache_from_store(
             "for several prompts build one cache per prompt"
         )
     check_token_ids(prompt_ids, model)  # before the lookup: generate would fail deep in torch on such an id
+    check_deterministic(model)  # dropout active: the cache would hold what generate then computes differently
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int (the sequences generate runs)")
     if not isinstance(namespace, str) or not namespace:

@@ -113,10 +113,10 @@ def weights_version(model: torch.nn.Module) -> tuple:
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
     """InvalidInputError if `ids` are not integers, or naming the first row with a token id outside the model's
     embedding table."""
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+    if ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes (not bool, uint8, floats)
         raise InvalidInputError(
-            f"input_ids must hold integer token ids, got dtype {ids.dtype}; pass e.g. input_ids.long(): nothing was "
-            "looked up or admitted"
+            f"input_ids must hold integer token ids (int64 or int32), got dtype {ids.dtype}; pass e.g. "
+            "input_ids.long(): nothing was looked up or admitted"
         )
     try:
         vocab = model.get_input_embeddings().num_embeddings

@@ -18,6 +18,7 @@ One HybridPrefixCache serves one request: never pass the same cache object to tw
 
 from __future__ import annotations
 
+import inspect
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -44,6 +45,10 @@ from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, path_kv
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
+
+# PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
+CORE_OPTIONS = frozenset(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
+                         if parameter.kind is parameter.KEYWORD_ONLY)
 
 
 class PrefixStore:
@@ -74,6 +79,11 @@ class PrefixStore:
                  media_cache: int | str = MEDIA_CACHE_BYTES, **core_options):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+        if unknown := sorted(set(core_options) - CORE_OPTIONS):
+            raise InvalidInputError(
+                f"PrefixStore has no option {', '.join(unknown)}; it takes capacity, policy, offload_capacity, "
+                f"block_size, patch, media_cache and {', '.join(sorted(CORE_OPTIONS))}"
+            )
         already_patched = bool(getattr(model, "prefixlab_patched", False))
         model_type = getattr(model.config, "model_type", "")
         if model_type in STATE_DROPPING_MODEL_TYPES and not (patch or already_patched):
