@@ -35,7 +35,7 @@ def inputs(image: int, question: list[int]) -> dict:
     return dict(input_ids=ids, pixel_values=images[image], image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).int())
 
 
-store = PrefixStore(model, capacity="256MB")  # media_cache="256MB" (the default) keeps encoded images too
+store = PrefixStore(model, capacity="256MB")  # media_cache="256MiB" (the default) keeps encoded images too
 encoded = []
 model.model.visual.register_forward_hook(lambda *_: encoded.append(1))
 for image in (0, 0, 1, 0, 1):

@@ -58,7 +58,7 @@ class PrefixStore:
     Args:
         model: a transformers causal LM (the store installs forward hooks on it).
         capacity: device byte budget, an int or a string such as "4GB" / "512MiB".
-        policy: admission policy of the core ("dp", "marconi", "sglang+", "vllm+").
+        policy: admission policy of the core ("dp", "marconi", "sglang+", "vllm+", "marconi+balanced|block|log").
         offload_capacity: optional host-memory budget; entries evicted from the device move there first.
         block_size: token granularity of the policies.
         patch: route the model's linear-attention layers through prefixlab.recurrent kernels (exact), so states are
@@ -67,7 +67,8 @@ class PrefixStore:
             (a model another store patched stays patched while this one is open).
         media_cache: on models whose images are keyed by content (cache/multimodal.py: Qwen3.5), the bytes of encoded
             images kept by their pixels so that a repeated image skips the vision tower (cache/media_memo.py; the
-            model's memo holds the most any open store asks for); 0 keeps none.
+            model's memo holds the most any open store asks for); default 256 MiB ("256MiB"; "256MB" is 256e6
+            bytes, another value); 0 keeps none.
 
     Thread-safe: several threads may run `generate` with their own HybridPrefixCache over one store; model forwards
     run concurrently, store bookkeeping is serialised by `lock` (see the module docstring). After `close()` every
