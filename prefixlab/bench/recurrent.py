@@ -176,8 +176,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--ssd-head-dim", type=int, default=64, help="SSD head dim")
     parser.add_argument("--ssd-state", type=int, default=128, help="SSD state size")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timed runs; the best of each counts")
-    parser.add_argument("--backend", default="compiled", help="prefixlab backend to time (default compiled; auto: "
-                        "fla / mamba_ssm on CUDA where installed; fla times the delta rule, the SSD then runs auto)")
+    parser.add_argument("--backend", default="compiled",
+                        help="prefixlab backend to time: naive, torch (chunked), compiled (the default), auto (fla / "
+                        "mamba_ssm on CUDA where installed) or fla (times the delta rule, the SSD then runs auto)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
                         help="inputs' dtype (the fla backend: bf16 / fp16)")

@@ -290,17 +290,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--model", required=True, help="config.json (random init, seeded) or a model folder with weights")
     cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
     cmd.add_argument("--tokenizer", help="tokenizers JSON file, for text prompts and decoded outputs")
-    cmd.add_argument("--routing", default="affinity", help=f"across processes: {', '.join(ASSIGNMENTS)}")
-    cmd.add_argument("--order", default="radix", help="within a process: radix (shared prefixes once) or input")
+    cmd.add_argument("--routing", default="affinity",
+                     help=f"across processes: {', '.join(ASSIGNMENTS)} (default affinity)")
+    cmd.add_argument("--order", default="radix",
+                     help="within a process: radix (shared prefixes once; the default) or input")
     cmd.add_argument("--hydragen", action="store_true",
                      help="batch the prompts under one primed prefix as one generate batch with Hydragen's shared "
                           "prefix (exact; see prefixlab/fleet/siblings.py; batches are not admitted to the store)")
-    cmd.add_argument("--max-batch", type=positive_int, default=16, help="--hydragen: most prompts in one batch")
-    cmd.add_argument("--max-new-tokens", type=positive_int, default=16, help="default for prompts without one")
-    cmd.add_argument("--capacity", default="1GB", help="each process's store capacity, e.g. 1GB or 256MiB")
+    cmd.add_argument("--max-batch", type=positive_int, default=16,
+                     help="--hydragen: most prompts in one batch (default 16)")
+    cmd.add_argument("--max-new-tokens", type=positive_int, default=16,
+                     help="for prompts without max_new_tokens (default 16)")
+    cmd.add_argument("--capacity", default="1GB",
+                     help="each process's store capacity, e.g. 1GB (the default) or 256MiB")
     cmd.add_argument("--policy", default="dp", help="store admission policy (default dp)")
-    cmd.add_argument("--balance-eps", type=float, default=0.15, help="affinity: max work (1 + eps) x the mean")
-    cmd.add_argument("--seed", type=seed_int, default=0, help="random-init seed (the same on every process)")
+    cmd.add_argument("--balance-eps", type=float, default=0.15,
+                     help="affinity: max work (1 + eps) x the mean (default 0.15)")
+    cmd.add_argument("--seed", type=seed_int, default=0, help="random-init seed (the same on every process; default 0)")
     cmd.add_argument("--on-error", default="stop", help="malformed prompt lines: stop (default) or skip")
     cmd.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
     cmd.add_argument("--json", action="store_true", help="print the summary as one JSON object")

@@ -291,8 +291,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--policy", default=DEFAULT_POLICIES, help=f"comma-separated policies (default {DEFAULT_POLICIES})"
     )
-    sim.add_argument("--capacity-gb", default=DEFAULT_CAPACITIES_GB, help="comma-separated cache sizes in GB (1e9 B)")
-    sim.add_argument("--model", default="marconi-7b", help="built-in model name or path to an HF config.json")
+    sim.add_argument("--capacity-gb", default=DEFAULT_CAPACITIES_GB,
+                     help=f"comma-separated cache sizes in GB (1e9 B; default {DEFAULT_CAPACITIES_GB})")
+    sim.add_argument("--model", default="marconi-7b",
+                     help="marconi-7b (the default, the only built-in) or an HF config.json")
     sim.add_argument("--json", action="store_true", help="print one JSON object per (policy, capacity)")
     sim.add_argument("--plot", metavar="FILE.png", help="plot token hit rate vs capacity per policy")
     sim.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
@@ -320,18 +322,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     conversations.add_argument("--max-sessions", help="keep only the first N conversations")
     shared = kinds.add_parser("shared-prefix", help="system prompts or QuALITY documents + short queries")
     shared.add_argument("--rate", default="1", help="requests per second, Poisson (default 1)")
-    shared.add_argument("--num-requests", default="1000")
+    shared.add_argument("--num-requests", default="1000", help="requests (default 1000)")
     shared.add_argument("--skew", default="1.0", help="Zipf popularity exponent of the prefixes (0 = uniform)")
-    shared.add_argument("--seed", default="0")
+    shared.add_argument("--seed", default="0", help="random seed (default 0)")
     shared.add_argument("--path-prefix", default="", help="system prompts: keep paths starting with this")
     builtin = kinds.add_parser("builtin", help="the small synthetic trace `simulate builtin` replays")
-    builtin.add_argument("--seed", default="0")
+    builtin.add_argument("--seed", default="0", help="random seed (default 0)")
     agentic = kinds.add_parser("agentic", help="tool-using agent sessions (synthetic): long appended histories")
-    agentic.add_argument("--sessions", default="40")
+    agentic.add_argument("--sessions", default="40", help="agent sessions (default 40)")
     few_shot = kinds.add_parser("few-shot", help="few-shot prompts with varying example sets (synthetic)")
-    few_shot.add_argument("--num-requests", default="600")
+    few_shot.add_argument("--num-requests", default="600", help="requests (default 600)")
     for kind in (agentic, few_shot):
-        kind.add_argument("--seed", default="0")
+        kind.add_argument("--seed", default="0", help="random seed (default 0)")
     mix = kinds.add_parser("mix", help="interleave trace files, each stretched to the longest one's time span")
     mix.add_argument("traces", nargs="+", help="Marconi JSONL traces to mix")
     mix.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
