@@ -218,24 +218,28 @@ def _run(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add `bench hydragen`."""
     p = subparsers.add_parser("hydragen", help="Hydragen shared-prefix attention vs SDPA (and --e2e generate)")
-    p.add_argument("--batch", default="64", help="sequences sharing the prefix (a comma-separated list sweeps)")
-    p.add_argument("--prefix", default="4096", help="shared prefix tokens (a comma-separated list sweeps)")
-    p.add_argument("--suffix", type=int, default=128, help="per-sequence tokens after the prefix")
-    p.add_argument("--queries", type=int, default=1, help="query tokens per sequence (1 = decode)")
-    p.add_argument("--q-heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=1)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--repeats", type=int, default=10, help="timed runs; the best is reported")
+    p.add_argument("--batch", default="64",
+                   help="sequences sharing the prefix (default 64; a comma-separated list sweeps)")
+    p.add_argument("--prefix", default="4096",
+                   help="shared prefix tokens (default 4096; a comma-separated list sweeps)")
+    p.add_argument("--suffix", type=int, default=128, help="per-sequence tokens after the prefix (default 128)")
+    p.add_argument("--queries", type=int, default=1, help="query tokens per sequence (default 1 = decode)")
+    p.add_argument("--q-heads", type=int, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=1, help="KV heads (default 1)")
+    p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="default fp32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="default cuda where available, else cpu")
+    p.add_argument("--repeats", type=int, default=10, help="timed runs; the best is reported (default 10)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     p.add_argument("--no-packed", action="store_true", help="skip the packed path (its compile takes a while on CPU)")
-    p.add_argument("--e2e", action="store_true", help="end-to-end decode throughput of a tiny model instead")
+    p.add_argument("--e2e", action="store_true",
+                   help="end-to-end generate decode throughput of a model (--model) instead")
     p.add_argument("--model", default="llama", choices=("llama", "qwen3_5", "qwen3_5_4b"),
-                   help="--e2e: tiny architecture, or a ~4 B Qwen3.5-shaped hybrid (GPU)")
-    p.add_argument("--completions", type=int, default=64, help="--e2e: num_return_sequences")
-    p.add_argument("--prompt", type=int, default=2048, help="--e2e: prompt tokens")
-    p.add_argument("--new-tokens", type=int, default=32, help="--e2e: tokens generated per completion")
+                   help="--e2e: a tiny architecture (default llama), or a ~4 B Qwen3.5-shaped hybrid (GPU)")
+    p.add_argument("--completions", type=int, default=64, help="--e2e: num_return_sequences (default 64)")
+    p.add_argument("--prompt", type=int, default=2048, help="--e2e: prompt tokens (default 2048)")
+    p.add_argument("--new-tokens", type=int, default=32, help="--e2e: tokens generated per completion (default 32)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a line per point of a sweep)")
     p.add_argument("--plot", help="write speed-up vs batch, a line per prefix, to this .png/.pdf/.svg")
     p.set_defaults(func=_run)

@@ -179,9 +179,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--backend", default="compiled",
                         help="prefixlab backend to time: naive, torch (chunked), compiled (the default), auto (fla / "
                         "mamba_ssm on CUDA where installed) or fla (times the delta rule, the SSD then runs auto)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--device", default="cpu", help="cpu (the default) or cuda")
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES),
-                        help="inputs' dtype (the fla backend: bf16 / fp16)")
+                        help="inputs' dtype (default fp32; the fla backend: bf16 / fp16)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", default="wall", choices=sorted(CLOCKS), help="wall seconds, or this process's "
                         "CPU seconds (cpu: other processes' load hardly moves it; the work itself with --threads 1)")

@@ -323,7 +323,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     shared = kinds.add_parser("shared-prefix", help="system prompts or QuALITY documents + short queries")
     shared.add_argument("--rate", default="1", help="requests per second, Poisson (default 1)")
     shared.add_argument("--num-requests", default="1000", help="requests (default 1000)")
-    shared.add_argument("--skew", default="1.0", help="Zipf popularity exponent of the prefixes (0 = uniform)")
+    shared.add_argument("--skew", default="1.0",
+                        help="Zipf popularity exponent of the prefixes (0 = uniform; default 1.0)")
     shared.add_argument("--seed", default="0", help="random seed (default 0)")
     shared.add_argument("--path-prefix", default="", help="system prompts: keep paths starting with this")
     builtin = kinds.add_parser("builtin", help="the small synthetic trace `simulate builtin` replays")
