@@ -91,6 +91,25 @@ def test_evicting_every_child_of_the_admitted_path_leaves_no_useless_kv():
     core.check_invariants()
 
 
+@pytest.mark.parametrize(("policy", "capacity_states"), [("vllm+", 8), ("sglang+", 2), ("dp", 2)])
+def test_an_entry_every_prompt_enters_a_little_is_evicted_below_the_shared_part(policy, capacity_states):
+    """Every request shares 2 tokens (a chat template) with a cached entry that fills most of the budget. Only those
+    2 are the new entry's path: the rest may go. The whole node was kept while evicting, so with a strict budget
+    later admissions were cut or refused and the cache stayed stuck on the old entry (vllm+ on LMSys: 6.3 % at
+    5 GB, 17.1 % with overflow)."""
+    core = _core(capacity_bytes=capacity_states * STATE_BYTES + 40 * KV_BYTES_PER_TOKEN, policy=policy)
+    big = [7, 8, *range(100, 124)]
+    request(core, big)
+    assert core.used_bytes > core.capacity_bytes // 2
+    for first in (200, 300, 400):
+        tokens = [7, 8, *range(first, first + 20)]
+        assert not core.admit(tokens, lambda a, b, t=tokens: TokenKV(tuple(t[a:b])),
+                              {len(tokens): PrefixState(tuple(tokens))}).refused
+        assert request(core, tokens).length == len(tokens)  # held whole, reusable
+        core.check_invariants()
+    assert core.match(big).length < len(big)  # the old entry's tail made room
+
+
 def test_overflow_keeps_the_whole_entry_until_the_next_admission():
     core = _core(capacity_bytes=2 * STATE_BYTES + 4 * 8, policy="vllm+", overflow=True)
     request(core, list(range(1, 13)))

@@ -84,11 +84,13 @@ def test_vllm_keeps_a_partial_block_state_when_the_extension_is_cut():
 
 
 def test_vllm_supersedes_only_on_the_admitted_sequences_own_path():
-    # [1, 9, ...] leaves [1, 2, 3, 4] after one token and is cut to its state at 1: the state at 4 on the same edge
-    # belongs to the other sequence and supersedes nothing of this one
+    # [1, 9, ...] leaves [1, 2, 3, 4] after one token and is cut to its state at 1 ([1, 2, 3, 4] stays: a live
+    # match holds it): the state at 4 on the same edge belongs to the other sequence and supersedes nothing of this one
     core = _core("vllm+", capacity_bytes=16 + 2 * STATE_BYTES + 50)
     request(core, [1, 2, 3, 4])
+    held = core.match([1, 2, 3, 4])
     assert _offer(core, [1, 9, 9, 9, 9, 9], [1, 6])
+    core.release(held)
     assert _checkpoints(core) == [1, 4] and naive_match(core, [1, 9])[0] == 1
     core.check_invariants()
 

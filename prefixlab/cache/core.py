@@ -211,18 +211,25 @@ class PrefixCacheCore:
         if self.bootstrap is not None:
             self._record(tokens, match)
         self.clock += 1
-        if not self._make_room(entry_bytes(new_kv, new_states), walk.path[-1]) and not self.overflow:
+        top, inside_edge = walk.path[-1], walk.ends_inside_edge  # the path's deepest node is kept while evicting
+        fits = self._make_room(entry_bytes(new_kv, new_states), top)
+        if not fits and not self.overflow and inside_edge:
+            # only `shared` tokens of that node are the path: split it there so its tail may go too (else an entry
+            # every prompt enters a little, e.g. past a chat template, fills the cache and refuses all admissions)
+            top, inside_edge = self.tree.split(top, shared, self.clock), False
+            fits = self._make_room(entry_bytes(new_kv, new_states), top)
+        if not fits and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
             room, ends = self.capacity_bytes - self.used_bytes, self._cut_points(new_states, shared, keep_end)
             new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
-                self._compact(walk.path[-1])  # evicting its children may have left it a useless leaf
+                self._compact(top)  # evicting its children may have left it a useless leaf
                 return Admission(0, 0, refused=True)
         admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
-        deepest = walk.path[-1]
+        deepest = top
         if new_kv is not None:
-            parent = self.tree.split(deepest, shared, self.clock) if walk.ends_inside_edge else deepest
+            parent = self.tree.split(deepest, shared, self.clock) if inside_edge else deepest
             on_leaf = [(p, s) for p, s in new_states if p > shared]
             new_states = new_states[: len(new_states) - len(on_leaf)]
             deepest = self.tree.add_leaf(parent, tokens[shared:keep_end].copy(), new_kv, self.clock, on_leaf)
@@ -241,7 +248,7 @@ class PrefixCacheCore:
         locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
         held = keep_end if new_kv is not None else shared
         self.admission.after_admit(self.tree, deepest, held, locked, restore)
-        self._compact(walk.path[-1])  # locked while evicting: its children may have gone, and its use with them
+        self._compact(top)  # locked while evicting: its children may have gone, and its use with them
         return admitted
 
     def release(self, match: Match) -> None:
