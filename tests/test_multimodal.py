@@ -323,3 +323,19 @@ def test_a_bad_media_cache_is_refused_before_the_model_is_touched(model, bad):
     with pytest.raises(InvalidInputError, match="media_cache"):
         PrefixStore(model, capacity="64MB", media_cache=bad)
     assert "get_image_features" not in vars(model.model)
+
+
+def test_a_training_step_after_a_request_gets_its_own_vision_tower_graph(model):
+    """Before: the memo handed a training forward (autograd on, no cache) the features a no_grad request had encoded
+    for the same image, so the loss was right but every vision parameter got no gradient (and an output encoded with
+    autograd on was kept with its graph). Now calls with autograd on are not memoized."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        model.generate(**image_inputs(prompt, 1), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       past_key_values=HybridPrefixCache(store))
+        model(**image_inputs(prompt, 1), labels=torch.tensor([prompt])).loss.backward()
+        assert all(p.grad is not None for p in model.model.visual.parameters())
+    finally:
+        model.zero_grad(set_to_none=True)
+        store.close()
