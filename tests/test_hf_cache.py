@@ -263,10 +263,23 @@ def test_entries_evicted_from_the_device_are_served_from_the_host_tier(model):
     assert cache.reused_tokens == 39 and store.stats()["offload_hits"] == 1
     assert torch.equal(out, generate(model, first))
     store.core.check_invariants()
-    store.offload.check_invariants()
-    match = store.offload.match(first[0, :39].tolist())
-    assert match.length == 39 and all(t.device.type == "cpu" for t in match.state.recurrent.values())
-    store.offload.release(match)
+
+
+def test_offload_hits_count_the_rows_served_from_the_host_tier_once(model):
+    """Before: every lookup that found more on the host counted, loaded or not, so a chunked prefill (a lookup per
+    chunk) served from the host once counted 5 offload hits for 1 hit sequence. Now a row counts once, when its
+    reuse was loaded from the host tier."""
+    systems = [tokens(40, seed=20 + k).tolist() for k in range(3)]
+    store = new_store(model, capacity="300KB", offload_capacity="64MB", policy="dp", block_size=32)
+    for system in systems:  # the device holds two of these: the first goes to the host tier
+        generate(model, torch.tensor([system + [5, 6]]), HybridPrefixCache(store))
+    prompt = torch.tensor([systems[0] + [7, 8, 9]])
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(model, prompt, cache, prefill_chunk_size=8), generate(model, prompt))
+    assert cache.report().rows[0].from_host and cache.reused_tokens > 0
+    stats = store.stats()
+    assert stats["offload_hits"] == stats["hit_sequences"] == 1
+    store.close()
 
 
 def test_without_a_host_tier_evicted_entries_are_gone(model):

@@ -323,3 +323,42 @@ def test_a_bad_media_cache_is_refused_before_the_model_is_touched(model, bad):
     with pytest.raises(InvalidInputError, match="media_cache"):
         PrefixStore(model, capacity="64MB", media_cache=bad)
     assert "get_image_features" not in vars(model.model)
+
+
+def test_a_training_step_after_a_request_gets_its_own_vision_tower_graph(model):
+    """Before: the memo handed a training forward (autograd on, no cache) the features a no_grad request had encoded
+    for the same image, so the loss was right but every vision parameter got no gradient (and an output encoded with
+    autograd on was kept with its graph). Now calls with autograd on are not memoized."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        model.generate(**image_inputs(prompt, 1), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       past_key_values=HybridPrefixCache(store))
+        model(**image_inputs(prompt, 1), labels=torch.tensor([prompt])).loss.backward()
+        assert all(p.grad is not None for p in model.model.visual.parameters())
+    finally:
+        model.zero_grad(set_to_none=True)
+        store.close()
+
+
+def test_a_second_generate_call_continues_a_request_past_an_image(model):
+    """A chat turn continued on the same cache: generate's later call gives text positions plus the image's M-RoPE
+    offset ([1, batch, t]). Before: refused ("this forward does not continue them") whenever the prompt held an
+    image. Now both turns equal the model's own over a DynamicCache, and the second resumes from the store."""
+    from transformers import DynamicCache
+
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    store = PrefixStore(model, capacity="64MB")
+    for _ in range(2):
+        turns = []
+        for cache in (DynamicCache(config=model.config), HybridPrefixCache(store)):
+            first = model.generate(**image_inputs(prompt, 1), **options, past_key_values=cache)
+            ids = torch.cat([first.sequences, torch.tensor([[50, 51, 52]])], dim=1)
+            second = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options,
+                                    past_key_values=cache)
+            turns.append([(out.sequences, torch.stack(out.scores)) for out in (first, second)])
+        for reference, served in zip(*turns, strict=True):
+            assert_same(reference, served)
+    assert cache.reused_tokens > len(prompt)
+    store.close()

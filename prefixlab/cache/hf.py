@@ -266,8 +266,8 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
-        for row, reused in zip(rows, rows_reused, strict=True):
-            row.reused = reused
+        for row, reused, (match, source) in zip(rows, rows_reused, found, strict=True):
+            row.reused, row.from_host = reused, bool(reused) and source is not match
             if reused < row.checkpoint:
                 row.reason = "batch_alignment"
         return common, rows, rows_reused
@@ -281,7 +281,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
                          from_host=source is not match)
 
     def _lookup(self, probe) -> tuple:
-        return self.store.lookup(probe, self.namespace)
+        return self.store.lookup(probe, self.namespace, count=False)  # (rows loaded from the host: record_request)
 
     def _unlock(self, match, source) -> None:
         self.store.release_lookup(match, source)

@@ -166,7 +166,7 @@ class _ModelHooks:
                                 kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs))
             offset = 0
         else:
-            kwargs = _continuing(module, cache, kwargs, self.media, resume=not splitting)
+            kwargs = _continuing(module, cache, kwargs, self.media, not splitting, self.own_positions)
             start = offset = cache.get_seq_length()
         if "position_ids" in self.parameters and not (offset and self.own_positions):  # (M-RoPE: the model's own)
             kwargs = with_column_positions(kwargs, offset)  # the forward (or its segments) at its columns
@@ -249,18 +249,20 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
     return hooks is not None and (owner is None or id(owner) in hooks.owners)
 
 
-def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaTokens, resume: bool = True) -> dict:
+def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaTokens, resume: bool = True,
+                mrope: bool = False) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
     and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
-    forward whose positions start elsewhere (a new prompt over a used cache) is refused."""
+    forward whose positions start elsewhere (a new prompt over a used cache) is refused (`mrope`: positions the
+    model offsets past images, checked where they can be: rows.continues_at)."""
     input_ids, seen = kwargs["input_ids"], cache.get_seq_length()
     length = input_ids.shape[1]
     # (not a decode step: those feed one token; with positions, a feed again starts where the held tokens did)
-    if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads):
+    if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads, mrope):
         held = cache.held_tokens()
         if held.shape == (input_ids.shape[0], seen) and torch.equal(input_ids[:, :seen].cpu(), held):
             kwargs = _slice_inputs(kwargs, seen, length, length)
-    if not continues_at(kwargs.get("position_ids"), seen, cache.row_pads):
+    if not continues_at(kwargs.get("position_ids"), seen, cache.row_pads, mrope):
         raise InvalidInputError(
             f"this HybridPrefixCache holds {seen} tokens of a request and this forward does not "
             "continue them (its positions start elsewhere: a new prompt would run on the old one's states); use a "

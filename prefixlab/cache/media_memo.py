@@ -6,7 +6,8 @@ most of what such a request still computes. Models whose images the hooks key (`
 a digest of the pixels, the grid, the dtype, shape and device, and the model's weights version; the encoder's output
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
 (per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
-(attentions, hidden states) are not memoized. Each call gets its own copy of the output object (generate() rewrites
+(attentions, hidden states) or with autograd on (a training step: its vision tower needs its own graph) are not
+memoized. Each call gets its own copy of the output object (generate() rewrites
 its fields when it expands a batch), sharing the tensors. The digest reads every pixel byte on the CPU (BLAKE2b,
 about 0.7 ms a MB on the development machine: 13 ms for a 4096-patch image): where the vision tower is cheaper than
 that, `media_cache=0` turns the memo off.
@@ -45,7 +46,7 @@ class FeatureMemo:
 
         @functools.wraps(encode)
         def memoized(*args, **kwargs):
-            key = self._key(signature, var_keyword, args, kwargs)
+            key = None if torch.is_grad_enabled() else self._key(signature, var_keyword, args, kwargs)
             if key is None:
                 return encode(*args, **kwargs)
             key = (modality, key, hash(weights()))

@@ -43,16 +43,17 @@ def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: i
 
 
 
-def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None) -> bool:
+def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None, mrope: bool = False) -> bool:
     """Whether a forward over a cache holding `seen` columns starts each row at its real position `seen - pad`, as
     a continuation of what the cache holds does (a later generate() call with another prompt starts elsewhere);
-    True where it cannot be told (no positions, rows not admitted, positions broadcast over rows padded apart)."""
+    True where it cannot be told (no positions, rows not admitted, positions broadcast over rows padded apart, or on
+    a model offsetting positions past an image, `mrope`, any but generate's 4 rows, whose first counts text)."""
     if position_ids is None or pads is None or position_ids.shape[-1] == 0:
         return True
     ids = position_ids.detach()
     ids = ids[None] if ids.dim() == 2 else ids
-    if ids.dim() == 3 and len(ids) in (3, 4):  # M-RoPE: past an image its rows are offset from the columns
-        if len(ids) == 3:  # (they alone: cannot be told)
+    if ids.dim() == 3 and (mrope or len(ids) in (3, 4)):  # M-RoPE: past an image its rows are offset from the columns
+        if len(ids) != 4:  # (text positions + the image's offset, generate's later calls: cannot be told)
             return True
         ids = ids[:1]  # 4 rows: the first counts text positions
     if ids.dim() != 3 or ids.shape[1] not in (1, len(pads)) or (ids.shape[1] == 1 and len(set(pads)) > 1):

@@ -216,25 +216,26 @@ class PrefixStore:
         return self.core.match(tokens, namespace=namespace)
 
     @serialized
-    def match_offloaded(self, tokens: Sequence[int], namespace: str, longer_than: int):
-        """A host-tier match reusing more than `longer_than` tokens (locked until `release`), else None."""
+    def match_offloaded(self, tokens: Sequence[int], namespace: str, longer_than: int, count: bool = True):
+        """A host-tier match reusing more than `longer_than` tokens (locked until `release`), else None; `count`: as
+        an offload hit in `stats()` (HybridPrefixCache counts the rows it loads instead: record_request)."""
         if self.offload is None:
             return None
         match = self.offload.match(tokens, namespace=namespace)
         if match.length > longer_than:
-            self._counters["offload_hits"] += 1
+            self._counters["offload_hits"] += int(count)
             self._host_matches.add(id(match))
             return match
         self.offload.release(match)
         return None
 
     @serialized
-    def lookup(self, tokens: Sequence[int], namespace: str = "default") -> tuple:
+    def lookup(self, tokens: Sequence[int], namespace: str = "default", count: bool = True) -> tuple:
         """(device match, match to load from: the host tier's when it reuses more, else the device one); both stay
         locked until `release_lookup`."""
         match = self.match(tokens, namespace)
         try:
-            return match, self.match_offloaded(tokens, namespace, longer_than=match.length) or match
+            return match, self.match_offloaded(tokens, namespace, match.length, count) or match
         except BaseException:
             self.release(match)
             raise
@@ -298,6 +299,7 @@ class PrefixStore:
         for row, sign in (*((r, -1) for r in replacing), *((r, 1) for r in rows)):
             self._counters["sequences"] += sign
             self._counters["hit_sequences"] += sign if row.reused else 0
+            self._counters["offload_hits"] += sign if row.reused and row.from_host else 0
             self._counters["reused_tokens"] += sign * row.reused
             self._counters["reused_bytes"] += sign * (row.reused * self.spec.kv_bytes_per_token
                                                       + (self.spec.state_bytes if row.reused else 0))
@@ -338,7 +340,8 @@ class PrefixStore:
     @serialized
     def stats(self) -> dict:
         """Core statistics (bytes, checkpoints, evictions, rejected admissions...) plus reuse per sequence served:
-        sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store),
+        sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store), offload_hits
+        (sequences whose reuse was loaded from the host tier),
         decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill),
         `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
         without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
