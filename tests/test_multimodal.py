@@ -362,3 +362,21 @@ def test_a_second_generate_call_continues_a_request_past_an_image(model):
             assert_same(reference, served)
     assert cache.reused_tokens > len(prompt)
     store.close()
+
+
+def test_one_namespace_never_gets_another_namespaces_encoded_image(model):
+    """A skipped vision tower would tell tenant b that tenant a sent this image (the timing side channel namespaces
+    close for prefixes): the memo keys by the request's namespace."""
+    runs = []
+    hook = model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    options = dict(max_new_tokens=2, do_sample=False, pad_token_id=0)
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        for namespace, expected in (("a", 1), ("a", 0), ("b", 1), ("b", 0)):
+            runs.clear()
+            model.generate(**image_inputs(prompt, 7), **options, past_key_values=HybridPrefixCache(store, namespace))
+            assert (namespace, len(runs)) == (namespace, expected)
+    finally:
+        hook.remove()
+        store.close()

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from prefixlab.cache.media_memo import FeatureMemo, install, uninstall
+from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
 from prefixlab.cache.rows import continues_at
@@ -86,7 +86,7 @@ class _ModelHooks:
         self.owners: dict[int, int] = {}  # owner -> the encoder memo's bytes it asks for (media_memo.py)
         self.memo = FeatureMemo(0)
         if self.media.keyed_ids:  # keyed images: a repeated one need not be encoded again either
-            install(getattr(model, "model", model), self.memo)
+            install(getattr(model, "model", model), self.memo, model)
         self.segment_logits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> split prefill's
         self.splitting: weakref.WeakSet = weakref.WeakSet()  # caches whose first forward runs its split segments
         self.handles = [
@@ -108,7 +108,7 @@ class _ModelHooks:
     def remove(self, model: torch.nn.Module) -> None:
         for handle in self.handles:
             handle.remove()
-        uninstall(getattr(model, "model", model))
+        uninstall(getattr(model, "model", model), model)
         guard = vars(model).get("forward")
         if guard is not None and guard is self.guard():  # else something wrapped it since (torch.compile): keep it
             if guard.prefixlab_replaced is None:
@@ -123,6 +123,7 @@ class _ModelHooks:
     @torch.compiler.disable  # bookkeeping on token ids and the store (model.compile() would trace it): eager
     def before_forward(self, module, args: tuple, kwargs: dict):
         cache = self._cache(kwargs)
+        serve_namespace(getattr(cache, "namespace", None))  # the encoder memo's key (media_memo.py)
         if cache is None:
             return None
         try:

@@ -7,9 +7,10 @@ a digest of the pixels, the grid, the dtype, shape and device, and the model's w
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
 (per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
 (attentions, hidden states) or with autograd on (a training step: its vision tower needs its own graph) are not
-memoized. Each call gets its own copy of the output object (generate() rewrites
-its fields when it expands a batch), sharing the tensors. The digest reads every pixel byte on the CPU (BLAKE2b,
-about 0.7 ms a MB on the development machine: 13 ms for a 4096-patch image): where the vision tower is cheaper than
+memoized, and a request's namespace is part of the key (one tenant never skips the vision tower on another's
+image). Each call gets its own copy of the output object (generate() rewrites its fields when it expands a batch),
+sharing the tensors. The digest reads every pixel byte on the CPU (BLAKE2b, about 0.7 ms a MB on the development
+machine: 13 ms for a 4096-patch image): where the vision tower is cheaper than
 that, `media_cache=0` turns the memo off.
 """
 
@@ -28,6 +29,16 @@ import torch
 from prefixlab.cache.model_info import weights_version
 
 MEDIA_CACHE_BYTES = 256 * 2**20  # the default PrefixStore(media_cache=...)
+
+# the namespace of the request this thread's model forward serves (set by the hooks): one namespace never gets
+# another's encoder outputs, whose skipped vision tower would tell it that image was sent (the timing side channel
+# namespaces close for prefixes)
+_serving = threading.local()
+
+
+def serve_namespace(namespace: str | None) -> None:
+    """Key this thread's next encoder calls by `namespace` (None: a forward without a prefix cache)."""
+    _serving.namespace = namespace
 
 
 class FeatureMemo:
@@ -49,7 +60,7 @@ class FeatureMemo:
             key = None if torch.is_grad_enabled() else self._key(signature, var_keyword, args, kwargs)
             if key is None:
                 return encode(*args, **kwargs)
-            key = (modality, key, hash(weights()))
+            key = (modality, key, hash(weights()), getattr(_serving, "namespace", None))
             with self.lock:
                 found = self.entries.get(key)
                 if found is not None:
@@ -104,20 +115,34 @@ class FeatureMemo:
                 self.used_bytes -= freed
 
 
-def install(module: torch.nn.Module, memo: FeatureMemo) -> None:
-    """Wrap `module`'s image and video encoders (instance attributes over its methods) with `memo`."""
+# transformers' generate() runs a VLM's encoders before its first forward (so before the hooks see the cache)
+PREPARE = "_prepare_multimodal_encoder_kwargs_for_generation"
+
+
+def install(module: torch.nn.Module, memo: FeatureMemo, model: torch.nn.Module | None = None) -> None:
+    """Wrap `module`'s image and video encoders (instance attributes over its methods) with `memo`; and `model`'s
+    generate() step that runs them, so that they are keyed by the namespace of the cache generate() was given."""
     weights = functools.partial(weights_version, module)
     for modality in ("image", "video"):
         name = f"get_{modality}_features"
         encode = getattr(module, name, None)
         if encode is not None and not hasattr(encode, "prefixlab_memoized"):
             setattr(module, name, memo.wrap(encode, modality, weights))
+    prepare = getattr(model, PREPARE, None)
+    if prepare is not None and not hasattr(prepare, "prefixlab_memoized"):
+        @functools.wraps(prepare)
+        def keyed_by_request(model_kwargs: dict, *args, **kwargs):
+            serve_namespace(getattr(model_kwargs.get("past_key_values"), "namespace", None))
+            return prepare(model_kwargs, *args, **kwargs)
+
+        keyed_by_request.prefixlab_memoized = prepare
+        setattr(model, PREPARE, keyed_by_request)
 
 
-def uninstall(module: torch.nn.Module) -> None:
-    for name in ("get_image_features", "get_video_features"):
-        if hasattr(vars(module).get(name), "prefixlab_memoized"):
-            delattr(module, name)
+def uninstall(module: torch.nn.Module, model: torch.nn.Module | None = None) -> None:
+    for owner, name in ((module, "get_image_features"), (module, "get_video_features"), (model, PREPARE)):
+        if owner is not None and hasattr(vars(owner).get(name), "prefixlab_memoized"):
+            delattr(owner, name)
 
 
 def _nbytes(value) -> int:
