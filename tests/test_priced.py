@@ -180,6 +180,24 @@ def test_the_uniform_prior_is_placed_only_while_states_cost_nothing():
     core.release(match)
 
 
+@pytest.mark.parametrize("overflow", [False, True])
+def test_dp_adds_no_state_that_makes_an_entry_outgrow_a_strict_budget(overflow):
+    """A 100-token entry (400 bytes of KV) and its end state fit a 600-byte budget; with the prior's 4 states
+    (900 bytes) it does not, and a strict budget cut it at one of them: a long document lost its end (document QA
+    in a store that holds the document: dp 79 % against marconi's 98 %). An entry too big either way keeps them:
+    they are where it can be cut. With overflow (the simulator's default) an entry is kept whole: states cut
+    nothing."""
+    entry, prior = list(range(1, 101)), [20, 40, 60, 80, 100]
+    for capacity_bytes, planned, reused in ((600, prior if overflow else [100], 100), (300, prior, 20)):
+        core = PrefixCacheCore(capacity_bytes, "dp", tiny_spec(), block_size=4, overflow=overflow)
+        match = core.match(entry)
+        assert core.plan(entry, match) == planned
+        core.release(match)
+        request(core, entry)
+        assert core.match(entry).length == (100 if overflow else reused)
+        core.check_invariants()
+
+
 def test_dp_tuner_keeps_the_middle_of_tied_alphas():
     flat = {0.0: 1.0, 0.1: 2.0}
     assert tune_alpha(lambda a: flat.get(a, 3.0)) == 0.2  # Marconi: the smallest of the best

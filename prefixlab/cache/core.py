@@ -100,7 +100,7 @@ class PrefixCacheCore:
             raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
         self.capacity_bytes, self.policy, self.spec = int(capacity_bytes), policy, spec
         self.options = PolicyOptions(block_size=block_size, checkpoint_budget=checkpoint_budget,
-                                     capacity_bytes=self.capacity_bytes)
+                                     capacity_bytes=self.capacity_bytes, strict_budget=not overflow)
         self.hybrid, self.overflow = spec.state_bytes > 0, bool(overflow)
         self.tree = RadixTree()
         self.admission, self.eviction = build_policy(policy, self.tree, spec, self.options, alpha or 0.0)

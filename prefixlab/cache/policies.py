@@ -47,6 +47,7 @@ class PolicyOptions:
     law_block: int = 16
     resolve_every: int = 50
     capacity_bytes: int = 0  # the cache's budget (dp prices states by how full it is); 0: unknown, always full
+    strict_budget: bool = False  # an entry that does not fit is cut (not kept whole over the budget: overflow)
 
 
 def check_policy_name(name: object) -> str:
@@ -74,7 +75,8 @@ def build_policy(
 
         admission = PricedAdmission(options.law_block, options.histogram_decay, options.resolve_every,
                                     spec.state_bytes / max(spec.kv_bytes_per_token, 1), tree, options.capacity_bytes,
-                                    prior_states=options.checkpoint_budget)
+                                    prior_states=options.checkpoint_budget,
+                                    token_bytes=spec.kv_bytes_per_token if options.strict_budget else 0)
         eviction = ThinningFlopAware(tree, spec, options.block_size, alpha)
         eviction.link(admission)
         return admission, eviction

@@ -211,8 +211,9 @@ class PricedAdmission(MarconiAdmission):
 
     def __init__(self, block: int, decay: float, resolve_every: int, state_tokens: float,
                  tree: RadixTree | None = None, capacity_bytes: int = 0, max_len: int = 1 << 15,
-                 prior_states: int = 4) -> None:
+                 prior_states: int = 4, token_bytes: int = 0) -> None:
         self.tree, self.capacity_bytes, self.prior_states = tree, capacity_bytes, max(int(prior_states), 1)
+        self.token_bytes = token_bytes  # KV bytes per token; 0: unknown, or entries are never cut (overflow)
         self.law = EntryLaw(max_len, block, decay, resolve_every)  # all requests: pressure, prompt repeats
         self.laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
         self.end_laws = {kind: EntryLaw(max_len, block, decay, resolve_every) for kind in ENTRY_KINDS}
@@ -375,7 +376,20 @@ class PricedAdmission(MarconiAdmission):
             positions.add(end)
             predicted += repeat_saving
         self.law.add("predicted", predicted)
+        marconi = super().plan(walk, length, reused)
+        if not self._fits_budget(span, len(positions)) and self._fits_budget(span, len(marconi)):
+            # dp's states would make an entry that fits the whole budget outgrow it, and a strict budget then cuts
+            # the entry at one of them (a long document losing its end): only Marconi's are kept. (An entry too
+            # big either way keeps them: they are where it can be cut.)
+            positions = set(marconi)
         return sorted(positions)
+
+    def _fits_budget(self, tokens: int, states: int) -> bool:
+        """Whether `tokens` new KV tokens and `states` states fit in the whole byte budget (True when unknown, or
+        when entries over the budget are kept whole)."""
+        if self.tree is None or self.capacity_bytes <= 0 or self.token_bytes <= 0:
+            return True
+        return (tokens + states * self.state_tokens) * self.token_bytes <= self.capacity_bytes
 
     def overlap_masses(self, node: Node, count: int) -> list[float]:
         """Expected overlaps per entry that would resume from each of the first `count` checkpoints of `node`: those
