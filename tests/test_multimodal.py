@@ -380,3 +380,25 @@ def test_one_namespace_never_gets_another_namespaces_encoded_image(model):
     finally:
         hook.remove()
         store.close()
+
+
+def test_a_model_in_training_mode_encodes_every_image_again(model):
+    """Evaluation with dropout on (train mode under no_grad, no cache): each call draws its own dropout sample, so a
+    repeated image must not get the memo's features of an earlier call."""
+    runs = []
+    hook = model.model.visual.register_forward_hook(lambda *_: runs.append(1))
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.no_grad():
+            model(**image_inputs(prompt, 3))
+            model(**image_inputs(prompt, 3))
+            assert len(runs) == 1  # eval mode: the memo serves the repeat
+            model.train()
+            model(**image_inputs(prompt, 3))
+            model(**image_inputs(prompt, 3))
+            assert len(runs) == 3
+    finally:
+        model.eval()
+        hook.remove()
+        store.close()

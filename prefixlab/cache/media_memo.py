@@ -6,12 +6,12 @@ most of what such a request still computes. Models whose images the hooks key (`
 a digest of the pixels, the grid, the dtype, shape and device, and the model's weights version; the encoder's output
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
 (per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
-(attentions, hidden states) or with autograd on (a training step: its vision tower needs its own graph) are not
-memoized, and a request's namespace is part of the key (one tenant never skips the vision tower on another's
-image). Each call gets its own copy of the output object (generate() rewrites its fields when it expands a batch),
-sharing the tensors. The digest reads every pixel byte on the CPU (BLAKE2b, about 0.7 ms a MB on the development
-machine: 13 ms for a 4096-patch image): where the vision tower is cheaper than
-that, `media_cache=0` turns the memo off.
+(attentions, hidden states), with autograd on (a training step: its vision tower needs its own graph) or in
+training mode (dropout draws a sample per call) are not memoized, and a request's namespace is part of the key (one
+tenant never skips the vision tower on another's image). Each call gets its own copy of the output object
+(generate() rewrites its fields when it expands a batch), sharing the tensors. The digest reads every pixel byte on
+the CPU (BLAKE2b, about 0.7 ms a MB on the development machine: 13 ms for a 4096-patch image): where the vision
+tower is cheaper than that, `media_cache=0` turns the memo off.
 """
 
 from __future__ import annotations
@@ -50,14 +50,17 @@ class FeatureMemo:
         self.used_bytes = self.hits = self.misses = 0
         self.lock = threading.Lock()
 
-    def wrap(self, encode: Callable, modality: str, weights: Callable[[], tuple]) -> Callable:
+    def wrap(self, encode: Callable, modality: str, weights: Callable[[], tuple],
+             training: Callable[[], bool] = lambda: False) -> Callable:
         """`encode` (a model's `get_<modality>_features`) answered from the memo when it holds the call."""
         signature = inspect.signature(encode)
         var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
         @functools.wraps(encode)
         def memoized(*args, **kwargs):
-            key = None if torch.is_grad_enabled() else self._key(signature, var_keyword, args, kwargs)
+            # autograd on (a training step needs its own graph) or training mode (dropout: each call its own sample)
+            memoizable = not torch.is_grad_enabled() and not training()
+            key = self._key(signature, var_keyword, args, kwargs) if memoizable else None
             if key is None:
                 return encode(*args, **kwargs)
             key = (modality, key, hash(weights()), getattr(_serving, "namespace", None))
@@ -127,7 +130,7 @@ def install(module: torch.nn.Module, memo: FeatureMemo, model: torch.nn.Module |
         name = f"get_{modality}_features"
         encode = getattr(module, name, None)
         if encode is not None and not hasattr(encode, "prefixlab_memoized"):
-            setattr(module, name, memo.wrap(encode, modality, weights))
+            setattr(module, name, memo.wrap(encode, modality, weights, lambda: module.training))
     prepare = getattr(model, PREPARE, None)
     if prepare is not None and not hasattr(prepare, "prefixlab_memoized"):
         @functools.wraps(prepare)
