@@ -11,7 +11,8 @@ from prefix_helpers import STATE_BYTES, picks_under_a_live_match, request, tiny_
 from prefixlab.cache.alpha import ALPHA_GRID, tune_alpha
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.eviction import FlopAware, ThinningFlopAware
-from prefixlab.cache.priced import EntryLaw, PricedAdmission
+from prefixlab.cache.law import EntryLaw
+from prefixlab.cache.priced import PricedAdmission
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
 
@@ -326,7 +327,7 @@ def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
 def test_replay_caches_change_no_decision(monkeypatch):
     """Solved tables reused by histogram, thinning's read-back of the values its drop computed and the law's
     sums of bin ranges are only caches: a replay without them makes the same decisions (hits, evictions, tree)."""
-    from prefixlab.cache import priced
+    from prefixlab.cache import law
     from prefixlab.cache.placement import PlacementTable
 
     rng = np.random.default_rng(3)
@@ -363,7 +364,7 @@ def test_replay_caches_change_no_decision(monkeypatch):
     cached = replay()
     solved = []
     monkeypatch.setattr(EntryLaw, "interior_mass", exact_mass)
-    monkeypatch.setattr(priced, "_solved", lambda hist: solved.append(1) or PlacementTable(hist, priced.MAX_PLACED))
+    monkeypatch.setattr(law, "_solved", lambda hist: solved.append(1) or PlacementTable(hist, law.MAX_PLACED))
     original = ThinningFlopAware.flop_efficiency
 
     def forgetful(self, node):
