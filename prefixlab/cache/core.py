@@ -18,6 +18,7 @@ import numpy as np
 from prefixlab.cache.alpha import ALPHA_GRID, AlphaBootstrap
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.explain import EvictionLog, path_tokens
+from prefixlab.cache.invariants import check_core_invariants
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.tokens import as_tokens, check_namespace
@@ -374,17 +375,7 @@ class PrefixCacheCore:
 
     def check_invariants(self) -> None:
         """Recompute bytes, locks and the eviction index from scratch; AssertionError on any drift."""
-        self.tree.check_invariants()
-        over = self.used_bytes > self.capacity_bytes
-        assert not over or self.overflow, f"used {self.used_bytes} > capacity {self.capacity_bytes}"
-        locks: dict[int, int] = {}
-        for match in self._live.values():
-            for node in match.node.ancestors():
-                locks[node.id] = locks.get(node.id, 0) + 1
-        for node in self.tree.nodes():
-            assert node.lock_count == locks.get(node.id, 0), f"{node} lock count {node.lock_count} != live matches"
-            assert (node.id in self.eviction.nodes) == self.eviction.eligible(node), f"{node} eviction index stale"
-
+        check_core_invariants(self)
 
 def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_tokens: np.ndarray,
                    namespace: str = "default") -> int:
