@@ -347,6 +347,11 @@ def test_bf16_entries_round_trip_bit_for_bit(tmp_path):
     lambda h: h["tiers"]["device"][0].pop("leaf"),
     lambda h: h["tiers"]["device"][0].update(parent=10**6),
     lambda h: h["tiers"]["host"][0].update(tokens=h["tiers"]["host"][0]["tokens"][:-1]),
+    lambda h: h.update(capacity_bytes=-1),
+    lambda h: h.update(capacity_bytes="4GB"),
+    lambda h: h.update(policy="lru"),
+    lambda h: h.update(block_size=0),
+    lambda h: h.update(offload_capacity_bytes=1.5),
 ])
 def test_a_well_formed_file_with_an_inconsistent_header_raises_the_librarys_error(saved, copied, edit):
     """Headers whose checksum matches but whose content does not (written by something else): CorruptStoreError."""

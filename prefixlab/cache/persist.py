@@ -46,6 +46,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from prefixlab.cache.model_info import model_identity
+from prefixlab.cache.policies import POLICY_NAMES
 from prefixlab.cache.tensors import kv_from_flat, kv_to_flat, path_kv, state_from_flat, state_to_flat
 from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError
 
@@ -227,6 +228,7 @@ def _read_header(path: Path) -> dict:
             raise ValueError(f"tiers {sorted(header['tiers'])}")
         if not all(isinstance(v, list) and len(v) == 3 for v in header["tensors"].values()):
             raise ValueError("tensor records")
+        _check_saved_options(header)
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         if isinstance(err, PrefixlabError):
             raise
@@ -234,6 +236,19 @@ def _read_header(path: Path) -> dict:
             from None
     header["tiers"] = {tier: header["tiers"][tier] for tier in TIERS if tier in header["tiers"]}
     return header
+
+
+def _check_saved_options(header: dict) -> None:
+    """ValueError unless the saved budget, policy and block size are what save_store writes (a header whose
+    checksum matches can still come from something else: that is a corrupt file, not the caller's bad input)."""
+    def count(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+    offload = header["offload_capacity_bytes"]
+    if not (count(header["capacity_bytes"]) and count(header["block_size"]) and (offload is None or count(offload))
+            and header["policy"] in POLICY_NAMES):
+        raise ValueError(f"saved options capacity_bytes={header['capacity_bytes']!r}, policy={header['policy']!r}, "
+                         f"block_size={header['block_size']!r}, offload_capacity_bytes={offload!r}")
 
 
 def _check_model(path: Path, header: dict, model: torch.nn.Module) -> dict[str, str]:
