@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixlab.recurrent import gated_delta_rule
+from prefixlab.recurrent import _chunks, gated_delta_rule
 from prefixlab.recurrent.hf_reference import hf_chunk_gated_delta_rule, hf_chunk_kda, hf_recurrent_gated_delta_rule
 from prefixlab.recurrent.inputs import delta_rule_inputs, random_state
 
@@ -160,3 +160,35 @@ def test_gradients_flow_through_the_chunked_path(backend):
     grads = torch.autograd.grad((o.sum() + final.sum() + captured[9].sum()), list(leaves.values()))
     grads_ref = torch.autograd.grad((o_ref.sum() + final_ref.sum() + captured_ref[9].sum()), list(leaves.values()))
     assert all(max_diff(a, b) <= 1e-4 for a, b in zip(grads, grads_ref, strict=True))
+
+
+# 0 heads: one row and one head a block; one compiled case (each block shape is one more compiled graph)
+@pytest.mark.parametrize("budget_heads,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch"),
+                                                        (2, 2, "compiled")])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_cpu_blocks_of_rows_and_heads_give_the_whole_calls_results(monkeypatch, budget_heads, batch, backend,
+                                                                   per_channel):
+    """On the CPU rows and heads run in cache-sized blocks; outputs, final and captured states are the whole call's."""
+    length, heads, dim = 40, 4, 8
+    inputs = delta_rule_inputs(batch, length, 2, heads, dim, dim, per_channel_decay=per_channel, seed=3)
+    initial = random_state(batch, heads, dim, dim, seed=4)
+    common = {"initial_state": initial, "capture": (0, 13, 32, 40), "chunk_size": 16, "use_qk_l2norm": True,
+              "backend": backend}
+    whole = gated_delta_rule(**inputs, **common)
+    per_head_bytes = length * max(dim, 16) * 4  # blocks are sized by the largest of K, V and the chunk
+    monkeypatch.setattr(_chunks, "CPU_BLOCK_BYTES", max(budget_heads, 1) * batch ** (budget_heads > 0) * per_head_bytes)
+    blocks = _chunks.cpu_blocks(torch.device("cpu"), batch, length, heads, 16)
+    assert sum(len(row) for row in blocks) == (heads // max(budget_heads, 1)) * (batch if budget_heads == 0 else 1)
+    blocked = gated_delta_rule(**inputs, **common)
+    assert max_diff(blocked[0], whole[0]) <= ATOL and max_diff(blocked[1], whole[1]) <= ATOL
+    assert sorted(blocked[2]) == sorted(whole[2])
+    assert all(max_diff(blocked[2][p], whole[2][p]) <= ATOL for p in whole[2])
+
+
+def test_cpu_blocks_divide_rows_and_heads_evenly_and_leave_other_devices_whole():
+    cpu = torch.device("cpu")
+    assert _chunks.cpu_blocks(cpu, 1, 4096, 16, 128) == [[(slice(0, 1), slice(h, h + 4)) for h in range(0, 16, 4)]]
+    assert _chunks.cpu_blocks(cpu, 1, 4096, 12, 128) == [[(slice(0, 1), slice(h, h + 4)) for h in range(0, 12, 4)]]
+    assert _chunks.cpu_blocks(cpu, 1, 100, 16, 128) == [[(slice(None), slice(None))]]
+    assert _chunks.cpu_blocks(cpu, 3, 32768, 1, 128) == [[(slice(r, r + 1), slice(0, 1))] for r in range(3)]
+    assert _chunks.cpu_blocks(torch.device("meta"), 8, 32768, 16, 128) == [[(slice(None), slice(None))]]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixlab.recurrent import ssd
+from prefixlab.recurrent import _chunks, ssd
 from prefixlab.recurrent.hf_reference import hf_mamba2_chunk_scan
 from prefixlab.recurrent.inputs import random_state, ssd_inputs
 
@@ -133,3 +133,24 @@ def test_gradients_flow_through_the_chunked_path():
     grads = [torch.autograd.grad(y.sum() + final.sum() + states[9].sum(), list(leaves.values()))
              for y, final, states in runs]  # fmt: skip
     assert all(max_diff(a, b) <= 1e-4 for a, b in zip(*grads, strict=True))
+
+
+# 0 heads: one row and one head a block; one compiled case (each block shape is one more compiled graph)
+@pytest.mark.parametrize("heads_per_block,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch"),
+                                                           (2, 2, "compiled")])
+def test_cpu_blocks_of_rows_and_heads_give_the_whole_calls_results(monkeypatch, heads_per_block, batch, backend):
+    """On the CPU rows and heads run in cache-sized blocks (each head its own A); results are the whole call's."""
+    length, heads, chunk_size = 40, 4, 16
+    inputs = ssd_inputs(batch, length, heads, 8, 2, 8, seed=5)
+    common = {"initial_state": random_state(batch, heads, 8, 8, seed=6), "capture": (0, 13, 32, 40),
+              "chunk_size": chunk_size, "backend": backend}
+    whole = ssd(**inputs, **common)
+    per_head_bytes = length * chunk_size * 4  # blocks are sized by the largest of P, N and the chunk
+    monkeypatch.setattr(_chunks, "CPU_BLOCK_BYTES",
+                        max(heads_per_block, 1) * batch ** (heads_per_block > 0) * per_head_bytes)
+    blocks = _chunks.cpu_blocks(torch.device("cpu"), batch, length, heads, chunk_size)
+    assert sum(map(len, blocks)) == (heads // max(heads_per_block, 1)) * (batch if heads_per_block == 0 else 1)
+    blocked = ssd(**inputs, **common)
+    assert max_diff(blocked[0], whole[0]) <= ATOL and max_diff(blocked[1], whole[1]) <= ATOL
+    assert sorted(blocked[2]) == sorted(whole[2])
+    assert all(max_diff(blocked[2][p], whole[2][p]) <= ATOL for p in whole[2])

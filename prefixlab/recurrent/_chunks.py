@@ -35,6 +35,51 @@ def unchunked(x: torch.Tensor, length: int) -> torch.Tensor:
     return x.permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :length]
 
 
+# Rows and heads of a chunked kernel are independent; on the CPU they run in blocks whose [rows, T, heads, D] fp32
+# inputs hold at most this many bytes. Larger blocks spill the caches, and their temporaries (over 32 MB) are
+# mmapped anew by glibc on every call, paying a page fault per 4 KB: one 4096-token Qwen3.5 layer (16 heads) ran
+# 1.9x faster in 4-head blocks (benchmarks/RESULTS.md, "Recurrent kernels").
+CPU_BLOCK_BYTES = 8 << 20
+
+
+def cpu_blocks(device: torch.device, batch: int, length: int, heads: int, dim: int) -> list[list[tuple[slice, slice]]]:
+    """Blocks of (rows, heads) covering [batch, heads], one list per block of rows: the whole off the CPU, else at
+    most CPU_BLOCK_BYTES of fp32 [rows, length, heads, dim] each (whole divisors, so that a compiled kernel sees one
+    shape; one row and one head at the least)."""
+    per_head = max(length * dim * 4, 1)
+    if device.type != "cpu" or batch * heads * per_head <= CPU_BLOCK_BYTES:
+        return [[(slice(None), slice(None))]]
+    heads_per = _largest_divisor(heads, CPU_BLOCK_BYTES // (batch * per_head))
+    rows_per = batch if heads_per > 1 else _largest_divisor(batch, CPU_BLOCK_BYTES // per_head)
+    return [[(slice(r, r + rows_per), slice(h, h + heads_per)) for h in range(0, heads, heads_per)]
+            for r in range(0, batch, rows_per)]
+
+
+def in_cpu_blocks(run_block, tensors: tuple, state: torch.Tensor, dim: int, per_head: tuple = ()) -> tuple:
+    """`run_block(*tensors, state, *per_head)` (tensors [B, T, H, ...], state [B, H, ...], per_head [H, ...]) over
+    the blocks of cpu_blocks, joined into the whole call's (o, final, {p: state})."""
+    batch, length, heads = tensors[0].shape[:3]
+    blocks = cpu_blocks(tensors[0].device, batch, length, heads, dim)
+    return joined([[run_block(*(t[r, :, h] for t in tensors), state[r, h], *(t[h] for t in per_head))
+                    for r, h in row] for row in blocks])
+
+
+def _largest_divisor(n: int, at_most: int) -> int:
+    return max(d for d in range(1, n + 1) if n % d == 0 and (d <= at_most or d == 1))
+
+
+def joined(parts: list[list[tuple[torch.Tensor, torch.Tensor, dict]]]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One (o [B, T, H, V], final [B, H, K, V], {p: state [B, H, K, V]}) from the blocks of cpu_blocks."""
+    if len(parts) == 1 and len(parts[0]) == 1:
+        return parts[0][0]
+
+    def cat(pick, head_dim: int) -> torch.Tensor:
+        return torch.cat([torch.cat([pick(block) for block in row], head_dim) for row in parts], 0)
+
+    return (cat(lambda block: block[0], 2), cat(lambda block: block[1], 1),
+            {p: cat(lambda block, p=p: block[2][p], 1) for p in parts[0][0][2]})
+
+
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 

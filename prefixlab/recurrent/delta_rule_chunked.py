@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, needs_grad, states_at_positions, unchunked
+from prefixlab.recurrent._chunks import (
+    chunked,
+    decayed_scores,
+    in_cpu_blocks,
+    needs_grad,
+    states_at_positions,
+    unchunked,
+)
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
@@ -87,6 +94,14 @@ def chunk_outputs(q_decayed, attn, starts, v_new, length: int) -> torch.Tensor:
 
 
 def _run(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile: bool):
+    # batch rows and heads are independent: on the CPU they go through in cache-sized blocks (cpu_blocks)
+    def run_block(q, k, v, g, beta, state):
+        return _run_block(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile)
+
+    return in_cpu_blocks(run_block, (q, k, v, g, beta), state, max(q.shape[-1], v.shape[-1], chunk_size))
+
+
+def _run_block(q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale, use_compile: bool):
     prepare, output = (intra_chunk, chunk_outputs)
     if use_compile:
         prepare, output = compiled(prepare), compiled(output)

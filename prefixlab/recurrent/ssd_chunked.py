@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.recurrent._chunks import chunked, decayed_scores, needs_grad, states_at_positions, unchunked
+from prefixlab.recurrent._chunks import (
+    chunked,
+    decayed_scores,
+    in_cpu_blocks,
+    needs_grad,
+    states_at_positions,
+    unchunked,
+)
 from prefixlab.recurrent.dispatch import compiled
 
 States = dict[int, torch.Tensor]
@@ -54,6 +61,14 @@ def ssd_outputs(y_diag, C_decayed, starts, length: int) -> torch.Tensor:
 
 
 def _run(x, dt, A, B, C, state, positions, chunk_size, use_compile: bool):
+    # batch rows and heads are independent: on the CPU they go through in cache-sized blocks (_chunks.cpu_blocks)
+    def run_block(x, dt, B, C, state, A):
+        return _run_block(x, dt, A, B, C, state, positions, chunk_size, use_compile)
+
+    return in_cpu_blocks(run_block, (x, dt, B, C), state, max(x.shape[-1], B.shape[-1], chunk_size), per_head=(A,))
+
+
+def _run_block(x, dt, A, B, C, state, positions, chunk_size, use_compile: bool):
     prepare, output = (ssd_intra_chunk, ssd_outputs)
     if use_compile:
         prepare, output = compiled(prepare), compiled(output)
