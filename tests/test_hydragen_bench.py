@@ -46,6 +46,10 @@ def test_cli_sweeps_batch_and_prefix_lists_one_line_a_point_and_plots(capsys, tm
     (["recurrent", "--ssd-state", "0"], "--ssd-state=0 must be at least 1"),
     (["recurrent", "--threads", "-1"], "--threads=-1 must be >= 0"),
     (["recurrent", "--device", "tpu"], "not a torch device name"),
+    # meta tensors hold no data: the benchmarks "ran" and printed timings of nothing; mps / xpu crashed
+    (["recurrent", "--device", "meta"], "--device 'meta': the benchmarks run on cpu or cuda"),
+    (["recurrent", "--device", "mps"], "--device 'mps': the benchmarks run on cpu or cuda"),
+    (["hydragen", "--device", "meta"], "--device 'meta': the benchmarks run on cpu or cuda"),
     (["recurrent", "--backend", "nope"], "backend must be one of"),
     (["recurrent", "--backend", "fla", "--device", "cpu"], "needs CUDA tensors"),
 ])
