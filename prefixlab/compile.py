@@ -21,11 +21,17 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
     `check_devices`: on these device types a call that compiled (or loaded from inductor's cache) a graph also runs
     `fn` uncompiled and compares; a compiled result that is not close (torch 2.13's CPU FlexAttention template
     returns wrong values or NaN at small shapes in AVX2 code; inductor's cache reused after ATEN_CPU_CAPABILITY
-    changed returns garbage) warns, and inputs of that signature (shapes, dtypes) run uncompiled from then on."""
-    from torch._dynamo.exc import BackendCompilerFailed
+    changed returns garbage) warns, and inputs of that signature (shapes, dtypes) run uncompiled from then on.
 
+    Past dynamo's recompile limit (torch._dynamo.config.recompile_limit graphs of `fn`), which fullgraph=True makes
+    an error, inputs no compiled graph takes run uncompiled (warned once); the graphs compiled so far still run."""
+    from torch._dynamo import exc
+
+    # FailOnRecompileLimitHit was FailOnCacheLimitHit before torch 2.6
+    limit_hit = getattr(exc, "FailOnRecompileLimitHit", None) or getattr(exc, "FailOnCacheLimitHit", ())
     compiled_fn = torch.compile(fn, **options)
     failed: list[str] = []
+    at_limit: list[str] = []
     wrong: set[tuple] = set()  # input signatures whose compiled results were wrong
 
     @functools.wraps(fn)
@@ -38,7 +44,14 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
         graphs = _graphs_compiled() if checked else 0
         try:
             out = compiled_fn(*args, **kwargs)
-        except BackendCompilerFailed as err:
+        except limit_hit:
+            if not at_limit:
+                at_limit.append(what)
+                warnings.warn(f"prefixlab: torch.compile reached its recompile limit on {what}; inputs of new shapes "
+                              "run uncompiled (same results, slower; raise torch._dynamo.config.recompile_limit to "
+                              "compile more)", RuntimeWarning, stacklevel=2)  # fmt: skip
+            return fn(*args, **kwargs)
+        except exc.BackendCompilerFailed as err:
             inner = getattr(err, "inner_exception", None)
             if inner is not None and type(inner).__module__.startswith("prefixlab"):
                 raise inner from None

@@ -171,3 +171,20 @@ def test_a_compiled_kernel_that_crashes_runs_uncompiled_and_real_errors_still_ra
     unchecked = compile_or_eager(lambda x: x.reshape(2, -1).sum(0), "a test function", backend=crashing_backend)
     with pytest.raises(RuntimeError, match="index out of bounds"):
         unchecked(torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("check_devices", [(), ("cpu",)], ids=["unchecked", "checked"])
+def test_past_dynamos_recompile_limit_new_signatures_run_uncompiled(check_devices):
+    """With fullgraph=True dynamo raises FailOnRecompileLimitHit past its recompile limit (8 graphs a function by
+    default; the compiled recurrent backend's intra_chunk takes about 7 for one model's batch sizes and lengths):
+    an unchecked device (CUDA) crashed, a checked one warned that the kernel gave wrong results."""
+    double = eval(f"lambda x: x * 2  # {check_devices}")  # a code object of its own: dynamo counts per code object
+    fn = compile_or_eager(double, "a test function", check_devices=check_devices, backend="eager", fullgraph=True)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
+        with pytest.warns(RuntimeWarning, match="recompile limit"):
+            assert torch.equal(fn(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warned once
+            assert torch.equal(fn(torch.ones(1, 2, 3)), torch.full((1, 2, 3), 2.0))
+    assert not fn.wrong_results and not fn.compile_failed

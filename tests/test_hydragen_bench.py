@@ -46,6 +46,10 @@ def test_cli_sweeps_batch_and_prefix_lists_one_line_a_point_and_plots(capsys, tm
     (["recurrent", "--ssd-state", "0"], "--ssd-state=0 must be at least 1"),
     (["recurrent", "--threads", "-1"], "--threads=-1 must be >= 0"),
     (["recurrent", "--device", "tpu"], "not a torch device name"),
+    # meta tensors hold no data: the benchmarks "ran" and printed timings of nothing; mps / xpu crashed
+    (["recurrent", "--device", "meta"], "--device 'meta': the benchmarks run on cpu or cuda"),
+    (["recurrent", "--device", "mps"], "--device 'mps': the benchmarks run on cpu or cuda"),
+    (["hydragen", "--device", "meta"], "--device 'meta': the benchmarks run on cpu or cuda"),
     (["recurrent", "--backend", "nope"], "backend must be one of"),
     (["recurrent", "--backend", "fla", "--device", "cpu"], "needs CUDA tensors"),
 ])
@@ -101,3 +105,13 @@ def test_the_cpu_clock_counts_this_process_work_not_waiting():
 
     wait = {"wait": lambda: time.sleep(0.05)}
     assert best_times_s(wait, 1, clock="wall")["wait"] >= 0.05 > 0.02 > best_times_s(wait, 1, clock="cpu")["wait"]
+
+
+def test_recurrent_bench_reports_the_backend_that_ran_for_one_token(capsys):
+    """--backend auto over one token runs the token loop (a chunked kernel would pad it to a chunk); the report
+    said backend=torch, resolving the name without the length as the kernels do not."""
+    argv = ["bench", "recurrent", "--length", "1", "--captures", "1", "--heads", "1", "--dim", "4", "--ssd-heads",
+            "1", "--ssd-head-dim", "2", "--ssd-state", "2", "--repeats", "1", "--backend", "auto", "--json"]
+    assert main(argv) == 0
+    results = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["backend"] for r in results] == ["naive"] * 3

@@ -141,6 +141,22 @@ def test_zero_length_call_returns_the_initial_state():
     assert o.shape == (1, 0, 2, 4) and torch.equal(final, initial) and torch.equal(captured[0], initial)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("decay", [float("-inf"), -1e38])
+def test_a_zero_decay_forgets_the_state_as_the_token_loop_does(per_channel, decay):
+    """g = -inf (decay 0), or a g whose chunk's cumulative sum overflows to -inf: the chunked kernel subtracted
+    cumulative sums, -inf - -inf = NaN, and returned NaN outputs, final and captured states."""
+    inputs = delta_rule_inputs(1, 20, 2, 2, 8, 4, per_channel_decay=per_channel, seed=2)
+    inputs["g"][0, 5:7, 0] = decay  # two tokens, so that -1e38 overflows a cumulative sum too
+    common = {"initial_state": random_state(1, 2, 8, 4), "capture": (3, 6, 7, 11, 20), "chunk_size": 8,
+              "use_qk_l2norm": True}  # fmt: skip
+    o_ref, final_ref, states_ref = gated_delta_rule(**inputs, **common, backend="naive")
+    o, final, states = gated_delta_rule(**inputs, **common, backend="torch")
+    assert o_ref.isfinite().all() and final_ref.isfinite().all()
+    assert max_diff(o, o_ref) <= ATOL and max_diff(final, final_ref) <= ATOL
+    assert all(max_diff(states[p], states_ref[p]) <= ATOL for p in states_ref)
+
+
 def test_compiled_backend_matches_torch_backend():
     inputs = delta_rule_inputs(1, 40, 2, 4, 8, 8, seed=11)
     initial = random_state(1, 4, 8, 8)

@@ -31,6 +31,10 @@ DELTA_CASES = [
     ({"k": torch.zeros(1, LENGTH, 2, 7)}, "k"),
     ({"q": torch.zeros(1, LENGTH, 2, 8, dtype=torch.float64)}, "dtype"),
     ({"v": torch.zeros(1, LENGTH, 3, 4)}, "v has 3 heads"),
+    # q / k without heads or without a key dim raised ZeroDivisionError (heads_v % 0, 0 ** -0.5)
+    ({"q": torch.zeros(1, LENGTH, 0, 8), "k": torch.zeros(1, LENGTH, 0, 8)}, "q has 0 heads"),
+    ({"q": torch.zeros(1, LENGTH, 2, 0), "k": torch.zeros(1, LENGTH, 2, 0),
+      "initial_state": torch.zeros(1, 4, 0, 4)}, "key dim"),  # fmt: skip
     ({"g": torch.zeros(1, LENGTH, 2)}, "g"),
     ({"g": torch.zeros(1, LENGTH)}, "g"),
     ({"beta": torch.zeros(1, LENGTH + 1, 4)}, "beta"),

@@ -114,6 +114,19 @@ def test_low_precision_inputs_return_their_dtype_and_fp32_states():
     assert max_diff(final, final_ref) <= ATOL
 
 
+def test_a_zero_decay_forgets_the_state_as_the_token_loop_does():
+    """A = -inf (a head whose state decays to 0 each token): the chunked kernel subtracted cumulative sums,
+    -inf - -inf = NaN, and returned NaN outputs and states."""
+    inputs = ssd_inputs(1, 20, 2, 4, 1, 8, seed=3)
+    inputs["A"][0] = float("-inf")
+    common = {"initial_state": random_state(1, 2, 4, 8), "capture": (3, 8, 11, 20), "chunk_size": 8}
+    y_ref, final_ref, states_ref = ssd(**inputs, **common, backend="naive")
+    y, final, states = ssd(**inputs, **common, backend="torch")
+    assert y_ref.isfinite().all() and final_ref.isfinite().all()
+    assert max_diff(y, y_ref) <= ATOL and max_diff(final, final_ref) <= ATOL
+    assert all(max_diff(states[p], states_ref[p]) <= ATOL for p in states_ref)
+
+
 def test_compiled_backend_matches_torch_backend():
     inputs = ssd_inputs(1, 40, 4, 8, 2, 8, seed=4)
     initial = random_state(1, 4, 8, 8)

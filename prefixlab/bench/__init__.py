@@ -26,13 +26,15 @@ def check_sizes(**sizes: int) -> None:
 
 
 def check_device(name: str):
-    """`name` as a torch.device this machine has, else InvalidInputError saying which it has."""
+    """`name` as a torch.device this machine has, cpu or cuda, else InvalidInputError saying which it has."""
     import torch
 
     try:
         device = torch.device(name)
     except RuntimeError:
         raise InvalidInputError(f"--device {name!r} is not a torch device name; use cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):  # meta tensors hold no data: it would time nothing
+        raise InvalidInputError(f"--device {name!r}: the benchmarks run on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InvalidInputError(f"--device {name!r}: this machine has no CUDA device; use --device cpu")
     return device

@@ -49,10 +49,11 @@ def _on(inputs: dict[str, torch.Tensor], device: str, dtype: torch.dtype) -> dic
             for name, tensor in inputs.items()}
 
 
-def _ran(backend: str, device: str, cuda_package: str, dtype: torch.dtype) -> str:
-    """The backend `backend` resolves to on these inputs ('auto' -> fla / mamba_ssm / torch)."""
+def _ran(backend: str, device: str, cuda_package: str, dtype: torch.dtype, tokens: int | None = None) -> str:
+    """The backend `backend` resolves to on `tokens` inputs ('auto' -> fla / mamba_ssm / torch, or naive for one
+    token, as the kernels resolve it)."""
     unsupported = fla_unsupported(dtype, False) if cuda_package == "fla" else triton_dtype_unsupported(dtype)
-    return resolve_backend(backend, torch.device(device), cuda_package, unsupported)
+    return resolve_backend(backend, torch.device(device), cuda_package, unsupported, tokens=tokens)
 
 
 def spread_positions(length: int, count: int) -> tuple[int, ...]:
@@ -75,7 +76,8 @@ def capture_overhead(length: int, heads: int, dim: int, captures: int, repeats: 
         clock,
     )
     return {"bench": "capture_overhead", "length": length, "heads": heads, "dim_k": dim, "dim_v": dim,
-            "captures": captures, "backend": _ran(backend, device, "fla", dtype), "device": device, "clock": clock,
+            "captures": captures, "backend": _ran(backend, device, "fla", dtype, length), "device": device,
+            "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "overhead": times["with_captures"] / times["final_only"] - 1.0}  # fmt: skip
 
@@ -97,7 +99,7 @@ def delta_rule_vs_transformers(length: int, heads: int, dim: int, repeats: int, 
         clock,
     )
     return {"bench": "gated_delta_rule_vs_transformers", "length": length, "heads": heads, "dim_k": dim,
-            "dim_v": dim, "backend": _ran(backend, device, "fla", dtype), "device": device, "clock": clock,
+            "dim_v": dim, "backend": _ran(backend, device, "fla", dtype, length), "device": device, "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip
 
@@ -119,7 +121,7 @@ def ssd_vs_transformers(length: int, heads: int, head_dim: int, state_size: int,
         clock,
     )
     return {"bench": "ssd_vs_transformers", "length": length, "heads": heads, "head_dim": head_dim,
-            "state_size": state_size, "backend": _ran(backend, device, "mamba_ssm", dtype), "device": device,
+            "state_size": state_size, "backend": _ran(backend, device, "mamba_ssm", dtype, length), "device": device,
             "clock": clock,
             "dtype": str(dtype).removeprefix("torch."), **_ms(times),
             "speedup": times["transformers"] / times["prefixlab"]}  # fmt: skip

@@ -80,6 +80,17 @@ def joined(parts: list[list[tuple[torch.Tensor, torch.Tensor, dict]]]) -> tuple[
             {p: cat(lambda block, p=p: block[2][p], 1) for p in parts[0][0][2]})
 
 
+# Far below log(float32's smallest subnormal) = -103.3: a token's decay exp(g) is 0 for any g under it, as for
+# g = -inf, but cumulative sums of floored values stay finite, so their differences never meet -inf - -inf = NaN.
+LOG_DECAY_FLOOR = -110.0
+
+
+def cumulative_log_decay(log_decay: torch.Tensor) -> torch.Tensor:
+    """G, the within-chunk cumulative sums of chunked per-token log decays [..., C, 1 or K], each floored at
+    LOG_DECAY_FLOOR (same decays: a decay of 0 stays 0, also where a sum of huge negative values would overflow)."""
+    return log_decay.clamp(min=LOG_DECAY_FLOOR).cumsum(dim=-2)
+
+
 def needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 

@@ -80,6 +80,7 @@ def _check_delta_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]
     _checks.check_tensor("k", k, (batch, length, heads_k, dim_k))
     _checks.check_tensor("v", v, (batch, length, None, None))
     heads_v, dim_v = v.shape[2:]
+    require(heads_k > 0 and dim_k > 0, f"q has {heads_k} heads of key dim {dim_k}; both must be at least 1")
     require(
         heads_v % heads_k == 0,
         f"v has {heads_v} heads, not a multiple of q/k's {heads_k} heads (each key head serves Hv // Hk value heads)",

@@ -13,6 +13,7 @@ import torch
 
 from prefixlab.recurrent._chunks import (
     chunked,
+    cumulative_log_decay,
     decayed_scores,
     in_cpu_blocks,
     needs_grad,
@@ -43,7 +44,7 @@ def intra_chunk(q, k, v, g, beta, chunk_size: int, use_qk_l2norm: bool, scale: f
     chunked keys."""
     q, k = prepare_qk(q, k, use_qk_l2norm, scale)
     q, k, v, beta, g = (chunked(x, chunk_size) for x in (q, k, v, beta, g))
-    log_decay_cum = (g[..., None] if g.dim() == 4 else g).cumsum(dim=-2)
+    log_decay_cum = cumulative_log_decay(g[..., None] if g.dim() == 4 else g)
     beta_cols = beta[..., None, :]  # scales the columns of T
 
     # T = (I + strictly_lower(diag(beta) K K^T * decay))^-1 by one solve against I (C right-hand sides, not

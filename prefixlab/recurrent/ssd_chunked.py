@@ -11,6 +11,7 @@ import torch
 
 from prefixlab.recurrent._chunks import (
     chunked,
+    cumulative_log_decay,
     decayed_scores,
     in_cpu_blocks,
     needs_grad,
@@ -27,7 +28,7 @@ def ssd_intra_chunk(x, dt, A, B, C, chunk_size: int):
     y_diag (intra-chunk outputs), chunk_writes [N, B, H, P, S] (what each chunk adds to the state, decayed to its
     end), chunk_decay [N, B, H, 1], C_decayed, log_decay_cum [N, B, H, L, 1], x*dt and B."""
     x_dt, B, C = (chunked(t, chunk_size) for t in (x * dt[..., None], B, C))
-    log_decay_cum = chunked(dt * A, chunk_size)[..., None].cumsum(dim=-2)
+    log_decay_cum = cumulative_log_decay(chunked(dt * A, chunk_size)[..., None])
     y_diag = decayed_scores(C, B, log_decay_cum) @ x_dt
     to_end = (log_decay_cum[..., -1:, :] - log_decay_cum).exp()
     chunk_writes = x_dt.transpose(-1, -2) @ (B * to_end)
