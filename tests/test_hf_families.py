@@ -213,6 +213,22 @@ def test_a_split_direct_forward_keeps_the_logits_a_tensor_of_indices_names():
         expected = model(input_ids=second, logits_to_keep=keep).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
 
+def test_a_split_direct_forward_returns_a_tuple_when_asked():
+    """return_dict=False on a patch=False prefill split at a planned capture: before, AttributeError ('tuple' object
+    has no attribute 'logits') from the hooks; now the tuple's logits cover every token run, as return_dict=True's."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        got = model(input_ids=second, past_key_values=HybridPrefixCache(store), return_dict=False)  # split at 16
+        expected = model(input_ids=second).logits
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=TOLERANCE)
+
+
 def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
     model = build("qwen3_5")
     store = PrefixStore(model, capacity="64MB")

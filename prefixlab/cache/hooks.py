@@ -307,7 +307,7 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)
         if collect:
-            logits.append(output.logits)
+            logits.append(_logits_of(output))
         start = stop
     last = _slice_inputs(kwargs, start, length, length, offset, media)
     if collect and "logits_to_keep" in params:
@@ -319,12 +319,22 @@ def _join_logits(output, segments: tuple):
     """The output of a split prefill with the logits of every segment, cut to the caller's logits_to_keep (indices:
     of the forward's columns, all run: `_logits_tokens`)."""
     logits, keep = segments
-    if getattr(output, "logits", None) is not None:
-        joined = torch.cat([*logits, output.logits], dim=-2)
-        if not isinstance(keep, int):
-            joined = joined[..., keep.to(joined.device), :]
-        output.logits = joined[..., -keep:, :] if isinstance(keep, int) and keep else joined
+    last = _logits_of(output)
+    if last is None:
+        return output
+    joined = torch.cat([*logits, last], dim=-2)
+    if not isinstance(keep, int):
+        joined = joined[..., keep.to(joined.device), :]
+    joined = joined[..., -keep:, :] if isinstance(keep, int) and keep else joined
+    if isinstance(output, tuple):  # return_dict=False: logits first (labels, hence a loss, are refused)
+        return (joined, *output[1:])
+    output.logits = joined
     return output
+
+
+def _logits_of(output) -> torch.Tensor | None:
+    """The logits of a forward's output, a ModelOutput or (return_dict=False) a tuple that starts with them."""
+    return output[0] if isinstance(output, tuple) else getattr(output, "logits", None)
 
 
 def forward_parameters(module: torch.nn.Module) -> frozenset[str]:
