@@ -229,6 +229,29 @@ def test_a_split_direct_forward_returns_a_tuple_when_asked():
     torch.testing.assert_close(got[0], expected, rtol=0, atol=TOLERANCE)
 
 
+def test_a_forward_asking_for_hidden_states_returns_them_for_every_token_it_ran():
+    """patch=False splits a prefill at a planned capture; before, output_hidden_states (direct, and generate's first
+    step) held the last segment's tokens only (6 of a 22-token miss) while the logits covered all 22. A forward that
+    asks for per-layer outputs now runs whole (that capture is skipped): they match one uncached forward's."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second, third = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1)
+                            for _ in range(3))
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        got = model(input_ids=second, past_key_values=HybridPrefixCache(store), output_hidden_states=True)
+        expected = model(input_ids=second, output_hidden_states=True)
+        cache = HybridPrefixCache(store)
+        served = model.generate(third, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                output_hidden_states=True, return_dict_in_generate=True)
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    for mine, theirs in zip(got.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=TOLERANCE)
+    assert all(state.shape[1] == third.shape[1] - cache.reused_tokens for state in served.hidden_states[0])
+
+
 def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
     model = build("qwen3_5")
     store = PrefixStore(model, capacity="64MB")

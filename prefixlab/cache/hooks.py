@@ -294,7 +294,8 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep). `media`: the
     forward's placeholders: each part gets the features of its own (multimodal.py)."""
     length = offset + kwargs["input_ids"].shape[1]
-    splits = cache.capture_splits(start, length)
+    # per-layer outputs of segments cannot be joined (attentions span other keys): such a forward runs whole
+    splits = [] if _asks_layer_outputs(module, kwargs) else cache.capture_splits(start, length)
     keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
     collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
@@ -313,6 +314,21 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     if collect and "logits_to_keep" in params:
         last["logits_to_keep"] = 0
     return last, (logits, keep) if collect else None
+
+
+_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def _asks_layer_outputs(module, kwargs: dict) -> bool:
+    """Whether the forward returns per-layer outputs besides the logits (hidden states, attentions, MoE router
+    logits), asked for by its keywords or else the model's config; a hidden-state index (even 0) asks too."""
+    config = getattr(module, "config", None)
+    for name in _LAYER_OUTPUTS:
+        value = kwargs.get(name)
+        value = getattr(config, name, None) if value is None else value
+        if value is not None and value is not False:
+            return True
+    return False
 
 
 def _join_logits(output, segments: tuple):
