@@ -31,7 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
-from prefixlab.cache.model_info import check_deterministic, check_token_ids
+from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
 from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
@@ -152,6 +152,7 @@ class _ModelHooks:
         if not cache.started:  # every row, before any row is looked up or a default store is created
             check_token_ids(kwargs["input_ids"], module)
             check_deterministic(module)
+            check_use_cache(module, kwargs.get("use_cache"))
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if kwargs.get("labels") is not None:
             raise InvalidInputError(
