@@ -284,6 +284,28 @@ def test_one_cache_serves_one_request_and_the_calls_that_continue_it(family):
     store.core.check_invariants()
 
 
+@pytest.mark.parametrize(("family", "chunk"), [("llama", None), ("qwen3_5", None), ("qwen3_5", 8),
+                                             ("falcon_h1", None)])
+def test_a_longer_new_prompt_over_a_used_cache_is_refused(family, chunk):
+    """generate() slices a prompt by the cache's length: a new prompt longer than what a used cache holds ran its
+    tail at the positions that continue it, on the old request's KV and states (before: silently wrong tokens on
+    every family; a shorter one was refused by its positions). Refused now, the old request admitted; the cache then
+    serves the new prompt as a new request. (Mamba2's generate feeds a cache_params cache the whole input, new tokens
+    to continue it by transformers' rules: not checked there.)"""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    rng = torch.Generator().manual_seed(4)
+    first, other = torch.randint(3, 128, (1, 12), generator=rng), torch.randint(3, 128, (1, 30), generator=rng)
+    cache = HybridPrefixCache(store)
+    generate(model, first, cache)
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+    with pytest.raises(InvalidInputError, match="per request"):
+        model.generate(other, past_key_values=cache, **options)
+    assert cache.get_seq_length() == 0 and store.stats()["sequences"] == 1  # reset, the first request admitted
+    assert torch.equal(model.generate(other, past_key_values=cache, **options), model.generate(other, **options))
+    store.core.check_invariants()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
 def test_new_tokens_that_repeat_what_the_cache_holds_are_not_taken_for_a_feed_again(family):
     model = build(family)

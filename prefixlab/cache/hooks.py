@@ -23,13 +23,13 @@ implements the protocol over a PrefixStore). The store never calls a cache excep
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import weakref
 
 import torch
 
+from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
 from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
@@ -93,10 +93,10 @@ class _ModelHooks:
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
         ]
-        guard = _guarded(model.forward)
-        guard.prefixlab_replaced = vars(model).get("forward")  # an instance attribute it shadows, put back by `remove`
-        model.forward = guard
-        self.guard = weakref.ref(guard)  # weak: _HOOKS must not keep the model (which the guard holds) alive
+        # weak: _HOOKS must not keep the model (which the wrappers hold) alive
+        self.guard = shadow(model, "forward", guarded(model.forward, ModelDrivenCache))
+        self.checked = shadow(model, "generate", checked_generate(model.generate, ModelDrivenCache)) \
+            if hasattr(model, "generate") else None  # (guards.py)
 
     def __deepcopy__(self, memo: dict):  # copy.deepcopy(model) reaches the hooks through the model's hook dicts
         raise InvalidInputError(
@@ -109,12 +109,8 @@ class _ModelHooks:
         for handle in self.handles:
             handle.remove()
         uninstall(getattr(model, "model", model), model)
-        guard = vars(model).get("forward")
-        if guard is not None and guard is self.guard():  # else something wrapped it since (torch.compile): keep it
-            if guard.prefixlab_replaced is None:
-                del model.forward
-            else:
-                model.forward = guard.prefixlab_replaced
+        for name, wrapper in (("forward", self.guard), ("generate", self.checked)):
+            unshadow(model, name, wrapper)
 
     def _cache(self, kwargs: dict) -> ModelDrivenCache | None:
         cache = kwargs.get(self.cache_arg, kwargs.get("past_key_values"))
@@ -198,22 +194,6 @@ class _ModelHooks:
             return None
         cache.forward_done()
         return _join_logits(output, segments) if segments is not None else None
-
-
-def _guarded(forward):
-    """`forward` resetting the started caches it is given on any exception, KeyboardInterrupt included."""
-
-    @functools.wraps(forward)  # transformers reads the forward's signature (via __wrapped__) to pick inputs
-    def guard(*args, **kwargs):
-        try:
-            return forward(*args, **kwargs)
-        except BaseException:
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, ModelDrivenCache) and value.started:
-                    value.forward_failed()
-            raise
-
-    return guard
 
 
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelHooks
