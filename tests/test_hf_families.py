@@ -306,6 +306,28 @@ def test_a_longer_new_prompt_over_a_used_cache_is_refused(family, chunk):
     store.core.check_invariants()
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "mamba2"])
+def test_another_batch_size_over_a_used_cache_is_refused(family):
+    """A used cache passed to generate() with another number of rows cannot continue it. Before: a torch error
+    (size mismatch in a cat, a reshape of 0 elements) or a ModelMismatchError blaming another model; now refused,
+    the cache reset, and it then serves the batch as a new request."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    rng = torch.Generator().manual_seed(6)
+    first = torch.randint(3, 128, (1, 12), generator=rng)
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    for width in (8, 15, 30):  # shorter than what the cache holds, as long, longer
+        batch = torch.randint(3, 128, (2, width), generator=rng)
+        cache = HybridPrefixCache(store)
+        model.generate(first, **{cache_argument(model): cache}, **options)
+        with pytest.raises(InvalidInputError, match="per request"):
+            model.generate(batch, **{cache_argument(model): cache}, **options)
+        assert cache.get_seq_length() == 0
+        assert torch.equal(model.generate(batch, **{cache_argument(model): cache}, **options),
+                           model.generate(batch, **options))
+    store.core.check_invariants()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "bamba"])
 def test_new_tokens_that_repeat_what_the_cache_holds_are_not_taken_for_a_feed_again(family):
     model = build(family)

@@ -20,39 +20,44 @@ from prefixlab.errors import InvalidInputError
 
 
 def checked_generate(generate, cache_type: type):
-    """`generate` refusing an input that a started cache of `cache_type` passed as past_key_values does not hold the
-    start of (the cache is reset: what it held is admitted, and it serves the next call as a new request)."""
+    """`generate` refusing an input that a started cache of `cache_type` cannot continue (the cache is reset: what it
+    held is admitted, and it serves the next call as a new request)."""
 
     @functools.wraps(generate)  # transformers and users read the signature (via __wrapped__)
     def checked(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        cache, cut = kwargs.get("past_key_values"), True  # generate cuts only a past_key_values input by its length
+        if cache is None:
+            cache, cut = kwargs.get("cache_params"), False  # (Mamba2: its whole input continues the cache)
         if isinstance(cache, cache_type) and cache.started and not cache.in_flight:
             input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-            check_continues(cache, input_ids, kwargs.get("attention_mask"))
+            check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
         return generate(*args, **kwargs)
 
     return checked
 
 
-def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> None:
-    """InvalidInputError (after resetting `cache`) if generate would take `input_ids` [batch, n] for the tokens the
-    cache holds followed by new ones (n longer than what it holds, a mask, if any, as long as the input: generate's
-    rule for slicing) and its first columns are not those tokens. Multimodal content keys stand for any placeholder."""
-    seen = cache.get_seq_length()
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] <= seen:
-        return  # (no longer input: its positions are checked by the hooks)
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]:
-        return  # only the new tokens were passed (the mask spans the held ones too): generate does not slice
-    held = cache.held_tokens()
-    if held.shape == (input_ids.shape[0], seen):
-        same = (input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)
-        if bool(same.all()):
+def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                    cut: bool = True) -> None:
+    """InvalidInputError (after resetting `cache`) if `input_ids` [batch, n] has other rows than the cache, or
+    (`cut`: generate takes the input for the held tokens followed by new ones where it is longer than them and a
+    mask, if any, is as long as the input) its first columns are not the tokens the cache holds. Multimodal content
+    keys stand for any placeholder."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    seen, held = cache.get_seq_length(), cache.held_tokens()
+    if held.shape[0] == input_ids.shape[0]:
+        if not cut or input_ids.shape[1] <= seen:
+            return  # (no longer input: its positions are checked by the hooks)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]:
+            return  # only the new tokens were passed (the mask spans the held ones too): generate does not cut
+        if held.shape[1] == seen and bool(((input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)).all()):
             return
     cache.reset()
     raise InvalidInputError(
-        f"this HybridPrefixCache holds {seen} tokens of a request and the input passed to generate() does not start "
-        f"with them: generate would run only its tokens past {seen}, on the old request's states; use a new "
-        "HybridPrefixCache(store) per request. This cache is reset now (the request it held was admitted)"
+        f"this HybridPrefixCache holds {seen} tokens of a request in {held.shape[0]} rows, and the input passed to "
+        f"generate() ({input_ids.shape[0]} rows) does not continue them: generate would run it on the old request's "
+        "states; use a new HybridPrefixCache(store) per request. This cache is reset now (the request it held was "
+        "admitted)"
     )
 
 
