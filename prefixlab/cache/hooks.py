@@ -6,16 +6,17 @@ always-called post-hook (one pair per model, shared by every store and cache on 
 - pre-hook, first forward of a cache: `prefixlab_bind(model)` (an unbound cache picks the model's default store, a
   bound one checks it belongs to this model), `begin(...)` -> columns already cached;
 - pre-hook, a later forward: it must continue what the cache holds (`held_tokens()` fed again are cut off,
-  positions that start elsewhere are refused: a new prompt over a used cache); one of several tokens (a chunk of a
+  positions that start elsewhere are refused: a new prompt over a used cache; generate cuts a longer one to what
+  continues it, so its input is checked before, guards.checked_generate); one of several tokens (a chunk of a
   chunked prefill, a turn continued on the cache) first skips what the store holds (`resume_further(...)`);
 - pre-hook, every forward: the tokens left run in segments split at `capture_splits(...)` (transformers' layers
   capture states only at a forward's end), then `record(input_ids)`; post-hook: `forward_done()` or, if the forward
   raised, `forward_failed()`.
 Faults: torch runs the always-called post-hook only for `Exception`s, so a `KeyboardInterrupt` (or any other
 BaseException) raised inside a forward would leave a cache half advanced; the hooks therefore also wrap the model's
-forward (the forward guard) and call `forward_failed()` on the started caches it was given, whatever it raised. A
-pre-hook that raises resets its cache the same way. A cache still `in_flight` when its next forward starts (an
-interrupt landed between the hooks and the guard: generate was told a stale length) is refused once and reset.
+forward (the forward guard, guards.py) and call `forward_failed()` on the started caches it was given, whatever it
+raised. A pre-hook that raises resets its cache the same way. A cache still `in_flight` when its next forward starts
+(an interrupt landed between the hooks and the guard: generate was told a stale length) is refused once and reset.
 The hooks hold no lock across a forward; the caches take their store's lock in each protocol call (cache/sharing.py).
 Direction of the imports: hooks.py <- store.py (installs the hooks: `attach` / `detach`) <- hf.py (HybridPrefixCache
 implements the protocol over a PrefixStore). The store never calls a cache except `commit()` on the ones it holds.
@@ -95,8 +96,8 @@ class _ModelHooks:
         ]
         # weak: _HOOKS must not keep the model (which the wrappers hold) alive
         self.guard = shadow(model, "forward", guarded(model.forward, ModelDrivenCache))
-        self.checked = shadow(model, "generate", checked_generate(model.generate, ModelDrivenCache)) \
-            if hasattr(model, "generate") else None  # (guards.py)
+        generate = getattr(model, "generate", None)  # checked: a used cache's input must continue it (guards.py)
+        self.checked = shadow(model, "generate", checked_generate(generate, ModelDrivenCache)) if generate else None
 
     def __deepcopy__(self, memo: dict):  # copy.deepcopy(model) reaches the hooks through the model's hook dicts
         raise InvalidInputError(
