@@ -213,6 +213,45 @@ def test_a_split_direct_forward_keeps_the_logits_a_tensor_of_indices_names():
         expected = model(input_ids=second, logits_to_keep=keep).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
 
+def test_a_split_direct_forward_returns_a_tuple_when_asked():
+    """return_dict=False on a patch=False prefill split at a planned capture: before, AttributeError ('tuple' object
+    has no attribute 'logits') from the hooks; now the tuple's logits cover every token run, as return_dict=True's."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        got = model(input_ids=second, past_key_values=HybridPrefixCache(store), return_dict=False)  # split at 16
+        expected = model(input_ids=second).logits
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], expected, rtol=0, atol=TOLERANCE)
+
+
+def test_a_forward_asking_for_hidden_states_returns_them_for_every_token_it_ran():
+    """patch=False splits a prefill at a planned capture; before, output_hidden_states (direct, and generate's first
+    step) held the last segment's tokens only (6 of a 22-token miss) while the logits covered all 22. A forward that
+    asks for per-layer outputs now runs whole (that capture is skipped): they match one uncached forward's."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second, third = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1)
+                            for _ in range(3))
+    with torch.no_grad():
+        model(input_ids=first, past_key_values=HybridPrefixCache(store))
+        got = model(input_ids=second, past_key_values=HybridPrefixCache(store), output_hidden_states=True)
+        expected = model(input_ids=second, output_hidden_states=True)
+        cache = HybridPrefixCache(store)
+        served = model.generate(third, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                                output_hidden_states=True, return_dict_in_generate=True)
+    assert len(got.hidden_states) == len(expected.hidden_states)
+    for mine, theirs in zip(got.hidden_states, expected.hidden_states, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=TOLERANCE)
+    assert all(state.shape[1] == third.shape[1] - cache.reused_tokens for state in served.hidden_states[0])
+
+
 def test_labels_with_a_prefix_cache_are_refused_before_anything_runs():
     model = build("qwen3_5")
     store = PrefixStore(model, capacity="64MB")
@@ -242,6 +281,50 @@ def test_one_cache_serves_one_request_and_the_calls_that_continue_it(family):
         with pytest.raises(InvalidInputError, match="per request"):
             generate(model, other, cache)
         assert_same(generate(model, other), generate(model, other, cache))
+    store.core.check_invariants()
+
+
+@pytest.mark.parametrize(("family", "chunk"), [("llama", None), ("qwen3_5", None), ("qwen3_5", 8),
+                                             ("falcon_h1", None)])
+def test_a_longer_new_prompt_over_a_used_cache_is_refused(family, chunk):
+    """generate() slices a prompt by the cache's length: a new prompt longer than what a used cache holds ran its
+    tail at the positions that continue it, on the old request's KV and states (before: silently wrong tokens on
+    every family; a shorter one was refused by its positions). Refused now, the old request admitted; the cache then
+    serves the new prompt as a new request. (Mamba2's generate feeds a cache_params cache the whole input, new tokens
+    to continue it by transformers' rules: not checked there.)"""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    rng = torch.Generator().manual_seed(4)
+    first, other = torch.randint(3, 128, (1, 12), generator=rng), torch.randint(3, 128, (1, 30), generator=rng)
+    cache = HybridPrefixCache(store)
+    generate(model, first, cache)
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+    with pytest.raises(InvalidInputError, match="per request"):
+        model.generate(other, past_key_values=cache, **options)
+    assert cache.get_seq_length() == 0 and store.stats()["sequences"] == 1  # reset, the first request admitted
+    assert torch.equal(model.generate(other, past_key_values=cache, **options), model.generate(other, **options))
+    store.core.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "mamba2"])
+def test_another_batch_size_over_a_used_cache_is_refused(family):
+    """A used cache passed to generate() with another number of rows cannot continue it. Before: a torch error
+    (size mismatch in a cat, a reshape of 0 elements) or a ModelMismatchError blaming another model; now refused,
+    the cache reset, and it then serves the batch as a new request."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    rng = torch.Generator().manual_seed(6)
+    first = torch.randint(3, 128, (1, 12), generator=rng)
+    options = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    for width in (8, 15, 30):  # shorter than what the cache holds, as long, longer
+        batch = torch.randint(3, 128, (2, width), generator=rng)
+        cache = HybridPrefixCache(store)
+        model.generate(first, **{cache_argument(model): cache}, **options)
+        with pytest.raises(InvalidInputError, match="per request"):
+            model.generate(batch, **{cache_argument(model): cache}, **options)
+        assert cache.get_seq_length() == 0
+        assert torch.equal(model.generate(batch, **{cache_argument(model): cache}, **options),
+                           model.generate(batch, **options))
     store.core.check_invariants()
 
 

@@ -115,6 +115,38 @@ def test_decode_steps_that_differ_from_prefills_are_never_served(patched):
         store.close()
 
 
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "transformers-layers"])
+def test_use_cache_false_is_refused_where_decode_steps_differ_from_prefills(patched):
+    """generate(use_cache=False) feeds the whole sequence again at every step; over a HybridPrefixCache the hooks
+    cut it to the new token, a decode step. Before: on Zamba2 (dt clamped in prefills only) the steps' logits were
+    silently off by up to 7e-5 from the uncached use_cache=False run. Now refused before anything is looked up; a
+    model whose decode steps compute as prefills (Bamba) is still served within 1e-5."""
+    from prefixlab.errors import InvalidInputError
+
+    prompt = tokens(1, 20, seed=7)
+    for name in ("zamba2", "bamba"):
+        reference, model = build(name, seed=3), build(name, seed=3)
+        store = PrefixStore(model, capacity="64MB", policy="dp", block_size=4, patch=patched)
+        try:
+            for _ in range(2):  # (transformers' layers capture the state a repeat resumes from at the second)
+                logits_and_tokens(model, prompt, HybridPrefixCache(store))
+            before = store.stats()
+            cache = HybridPrefixCache(store)
+            with torch.no_grad():
+                options = dict(GREEDY, use_cache=False, output_logits=True, return_dict_in_generate=True)
+                if store.decode_differs:
+                    with pytest.raises(InvalidInputError, match="use_cache=False"):
+                        model.generate(prompt, past_key_values=cache, **options)
+                    assert store.stats() == before
+                    continue
+                got, expected = (m.generate(prompt, **options, **kw) for m, kw in
+                                 ((model, {"past_key_values": cache}), (reference, {})))
+            assert cache.reused_tokens == prompt.shape[1] - 1 and torch.equal(got.sequences, expected.sequences)
+            torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=0, atol=1e-5)
+        finally:
+            store.close()
+
+
 @pytest.mark.parametrize("own_tokens", [1, 3])
 def test_hydragen_from_the_store_leaves_a_prefill_where_decode_steps_differ(own_tokens):
     """hydragen_cache_from_store on Nemotron-H (dt clamped in prefills only) serves at most all but the prompt's

@@ -6,16 +6,17 @@ always-called post-hook (one pair per model, shared by every store and cache on 
 - pre-hook, first forward of a cache: `prefixlab_bind(model)` (an unbound cache picks the model's default store, a
   bound one checks it belongs to this model), `begin(...)` -> columns already cached;
 - pre-hook, a later forward: it must continue what the cache holds (`held_tokens()` fed again are cut off,
-  positions that start elsewhere are refused: a new prompt over a used cache); one of several tokens (a chunk of a
+  positions that start elsewhere are refused: a new prompt over a used cache; generate cuts a longer one to what
+  continues it, so its input is checked before, guards.checked_generate); one of several tokens (a chunk of a
   chunked prefill, a turn continued on the cache) first skips what the store holds (`resume_further(...)`);
 - pre-hook, every forward: the tokens left run in segments split at `capture_splits(...)` (transformers' layers
   capture states only at a forward's end), then `record(input_ids)`; post-hook: `forward_done()` or, if the forward
   raised, `forward_failed()`.
 Faults: torch runs the always-called post-hook only for `Exception`s, so a `KeyboardInterrupt` (or any other
 BaseException) raised inside a forward would leave a cache half advanced; the hooks therefore also wrap the model's
-forward (the forward guard) and call `forward_failed()` on the started caches it was given, whatever it raised. A
-pre-hook that raises resets its cache the same way. A cache still `in_flight` when its next forward starts (an
-interrupt landed between the hooks and the guard: generate was told a stale length) is refused once and reset.
+forward (the forward guard, guards.py) and call `forward_failed()` on the started caches it was given, whatever it
+raised. A pre-hook that raises resets its cache the same way. A cache still `in_flight` when its next forward starts
+(an interrupt landed between the hooks and the guard: generate was told a stale length) is refused once and reset.
 The hooks hold no lock across a forward; the caches take their store's lock in each protocol call (cache/sharing.py).
 Direction of the imports: hooks.py <- store.py (installs the hooks: `attach` / `detach`) <- hf.py (HybridPrefixCache
 implements the protocol over a PrefixStore). The store never calls a cache except `commit()` on the ones it holds.
@@ -23,15 +24,15 @@ implements the protocol over a PrefixStore). The store never calls a cache excep
 
 from __future__ import annotations
 
-import functools
 import inspect
 import threading
 import weakref
 
 import torch
 
+from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
-from prefixlab.cache.model_info import check_deterministic, check_token_ids
+from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
 from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
@@ -93,10 +94,10 @@ class _ModelHooks:
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
             model.register_forward_hook(self.after_forward, with_kwargs=True, always_call=True),
         ]
-        guard = _guarded(model.forward)
-        guard.prefixlab_replaced = vars(model).get("forward")  # an instance attribute it shadows, put back by `remove`
-        model.forward = guard
-        self.guard = weakref.ref(guard)  # weak: _HOOKS must not keep the model (which the guard holds) alive
+        # weak: _HOOKS must not keep the model (which the wrappers hold) alive
+        self.guard = shadow(model, "forward", guarded(model.forward, ModelDrivenCache))
+        generate = getattr(model, "generate", None)  # checked: a used cache's input must continue it (guards.py)
+        self.checked = shadow(model, "generate", checked_generate(generate, ModelDrivenCache)) if generate else None
 
     def __deepcopy__(self, memo: dict):  # copy.deepcopy(model) reaches the hooks through the model's hook dicts
         raise InvalidInputError(
@@ -109,12 +110,8 @@ class _ModelHooks:
         for handle in self.handles:
             handle.remove()
         uninstall(getattr(model, "model", model), model)
-        guard = vars(model).get("forward")
-        if guard is not None and guard is self.guard():  # else something wrapped it since (torch.compile): keep it
-            if guard.prefixlab_replaced is None:
-                del model.forward
-            else:
-                model.forward = guard.prefixlab_replaced
+        for name, wrapper in (("forward", self.guard), ("generate", self.checked)):
+            unshadow(model, name, wrapper)
 
     def _cache(self, kwargs: dict) -> ModelDrivenCache | None:
         cache = kwargs.get(self.cache_arg, kwargs.get("past_key_values"))
@@ -152,6 +149,7 @@ class _ModelHooks:
         if not cache.started:  # every row, before any row is looked up or a default store is created
             check_token_ids(kwargs["input_ids"], module)
             check_deterministic(module)
+            check_use_cache(module, kwargs.get("use_cache"))
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if kwargs.get("labels") is not None:
             raise InvalidInputError(
@@ -197,22 +195,6 @@ class _ModelHooks:
             return None
         cache.forward_done()
         return _join_logits(output, segments) if segments is not None else None
-
-
-def _guarded(forward):
-    """`forward` resetting the started caches it is given on any exception, KeyboardInterrupt included."""
-
-    @functools.wraps(forward)  # transformers reads the forward's signature (via __wrapped__) to pick inputs
-    def guard(*args, **kwargs):
-        try:
-            return forward(*args, **kwargs)
-        except BaseException:
-            for value in (*args, *kwargs.values()):
-                if isinstance(value, ModelDrivenCache) and value.started:
-                    value.forward_failed()
-            raise
-
-    return guard
 
 
 _HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _ModelHooks
@@ -294,7 +276,8 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     caller asked for logits the earlier segments computed, (their logits, the caller's logits_to_keep). `media`: the
     forward's placeholders: each part gets the features of its own (multimodal.py)."""
     length = offset + kwargs["input_ids"].shape[1]
-    splits = cache.capture_splits(start, length)
+    # per-layer outputs of segments cannot be joined (attentions span other keys): such a forward runs whole
+    splits = [] if _asks_layer_outputs(module, kwargs) else cache.capture_splits(start, length)
     keep = kwargs.get("logits_to_keep", 0)
     # generate keeps 1 logit (the last segment has it); a direct forward may want every token's
     collect = bool(splits) and not (isinstance(keep, int) and 0 < keep <= length - splits[-1])
@@ -307,7 +290,7 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
             segment["logits_to_keep"] = 0 if collect else 1  # else only the states matter here
         output = module(**segment)
         if collect:
-            logits.append(output.logits)
+            logits.append(_logits_of(output))
         start = stop
     last = _slice_inputs(kwargs, start, length, length, offset, media)
     if collect and "logits_to_keep" in params:
@@ -315,16 +298,41 @@ def _run_splits(module, cache: ModelDrivenCache, kwargs: dict, start: int, offse
     return last, (logits, keep) if collect else None
 
 
+_LAYER_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
+
+
+def _asks_layer_outputs(module, kwargs: dict) -> bool:
+    """Whether the forward returns per-layer outputs besides the logits (hidden states, attentions, MoE router
+    logits), asked for by its keywords or else the model's config; a hidden-state index (even 0) asks too."""
+    config = getattr(module, "config", None)
+    for name in _LAYER_OUTPUTS:
+        value = kwargs.get(name)
+        value = getattr(config, name, None) if value is None else value
+        if value is not None and value is not False:
+            return True
+    return False
+
+
 def _join_logits(output, segments: tuple):
     """The output of a split prefill with the logits of every segment, cut to the caller's logits_to_keep (indices:
     of the forward's columns, all run: `_logits_tokens`)."""
     logits, keep = segments
-    if getattr(output, "logits", None) is not None:
-        joined = torch.cat([*logits, output.logits], dim=-2)
-        if not isinstance(keep, int):
-            joined = joined[..., keep.to(joined.device), :]
-        output.logits = joined[..., -keep:, :] if isinstance(keep, int) and keep else joined
+    last = _logits_of(output)
+    if last is None:
+        return output
+    joined = torch.cat([*logits, last], dim=-2)
+    if not isinstance(keep, int):
+        joined = joined[..., keep.to(joined.device), :]
+    joined = joined[..., -keep:, :] if isinstance(keep, int) and keep else joined
+    if isinstance(output, tuple):  # return_dict=False: logits first (labels, hence a loss, are refused)
+        return (joined, *output[1:])
+    output.logits = joined
     return output
+
+
+def _logits_of(output) -> torch.Tensor | None:
+    """The logits of a forward's output, a ModelOutput or (return_dict=False) a tuple that starts with them."""
+    return output[0] if isinstance(output, tuple) else getattr(output, "logits", None)
 
 
 def forward_parameters(module: torch.nn.Module) -> frozenset[str]:

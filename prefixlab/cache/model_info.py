@@ -88,6 +88,20 @@ def decode_differs_from_prefill(model: torch.nn.Module) -> bool:
     return any(time_step_limit(m) != NO_DT_LIMIT for m in model.modules() if hasattr(m, "time_step_limit"))
 
 
+def check_use_cache(model: torch.nn.Module, use_cache: bool | None) -> None:
+    """InvalidInputError for use_cache=False (the forward's, else the config's) where decode steps differ from
+    prefills: generate then feeds the whole sequence again at every step, which a started cache cuts to the new
+    token, a decode step, not the prefill that was asked for."""
+    use_cache = getattr(model.config, "use_cache", True) if use_cache is None else use_cache
+    if use_cache is False and decode_differs_from_prefill(model):
+        raise InvalidInputError(
+            f"use_cache=False with a HybridPrefixCache on {type(model).__name__}: generate would feed the whole "
+            "sequence again at every step and the cache would run its new token as a decode step, which this model "
+            "computes differently from the prefill use_cache=False asks for (see store.decode_differs); pass "
+            "use_cache=True, or no cache"
+        )
+
+
 def model_identity(model: torch.nn.Module) -> str:
     """Checksum of what makes cached tensors valid for a model: its architecture config and dtype."""
     config = model.config.to_dict()

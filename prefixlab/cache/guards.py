@@ -1,0 +1,95 @@
+"""The wrappers the hooks (hooks.py) put on a model's methods, as instance attributes: the forward guard, and the
+check a later `generate()` call over a used cache needs before it runs, which the forward hooks cannot make.
+
+`generate` slices its input by the cache's length (`get_seq_length`) before the first forward: the hooks see only
+the tokens past what the cache holds, at the positions that continue it, whether the input started with the held
+tokens (a continued request) or not (a new prompt longer than the old one, which would run its tail on the old
+request's KV and states). The hooks wrap the model's `generate` with `checked_generate`, which compares the input's
+first columns with the tokens the cache holds before anything runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+
+from prefixlab.cache.multimodal import KEY_BASE
+from prefixlab.errors import InvalidInputError
+
+
+def checked_generate(generate, cache_type: type):
+    """`generate` refusing an input that a started cache of `cache_type` cannot continue (the cache is reset: what it
+    held is admitted, and it serves the next call as a new request)."""
+
+    @functools.wraps(generate)  # transformers and users read the signature (via __wrapped__)
+    def checked(*args, **kwargs):
+        cache, cut = kwargs.get("past_key_values"), True  # generate cuts only a past_key_values input by its length
+        if cache is None:
+            cache, cut = kwargs.get("cache_params"), False  # (Mamba2: its whole input continues the cache)
+        if isinstance(cache, cache_type) and cache.started and not cache.in_flight:
+            input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+            check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
+        return generate(*args, **kwargs)
+
+    return checked
+
+
+def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                    cut: bool = True) -> None:
+    """InvalidInputError (after resetting `cache`) if `input_ids` [batch, n] has other rows than the cache, or
+    (`cut`: generate takes the input for the held tokens followed by new ones where it is longer than them and a
+    mask, if any, is as long as the input) its first columns are not the tokens the cache holds. Multimodal content
+    keys stand for any placeholder."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        return
+    seen, held = cache.get_seq_length(), cache.held_tokens()
+    if held.shape[0] == input_ids.shape[0]:
+        if not cut or input_ids.shape[1] <= seen:
+            return  # (no longer input: its positions are checked by the hooks)
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]:
+            return  # only the new tokens were passed (the mask spans the held ones too): generate does not cut
+        if held.shape[1] == seen and bool(((input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)).all()):
+            return
+    cache.reset()
+    raise InvalidInputError(
+        f"this HybridPrefixCache holds {seen} tokens of a request in {held.shape[0]} rows, and the input passed to "
+        f"generate() ({input_ids.shape[0]} rows) does not continue them: generate would run it on the old request's "
+        "states; use a new HybridPrefixCache(store) per request. This cache is reset now (the request it held was "
+        "admitted)"
+    )
+
+
+def shadow(model: torch.nn.Module, name: str, wrapper) -> weakref.ref:
+    """Put `wrapper` on `model` as the instance attribute `name`, remembering the one it shadows for `unshadow`."""
+    wrapper.prefixlab_replaced = vars(model).get(name)
+    setattr(model, name, wrapper)
+    return weakref.ref(wrapper)
+
+
+def unshadow(model: torch.nn.Module, name: str, wrapper: weakref.ref | None) -> None:
+    """Undo `shadow`, unless something wrapped the attribute since (torch.compile): then it stays."""
+    current = vars(model).get(name)
+    if wrapper is not None and current is not None and current is wrapper():
+        if current.prefixlab_replaced is None:
+            delattr(model, name)
+        else:
+            setattr(model, name, current.prefixlab_replaced)
+
+
+def guarded(forward, cache_type: type):
+    """`forward` resetting the started caches of `cache_type` it is given on any exception, KeyboardInterrupt
+    included (torch skips the always-called post-hook for BaseExceptions)."""
+
+    @functools.wraps(forward)  # transformers reads the forward's signature (via __wrapped__) to pick inputs
+    def guard(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        except BaseException:
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, cache_type) and value.started:
+                    value.forward_failed()
+            raise
+
+    return guard
