@@ -177,15 +177,22 @@ def test_direct_forwards_without_position_ids_run_at_the_sequences_positions(fam
             torch.testing.assert_close(got[:, -1], expected[:, column], rtol=0, atol=TOLERANCE)
 
 
+def split_prefill_case(family: str, policy: str):
+    """A patch=False store holding a first request, and a second request sharing its 16 first tokens: its prefill
+    splits at the branch point there to capture the state (model, store, first, second)."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy=policy, block_size=4, patch=False)
+    rng = torch.Generator().manual_seed(5)
+    system = torch.randint(3, 128, (1, 16), generator=rng)
+    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    return model, store, first, second
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
 def test_a_split_direct_forward_returns_the_logits_of_every_token_it_ran(family):
     """patch=False captures a planned state by splitting the prefill; a direct forward still returns logits for every
     token after the reused prefix (not only the last segment's), equal to one uncached forward's."""
-    model = build(family)
-    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4, patch=False)
-    rng = torch.Generator().manual_seed(5)
-    system = torch.randint(3, 128, (1, 16), generator=rng)
-    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    model, store, first, second = split_prefill_case(family, "sglang+")
     with torch.no_grad():
         model(input_ids=first, past_key_values=HybridPrefixCache(store))
         cache = HybridPrefixCache(store)
@@ -201,11 +208,7 @@ def test_a_split_direct_forward_returns_the_logits_of_every_token_it_ran(family)
 def test_a_split_direct_forward_keeps_the_logits_a_tensor_of_indices_names():
     """logits_to_keep as a tensor of column indices (transformers allows it) on a patch=False prefill split at a
     planned capture: before, InvalidInputError after the request was looked up and counted in stats()."""
-    model = build("qwen3_5")
-    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
-    rng = torch.Generator().manual_seed(5)
-    system = torch.randint(3, 128, (1, 16), generator=rng)
-    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    model, store, first, second = split_prefill_case("qwen3_5", "marconi")
     keep = torch.tensor([0, 3, 21])
     with torch.no_grad():
         model(input_ids=first, past_key_values=HybridPrefixCache(store))
@@ -213,14 +216,11 @@ def test_a_split_direct_forward_keeps_the_logits_a_tensor_of_indices_names():
         expected = model(input_ids=second, logits_to_keep=keep).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
 
+
 def test_a_split_direct_forward_returns_a_tuple_when_asked():
     """return_dict=False on a patch=False prefill split at a planned capture: before, AttributeError ('tuple' object
     has no attribute 'logits') from the hooks; now the tuple's logits cover every token run, as return_dict=True's."""
-    model = build("qwen3_5")
-    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=False)
-    rng = torch.Generator().manual_seed(5)
-    system = torch.randint(3, 128, (1, 16), generator=rng)
-    first, second = (torch.cat([system, torch.randint(3, 128, (1, 6), generator=rng)], dim=1) for _ in range(2))
+    model, store, first, second = split_prefill_case("qwen3_5", "marconi")
     with torch.no_grad():
         model(input_ids=first, past_key_values=HybridPrefixCache(store))
         got = model(input_ids=second, past_key_values=HybridPrefixCache(store), return_dict=False)  # split at 16
