@@ -178,9 +178,9 @@ def test_gradients_flow_through_the_chunked_path(backend):
     assert all(max_diff(a, b) <= 1e-4 for a, b in zip(grads, grads_ref, strict=True))
 
 
-# 0 heads: one row and one head a block; one compiled case (each block shape is one more compiled graph)
-@pytest.mark.parametrize("budget_heads,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch"),
-                                                        (2, 2, "compiled")])
+# 0 heads: one row and one head a block; the torch backend only: the compiled one runs the same blocks (the
+# loop is outside torch.compile), and each block shape would be one more graph to compile (about a minute here)
+@pytest.mark.parametrize("budget_heads,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch")])
 @pytest.mark.parametrize("per_channel", [False, True])
 def test_cpu_blocks_of_rows_and_heads_give_the_whole_calls_results(monkeypatch, budget_heads, batch, backend,
                                                                    per_channel):

@@ -148,9 +148,9 @@ def test_gradients_flow_through_the_chunked_path():
     assert all(max_diff(a, b) <= 1e-4 for a, b in zip(*grads, strict=True))
 
 
-# 0 heads: one row and one head a block; one compiled case (each block shape is one more compiled graph)
-@pytest.mark.parametrize("heads_per_block,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch"),
-                                                           (2, 2, "compiled")])
+# 0 heads: one row and one head a block; the torch backend only: the compiled one runs the same blocks (the
+# loop is outside torch.compile), and each block shape would be one more graph to compile (about a minute here)
+@pytest.mark.parametrize("heads_per_block,batch,backend", [(1, 1, "torch"), (2, 2, "torch"), (0, 3, "torch")])
 def test_cpu_blocks_of_rows_and_heads_give_the_whole_calls_results(monkeypatch, heads_per_block, batch, backend):
     """On the CPU rows and heads run in cache-sized blocks (each head its own A); results are the whole call's."""
     length, heads, chunk_size = 40, 4, 16
