@@ -37,8 +37,8 @@ def unchunked(x: torch.Tensor, length: int) -> torch.Tensor:
 
 # Rows and heads of a chunked kernel are independent; on the CPU they run in blocks whose [rows, T, heads, D] fp32
 # inputs hold at most this many bytes. Larger blocks spill the caches, and their temporaries (over 32 MB) are
-# mmapped anew by glibc on every call, paying a page fault per 4 KB: one 4096-token Qwen3.5 layer (16 heads) ran
-# 1.9x faster in 4-head blocks (benchmarks/RESULTS.md, "Recurrent kernels").
+# mmapped anew by glibc on every call, paying a page fault per 4 KB: a Qwen3.5 delta-rule layer (16 heads) ran 1.28x
+# / 1.58x faster at 4K / 16K tokens (benchmarks/RESULTS.md, "Bug hunt and CPU kernel blocks (session 29)").
 CPU_BLOCK_BYTES = 8 << 20
 
 
