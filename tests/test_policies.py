@@ -275,6 +275,27 @@ def test_one_window_replay_stands_for_every_alpha_that_evicts_alike(monkeypatch,
         assert len(cores) - 1 < len(grid)  # the fresh core, then one per distinct sequence of evictions
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_dp_skips_its_final_tuning_when_alpha_made_no_difference_to_the_provisional_one(monkeypatch, tied):
+    grids, real = [], AlphaBootstrap.window_flops_saved
+
+    def spy(self, fresh, replay, grid=ALPHA_GRID):
+        grids.append(grid)
+        saved = real(self, fresh, replay, grid)
+        return dict.fromkeys(grid, 1.0) if tied else saved  # every alpha's replay saved the same FLOPs
+
+    monkeypatch.setattr(AlphaBootstrap, "window_flops_saved", spy)
+    core = PrefixCacheCore(1500, "dp", tiny_spec(), bootstrap_multiplier=3)
+    for r in _conversations(12, 4):
+        replay_request(core, r.input_tokens, r.output_tokens)
+    coarse = core.eviction.provisional_grid
+    assert core.bootstrap is None  # tuned for good either way
+    if tied:  # the provisional alpha (the middle of the tie) stays
+        assert grids == [coarse] and core.alpha == coarse[(len(coarse) - 1) // 2]
+    else:
+        assert grids == [coarse, ALPHA_GRID]
+
+
 def test_dp_learns_where_requests_diverge_and_beats_marconi():
     stream = version_families(6)
     hits = {}

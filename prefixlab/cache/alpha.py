@@ -5,7 +5,10 @@ Marconi runs with alpha 0 until the window closes, 5 x N0 requests after its fir
 then), and tunes once. A policy with a `provisional_grid` (dp) also tunes at 2 x N0 on the window so far, on that
 coarse grid, so that it runs untuned for less of the trace; the final tuning replaces the provisional alpha. Measured
 over the issue-9 sweep (35 points) and 55 held-out points (other seeds and rates): 35 / 35 and 49 / 55 met against
-34 / 35 and 49 / 55 without it (benchmarks/RESULTS.md)."""
+34 / 35 and 49 / 55 without it (benchmarks/RESULTS.md). When every alpha of the provisional grid saved the same FLOPs
+on the window (alpha has not yet made a difference to what this workload's evictions save), the final tuning is
+skipped and the provisional alpha (the middle of the tie) stays: the final one replays up to 21 x 4 x N0 requests,
+15-20x the trace's own replay where it falls inside a short trace, for no measured gain there (RESULTS)."""
 
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ class AlphaBootstrap:
         self.held = self.dropped = 0  # tokens recorded now; requests dropped from the front
         self.tune_at: int | None = None
         self.provisional_done = False
+        self.tied = False  # whether every alpha of the last tuning's grid saved the same FLOPs in its replay
 
     def first_eviction(self, requests: int) -> None:
         if self.tune_at is None:
@@ -66,6 +70,7 @@ class AlphaBootstrap:
         """The alpha of `grid` whose replay of the window (`replay(core, tokens, input_length) -> hit length`) from
         `fresh`, an empty core with alpha 0, saves the most FLOPs."""
         saved = self.window_flops_saved(fresh, replay, grid)
+        self.tied = len(set(saved.values())) == 1
         return tune_alpha(saved.__getitem__, grid, ties=fresh.eviction.alpha_ties)
 
     def window_flops_saved(self, fresh, replay: Callable, grid: Sequence[float] = ALPHA_GRID) -> dict[float, float]:

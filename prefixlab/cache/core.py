@@ -344,7 +344,8 @@ class PrefixCacheCore:
             started = time.perf_counter()
             self.eviction.alpha = self.bootstrap.tune(fresh, _replay, ALPHA_GRID if final else grid)
             self.bootstrap.provisional_done = True
-            self.bootstrap = None if final else self.bootstrap
+            # final, or a provisional tuning on which alpha made no difference: no further tuning (alpha.py)
+            self.bootstrap = None if final or self.bootstrap.tied else self.bootstrap
             self.tuning_seconds += time.perf_counter() - started
 
     def fork(self) -> PrefixCacheCore:
