@@ -48,26 +48,6 @@ def test_affinity_resumes_from_the_branch_checkpoint_it_expects():
     assert kv_only.reusable(np.concatenate([a, c]))[0].tolist() == [0, 0, 100]
 
 
-def test_affinity_ranks_by_reuse_only_from_min_reuse_of_the_request():
-    """A request that every replica would resume only a few tokens of (a header many prompts start with) goes
-    where the least work is, not to the replica holding those few tokens: that sent each new system prompt to
-    wherever its first tokens were checkpointed, piling up the prompts whose first tokens agree on one replica
-    (issue 11, system prompts at 8 replicas). A reuse of min_reuse of the request or more still decides, and
-    so does what a repeat would resume (the branch checkpoint serving it there creates)."""
-    header = np.arange(4)
-    a, b, c = (np.concatenate([header, np.arange(1000) + k * 10_000]) for k in (1, 2, 3))
-    near_a = np.concatenate([a[:600], np.arange(400) + 40_000])
-    for min_reuse, expected in ((0.05, 0), (0.0, 1)):
-        router = AffinityRouter(3, balance_eps=10.0, min_reuse=min_reuse)  # no balance pressure here
-        router.record(1, a, len(a))
-        router.record(1, b, len(b))  # a checkpoint where b branched off a: after the header
-        router.record(2, np.arange(50) + 90_000, 50)  # replica 2 has some work, replica 0 none
-        assert router.reusable(c)[0].tolist() == [0, len(header), 0]
-        assert router.choose(c).replica == expected
-        assert router.reusable(near_a)[0].tolist() == [0, len(header), 0]  # a's KV held past the header
-        assert router.choose(near_a).replica == 1  # a repeat would resume 600 tokens there
-
-
 SPEC = ModelSpec.from_name("marconi-7b")  # 65,536 KV bytes per token, 26.8 MB per state
 
 
@@ -318,9 +298,6 @@ def test_router_inputs_are_checked():
         router.choose(np.array([[1, 2]]))
     with pytest.raises(InvalidInputError, match="balance_eps"):
         AffinityRouter(2, balance_eps=-1)
-    for bad in (-0.1, 1.5, True, "0.05"):
-        with pytest.raises(InvalidInputError, match="min_reuse"):
-            AffinityRouter(2, min_reuse=bad)
     with pytest.raises(InvalidInputError, match="min_total_prefill_tokens"):
         AffinityRouter(2, min_total_prefill_tokens=-5)
     core = PrefixCacheCore(10**9, "marconi", SPEC)

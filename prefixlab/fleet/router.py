@@ -27,11 +27,6 @@ stays under the first term (the mean only grows), a fallback's work after is at 
 plus one request. The second term is inherent: N + 1 requests of equal work on N replicas that share nothing put
 two on one replica, 2N / (N + 1) x the mean, so (1 + balance_eps) x the mean can hold only where a request's work
 is at most balance_eps x a replica's mean (small traces over many replicas fail this).
-Reuse ranks replicas only where it is a real share of the request: where no eligible replica resumes, or would
-resume a repeat of (the branch checkpoint serving the request there creates), `min_reuse` of its tokens, the least
-work after the request decides. Otherwise the few tokens many prompts start with (checkpointed where those prompts
-part) send each new prompt wherever its first tokens are held, and the prompts that start alike pile up on one
-replica whose cache cannot hold them all (issue 11: system prompts, 8 replicas; benchmarks/RESULTS.md).
 When a whole batch is known up front, `min_total_prefill_tokens` (a lower bound of the fleet's total work, e.g.
 the batch's distinct prompt prefixes, which some replica must compute) stands in for the running total while it is
 larger: early requests can then reuse (with the running mean alone the first replica to take a request is over
@@ -141,20 +136,15 @@ class AffinityRouter(Router):
     """Longest resumable prefix under a balance constraint (see the module docstring).
 
     `caches`: per replica, what it holds (`peek`); `checkpointed=False`: any held token is resumable (KV-only
-    replicas, or processes that prime every shared prefix); `min_reuse`: the share of a request's tokens a replica
-    must resume (or would resume of a repeat) for reuse to rank the replicas (0: any reuse does)."""
+    replicas, or processes that prime every shared prefix)."""
 
     name = "affinity"
 
     def __init__(self, replicas: int, seed: int = 0, *, balance_eps: float = 0.15, checkpointed: bool = True,
-                 caches: Sequence[ReplicaCache] | None = None, min_total_prefill_tokens: int = 0,
-                 min_reuse: float = 0.2) -> None:
+                 caches: Sequence[ReplicaCache] | None = None, min_total_prefill_tokens: int = 0) -> None:
         super().__init__(replicas, seed)
         if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
             raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
-        if isinstance(min_reuse, bool) or not isinstance(min_reuse, int | float) or not 0 <= min_reuse <= 1:
-            raise InvalidInputError(f"min_reuse must be a number in [0, 1], got {min_reuse!r}")
-        self.min_reuse = float(min_reuse)
         if isinstance(min_total_prefill_tokens, bool) or not isinstance(min_total_prefill_tokens, int | np.integer) \
                 or min_total_prefill_tokens < 0:
             raise InvalidInputError(f"min_total_prefill_tokens must be an int >= 0, got {min_total_prefill_tokens!r}")
@@ -218,61 +208,31 @@ class AffinityRouter(Router):
 
     def _best(self, length: int, reusable: np.ndarray, shared: np.ndarray, known: np.ndarray) -> int | None:
         """The best `known` eligible replica, or None."""
-        ranked = self._rank(length, reusable, shared, known)
-        return None if ranked is None else ranked[0]
-
-    def _rank(self, length: int, reusable: np.ndarray, shared: np.ndarray,
-              known: np.ndarray) -> tuple[int, bool, int] | None:
-        """(the best `known` eligible replica, whether the preference ranked it, its work after the request), or
-        None when no known replica is eligible."""
         after = self.loads + (length - reusable)  # each replica's prefill work if it takes the request
         mean_after = np.maximum((self.loads.sum() + length - reusable) / self.replicas, self.min_mean_tokens)
         eligible = np.flatnonzero(known & (after <= (1.0 + self.balance_eps) * mean_after))
         if len(eligible) == 0:
             return None
-        keys = _preference(length, reusable[eligible], shared[eligible])
-        # The most preferred (_preference), then the least work after the request, then the lowest index; where no
-        # eligible replica resumes, or would resume a repeat of, min_reuse of the request, the preference is noise
-        # (a few tokens many prompts start with) and the least work decides (see the module docstring)
-        by_preference = bool(keys[1].max() >= self._meaningful(length))
-        preference = [-key for key in reversed(keys)] if by_preference else []
-        best = int(eligible[np.lexsort((eligible, after[eligible], *preference))[0]])
-        return best, by_preference, int(after[best])
-
-    def _meaningful(self, length: int) -> float:
-        """The least reuse of a `length`-token request that ranks replicas by preference."""
-        return self.min_reuse * length
+        # The most preferred (_preference), then the least work after the request, then the lowest index.
+        preference = [-key[eligible] for key in reversed(_preference(length, reusable, shared))]
+        order = np.lexsort((eligible, after[eligible], *preference))
+        return int(eligible[order[0]])
 
     def _ask_until_decided(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(reusable, shared, known): the replicas asked in decreasing order of what they were sent, until no replica
-        left can be chosen over the best eligible answer (a replica sent nothing of the path holds nothing of it)."""
+        """(reusable, shared, known): the replicas asked in decreasing order of what they were sent, until the best
+        eligible answer beats every bound left (a replica sent nothing of the path holds nothing of it)."""
         walk = self.tree.walk(tokens, "default")
         bound = self.sent(walk)
         reusable, shared = np.zeros((2, self.replicas), dtype=np.int64)
         known = bound == 0
         for replica in np.argsort(-bound, kind="stable")[: self.replicas - int(known.sum())].tolist():
-            if not self._undecided(len(tokens), reusable, shared, known, bound):
+            best = self._best(len(tokens), reusable, shared, known)
+            if best is not None and _preference(len(tokens), int(reusable[best]), int(shared[best])) > (
+                    int(bound[replica]),) * 3:  # each key of a replica is at most its bound
                 break
             reusable[replica], shared[replica] = self._ask(tokens, walk, replica)
             known[replica] = True
         return reusable, shared, known
-
-    def _undecided(self, length: int, reusable: np.ndarray, shared: np.ndarray, known: np.ndarray,
-                   bound: np.ndarray) -> bool:
-        """Whether a replica not asked yet (each key of one is at most its bound, its reuse too) could be chosen
-        over the best known eligible one."""
-        ranked = self._rank(length, reusable, shared, known)
-        if ranked is None:
-            return True
-        best, by_preference, after = ranked
-        left = np.flatnonzero(~known)
-        most = int(bound[left].max())
-        if by_preference:  # only a replica preferred over the best can be chosen instead
-            return _preference(length, int(reusable[best]), int(shared[best])) <= (most,) * 3
-        if most >= self._meaningful(length):  # one could rank by preference
-            return True
-        least_after = self.loads[left] + (length - bound[left])  # else the least work decides
-        return bool(np.any((least_after < after) | ((least_after == after) & (left < best))))
 
     def _ask(self, tokens: np.ndarray, walk: Walk, replica: int) -> tuple[int, int]:
         """What `replica`'s cache can resume of `tokens` (walked by `walk`) and how many it shares; what it was
