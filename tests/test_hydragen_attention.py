@@ -1,5 +1,6 @@
 """hydragen_attention: split and packed-tree paths against the dense SDPA reference, and its input checks."""
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -174,6 +175,7 @@ def _bad(**overrides):
         (dict(suffix_lengths=[2.5, 3, 4]), "must be integers"),
         (dict(scale=float("nan")), "finite number"),
         (dict(scale="0.3"), "finite number"),
+        (dict(scale=True), "finite number"),
     ],
 )
 def test_bad_input_raises_clear_error(overrides, match):
@@ -181,3 +183,15 @@ def test_bad_input_raises_clear_error(overrides, match):
     with pytest.raises(InvalidInputError, match=match):
         hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"), args.pop("suffix_values"),
                            **args)
+
+
+def test_scale_takes_numpy_scalars_as_floats():
+    """A scale computed with numpy (np.float32(d) ** -0.5) gives the bits a Python float of the same value gives."""
+    for method in ("split", "sdpa"):
+        args = _bad()
+        by_float = hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"),
+                                      args.pop("suffix_values"), scale=0.25, method=method, **args)
+        args = _bad()
+        by_numpy = hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"),
+                                      args.pop("suffix_values"), scale=np.float32(0.25), method=method, **args)
+        assert torch.equal(by_float, by_numpy)

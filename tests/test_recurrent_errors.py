@@ -43,10 +43,14 @@ DELTA_CASES = [
     ({"initial_state": torch.zeros(1, 4, 8, 4, device="meta")}, "initial_state"),
     ({"q": torch.zeros(1, LENGTH, 2, 8, dtype=torch.long)}, "q"),
     ({"chunk_size": 0}, "chunk_size"),
+    ({"chunk_size": True}, "chunk_size"),
+    ({"chunk_size": np.float64(16)}, "chunk_size"),
     ({"backend": "triton"}, "backend"),
     ({"backend": "fla"}, "backend"),  # CPU tensors never go to a CUDA package, installed or not
     ({"scale": "big"}, "scale"),
     ({"scale": float("nan")}, "finite"),
+    ({"scale": np.float32("inf")}, "finite"),
+    ({"scale": True}, "scale"),
     ({"capture": (np.bool_(True),)}, "capture"),
 ]
 
@@ -103,3 +107,15 @@ def test_capture_takes_numpy_integers_as_ints():
         _, _, by_numpy = fn(**call, capture=tuple(np.arange(2, 6, 3)), backend="torch")
         assert [type(p) for p in by_numpy] == [int, int]
         assert all(torch.equal(by_int[p], by_numpy[p]) for p in (2, 5))
+
+
+def test_chunk_size_and_scale_take_numpy_scalars():
+    """Sizes and scales computed with numpy give the bits Python numbers give (they were refused before)."""
+    for fn, call, extra in ((gated_delta_rule, delta_call(), {"scale": 0.3}), (ssd, ssd_call(), {})):
+        by_python = fn(**call, capture=(2, 5), backend="torch", chunk_size=4, **extra)
+        numpy_extra = {name: np.float32(value) for name, value in extra.items()}
+        by_numpy = fn(**call, capture=(2, 5), backend="torch", chunk_size=np.int64(4), **numpy_extra)
+        if extra:  # np.float32(0.3) is not 0.3: compare against the same value as a Python float
+            by_python = fn(**call, capture=(2, 5), backend="torch", chunk_size=4, scale=float(np.float32(0.3)))
+        assert torch.equal(by_python[0], by_numpy[0]) and torch.equal(by_python[1], by_numpy[1])
+        assert all(torch.equal(by_python[2][p], by_numpy[2][p]) for p in (2, 5))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from numbers import Real
 from typing import Literal
 
 import torch
@@ -66,9 +67,10 @@ def hydragen_attention(
     """
     if method not in METHODS:
         raise InvalidInputError(f"method={method!r} must be one of {METHODS}")
-    finite = isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale)
+    finite = isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale)  # numpy scalars too
     if scale is not None and not finite:
         raise InvalidInputError(f"scale={scale!r} must be a finite number (None: head_dim ** -0.5)")
+    scale = None if scale is None else float(scale)
     plan = plan_tree(q, levels, suffix_keys, suffix_values, seq_levels, suffix_mask, suffix_lengths)
     chosen = choose_method(q, plan) if method == "auto" else method
     if not plan.shared_levels() and chosen != "packed":

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
-from numbers import Integral
+from numbers import Integral, Real
 
 import numpy as np
 import torch
@@ -86,9 +87,17 @@ def check_capture(capture: Iterable[int], length: int, name: str = "capture") ->
 
 
 def check_chunk_size(chunk_size: int) -> int:
+    """A positive int (numpy integers included), as a Python int."""
     require(
-        isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0,
+        isinstance(chunk_size, Integral) and not isinstance(chunk_size, bool) and chunk_size > 0,
         f"chunk_size must be a positive int, got {chunk_size!r}",
     )
-    return chunk_size
+    return int(chunk_size)
+
+
+def check_scale(scale: float | None) -> float | None:
+    """None or a finite real number (numpy scalars included), as a Python float."""
+    require(scale is None or (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale)),
+            f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
+    return None if scale is None else float(scale)
 

@@ -7,7 +7,6 @@ Per token, with state S [K, V] (decay per head, or per key channel for KDA):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
@@ -48,13 +47,11 @@ def gated_delta_rule(
     _checks.check_state("initial_state", initial_state, (batch, heads_v, dim_k, dim_v), q.dtype)
     _checks.check_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     positions = _checks.check_capture(capture, length)
-    _checks.check_chunk_size(chunk_size)
-    require(scale is None or (isinstance(scale, int | float) and not isinstance(scale, bool) and math.isfinite(scale)),
-            f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
+    chunk_size, scale = _checks.check_chunk_size(chunk_size), _checks.check_scale(scale)
     backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), tokens=length)
 
     out_dtype = q.dtype
-    scale = dim_k**-0.5 if scale is None else float(scale)
+    scale = dim_k**-0.5 if scale is None else scale
     if heads_k != heads_v:
         q, k = (x.repeat_interleave(heads_v // heads_k, dim=2) for x in (q, k))
     if initial_state is None:

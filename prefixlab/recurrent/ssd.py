@@ -56,7 +56,7 @@ def ssd(
     _checks.check_same_device({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias,
                                "initial_state": initial_state})  # fmt: skip
     positions = _checks.check_capture(capture, length)
-    _checks.check_chunk_size(chunk_size)
+    chunk_size = _checks.check_chunk_size(chunk_size)
     require(
         len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
         f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
