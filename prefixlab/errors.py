@@ -1,5 +1,12 @@
 """Errors raised by prefixlab. Every message says what went wrong and what to do about it."""
 
+from numbers import Integral
+
+
+def is_int(value: object) -> bool:
+    """An integer argument: a Python or numpy integer (sizes computed with numpy are ints too), never a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
 
 class PrefixlabError(Exception):
     """Base class of every error prefixlab raises on purpose."""

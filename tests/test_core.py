@@ -182,6 +182,8 @@ def test_bad_tokens_raise_and_change_nothing(tokens):
         ({"policy": "lru"}, "vllm\\+, sglang\\+, marconi, dp"),
         ({"spec": "marconi-7b"}, "spec"),
         ({"block_size": 0}, "block_size"),
+        ({"block_size": True}, "block_size"),
+        ({"checkpoint_budget": 4.0}, "checkpoint_budget"),
         ({"alpha": -1.0}, "alpha"),
     ],
 )
@@ -280,3 +282,13 @@ def test_namespaces_that_hold_nothing_keep_no_root():
     assert len(core.tree.roots) <= 2 and core.stats()["nodes"] <= 6
     core.check_invariants()
     assert core.match([1, 2, 3, 4, 5, 6], namespace="tenant-99").length > 0
+
+
+def test_constructor_takes_numpy_integers_as_ints():
+    """Sizes computed with numpy (np.int64) configure the cache exactly as Python ints do."""
+    import numpy as np
+
+    by_int = PrefixCacheCore(1000, "marconi", tiny_spec(), block_size=4, checkpoint_budget=2, history_tokens=64)
+    by_numpy = PrefixCacheCore(np.int64(1000), "marconi", tiny_spec(), block_size=np.int64(4),
+                               checkpoint_budget=np.int32(2), history_tokens=np.int64(64))
+    assert by_numpy.options == by_int.options and type(by_numpy.options.block_size) is int

@@ -256,8 +256,12 @@ def test_routing_is_deterministic_and_names_are_checked():
         make_router("least-loaded", 3)
     with pytest.raises(InvalidInputError, match="partition"):
         assign([r.input_tokens for r in requests], 2, "sticky")
-    with pytest.raises(InvalidInputError, match="positive"):
-        make_router("affinity", 0)
+    for bad in (0, True, 2.0):
+        with pytest.raises(InvalidInputError, match="positive"):
+            make_router("affinity", bad)
+    for routing in ROUTING_NAMES:  # a replica count computed with numpy routes as the int does
+        by_numpy = [make_router(routing, np.int64(3), seed=7).route(r.input_tokens).replica for r in requests]
+        assert by_numpy == [make_router(routing, 3, seed=7).route(r.input_tokens).replica for r in requests]
 
 
 def test_radix_schedule_primes_each_shared_prefix_once_shallow_first():

@@ -201,8 +201,9 @@ def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
     prompt = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(8))
     tensors = _prefix_tensors(standard, prompt[:, :6])
     cache = HydragenCache(hydragen.config)
-    with pytest.raises(InvalidInputError, match="batch_size"):
-        cache.load_shared_prefix(**tensors, batch_size=0)
+    for bad in (0, True, 2.0):  # True was taken for 1
+        with pytest.raises(InvalidInputError, match="batch_size"):
+            cache.load_shared_prefix(**tensors, batch_size=bad)
     with pytest.raises(InvalidInputError, match="exactly the attention layers"):
         cache.load_shared_prefix(**{**tensors, "keys": {}}, batch_size=2)
     if tensors["conv_states"]:

@@ -70,6 +70,7 @@ def test_final_state_matches_transformers_cache_layout_after_prefill():
         ({"pos": 6}, "pos"),
         ({"pos": -1}, "pos"),
         ({"kernel_size": 0}, "kernel_size"),
+        ({"kernel_size": True}, "kernel_size"),
         ({"initial_conv_state": torch.zeros(2, 3, 3)}, "initial_conv_state"),
     ],
 )
@@ -94,3 +95,10 @@ def test_causal_conv1d_rejects_bad_input(kwargs, argument):
     call = {"x": torch.zeros(2, 3, 5), "weight": torch.zeros(3, 4), "bias": None, **kwargs}
     with pytest.raises(InvalidInputError, match=argument):
         causal_conv1d(**call)
+
+
+def test_conv_state_at_takes_a_numpy_kernel_size():
+    import numpy as np
+
+    x = torch.randn(2, 3, 5, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(conv_state_at(x, 3, np.int64(4)), conv_state_at(x, 3, 4))

@@ -25,7 +25,7 @@ from prefixlab.cache.defaults import check_unconverted
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
-from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 
 
 def hydragen_cache_from_store(
@@ -65,8 +65,9 @@ def hydragen_cache_from_store(
         )
     check_token_ids(prompt_ids, model)  # before the lookup: generate would fail deep in torch on such an id
     check_deterministic(model)  # dropout active: the cache would hold what generate then computes differently
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int (the sequences generate runs)")
+    batch_size = int(batch_size)
     if not isinstance(namespace, str) or not namespace:
         raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
     cache = HydragenCache(model.config)  # refuses models whose attention cannot read shared KV, before any lookup

@@ -30,7 +30,7 @@ from transformers.cache_utils import (
 from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
 from prefixlab.attention.reference import materialize_rows
 from prefixlab.attention.tree import SharedLevel
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 # transformers' own implementations expect (B, H, T, D) tensors, not a SharedBatchKV
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -280,8 +280,9 @@ class HydragenCache(Cache):
         recurrent = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
         if sorted(keys) != attention or sorted(values) != attention:
             raise InvalidInputError(f"keys/values must be given for exactly the attention layers {attention}")
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int")
+        batch_size = int(batch_size)
         shaped = {i: (_as_level(keys[i], f"keys[{i}]"), _as_level(values[i], f"values[{i}]")) for i in attention}
         lengths = {k.shape[1] for k, _ in shaped.values()}
         if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):

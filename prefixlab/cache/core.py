@@ -23,7 +23,7 @@ from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, ent
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 
 @dataclass(eq=False)
@@ -88,15 +88,15 @@ class PrefixCacheCore:
         history_tokens: int = 1 << 22,
         explain: bool = False,
     ) -> None:
-        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int | np.integer) or capacity_bytes <= 0:
-            raise InvalidInputError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        sizes = {"capacity_bytes": capacity_bytes, "block_size": block_size, "checkpoint_budget": checkpoint_budget,
+                 "bootstrap_multiplier": bootstrap_multiplier, "history_tokens": history_tokens}
+        for arg, value in sizes.items():  # numpy integers too, stored as ints
+            if not is_int(value) or value < 1:
+                raise InvalidInputError(f"{arg} must be a positive int, got {value!r}")
+        capacity_bytes, block_size, checkpoint_budget, bootstrap_multiplier, history_tokens = map(int, sizes.values())
         check_policy_name(policy)
         if not isinstance(spec, ModelSpec):
             raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
-        for arg, value in (("block_size", block_size), ("bootstrap_multiplier", bootstrap_multiplier),
-                           ("checkpoint_budget", checkpoint_budget), ("history_tokens", history_tokens)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidInputError(f"{arg} must be a positive int, got {value!r}")
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
             raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
         self.capacity_bytes, self.policy, self.spec = int(capacity_bytes), policy, spec

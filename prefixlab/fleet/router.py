@@ -44,7 +44,7 @@ import numpy as np
 
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import Node, RadixTree, Walk
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 ROUTING_NAMES = ("random", "round-robin", "affinity")
 
@@ -91,9 +91,9 @@ class Router:
     name = ""
 
     def __init__(self, replicas: int, seed: int = 0) -> None:
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        if not is_int(replicas) or replicas < 1:
             raise InvalidInputError(f"replicas must be a positive int, got {replicas!r}")
-        self.replicas = replicas
+        self.replicas = int(replicas)
         self.loads = np.zeros(replicas, dtype=np.int64)
         self.rng = np.random.default_rng(seed)
 
@@ -143,6 +143,7 @@ class AffinityRouter(Router):
     def __init__(self, replicas: int, seed: int = 0, *, balance_eps: float = 0.15, checkpointed: bool = True,
                  caches: Sequence[ReplicaCache] | None = None, min_total_prefill_tokens: int = 0) -> None:
         super().__init__(replicas, seed)
+        replicas = self.replicas  # a Python int
         if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
             raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
         if isinstance(min_total_prefill_tokens, bool) or not isinstance(min_total_prefill_tokens, int | np.integer) \

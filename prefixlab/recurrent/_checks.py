@@ -9,7 +9,7 @@ from numbers import Integral, Real
 import numpy as np
 import torch
 
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 
 def require(condition: bool, message: str) -> None:
@@ -89,7 +89,7 @@ def check_capture(capture: Iterable[int], length: int, name: str = "capture") ->
 def check_chunk_size(chunk_size: int) -> int:
     """A positive int (numpy integers included), as a Python int."""
     require(
-        isinstance(chunk_size, Integral) and not isinstance(chunk_size, bool) and chunk_size > 0,
+        is_int(chunk_size) and chunk_size > 0,
         f"chunk_size must be a positive int, got {chunk_size!r}",
     )
     return int(chunk_size)

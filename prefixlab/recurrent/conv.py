@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from prefixlab.errors import is_int
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 
@@ -24,22 +25,23 @@ def _with_history(x: torch.Tensor, kernel_size: int, initial_conv_state: torch.T
     return torch.cat([initial_conv_state.to(x.dtype), x], dim=-1)
 
 
-def _check_conv_inputs(x: torch.Tensor, kernel_size: int, initial_conv_state: torch.Tensor | None) -> None:
+def _check_conv_inputs(x: torch.Tensor, kernel_size: int, initial_conv_state: torch.Tensor | None) -> int:
     _checks.check_tensor("x", x, (None, None, None))
     require(
-        isinstance(kernel_size, int) and not isinstance(kernel_size, bool) and kernel_size > 0,
+        is_int(kernel_size) and kernel_size > 0,
         f"kernel_size must be a positive int, got {kernel_size!r}",
     )
     if initial_conv_state is not None:
         _checks.check_tensor("initial_conv_state", initial_conv_state, (x.shape[0], x.shape[1], kernel_size))
         _checks.check_same_device({"x": x, "initial_conv_state": initial_conv_state})
+    return int(kernel_size)
 
 
 def conv_state_at(
     x: torch.Tensor, pos: int, kernel_size: int, initial_conv_state: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Conv state after the first `pos` tokens of x [B, C, T]: inputs pos-K .. pos-1, [B, C, K], a fresh tensor."""
-    _check_conv_inputs(x, kernel_size, initial_conv_state)
+    kernel_size = _check_conv_inputs(x, kernel_size, initial_conv_state)
     (pos,) = _checks.check_capture((pos,), x.shape[-1], name="pos")
     return _with_history(x, kernel_size, initial_conv_state)[..., pos : pos + kernel_size].clone()
 
