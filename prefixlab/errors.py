@@ -1,11 +1,17 @@
 """Errors raised by prefixlab. Every message says what went wrong and what to do about it."""
 
-from numbers import Integral
+import math
+from numbers import Integral, Real
 
 
 def is_int(value: object) -> bool:
     """An integer argument: a Python or numpy integer (sizes computed with numpy are ints too), never a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def is_finite_number(value: object) -> bool:
+    """A finite real argument: a Python or numpy number, never a bool."""
+    return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class PrefixlabError(Exception):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from numbers import Real
 from typing import Literal
 
 import torch
@@ -14,7 +12,7 @@ from prefixlab.attention.packed import packed_tree_attention
 from prefixlab.attention.reference import reference_attention, suffix_visibility
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import SharedLevel, TreePlan, plan_tree
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_finite_number
 
 Method = Literal["auto", "split", "packed", "sdpa"]
 METHODS = ("auto", "split", "packed", "sdpa")
@@ -67,8 +65,7 @@ def hydragen_attention(
     """
     if method not in METHODS:
         raise InvalidInputError(f"method={method!r} must be one of {METHODS}")
-    finite = isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale)  # numpy scalars too
-    if scale is not None and not finite:
+    if scale is not None and not is_finite_number(scale):  # numpy scalars too
         raise InvalidInputError(f"scale={scale!r} must be a finite number (None: head_dim ** -0.5)")
     scale = None if scale is None else float(scale)
     plan = plan_tree(q, levels, suffix_keys, suffix_values, seq_levels, suffix_mask, suffix_lengths)

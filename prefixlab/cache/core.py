@@ -99,7 +99,7 @@ class PrefixCacheCore:
             raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
         if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
             raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
-        self.capacity_bytes, self.policy, self.spec = int(capacity_bytes), policy, spec
+        self.capacity_bytes, self.policy, self.spec = capacity_bytes, policy, spec
         self.options = PolicyOptions(block_size=block_size, checkpoint_budget=checkpoint_budget,
                                      capacity_bytes=self.capacity_bytes, strict_budget=not overflow)
         self.hybrid, self.overflow = spec.state_bytes > 0, bool(overflow)

@@ -102,7 +102,7 @@ class Router:
 
     def record(self, replica: int, tokens: np.ndarray, prefill_tokens: int) -> None:
         """`replica` served `tokens` (input, or input + output when known), computing `prefill_tokens` of them."""
-        if isinstance(replica, bool) or not isinstance(replica, int | np.integer) or not 0 <= replica < self.replicas:
+        if not is_int(replica) or not 0 <= replica < self.replicas:
             raise InvalidInputError(f"replica must be an int in [0, {self.replicas}), got {replica!r}")
         self.loads[replica] += prefill_tokens
 
@@ -146,8 +146,7 @@ class AffinityRouter(Router):
         replicas = self.replicas  # a Python int
         if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
             raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
-        if isinstance(min_total_prefill_tokens, bool) or not isinstance(min_total_prefill_tokens, int | np.integer) \
-                or min_total_prefill_tokens < 0:
+        if not is_int(min_total_prefill_tokens) or min_total_prefill_tokens < 0:
             raise InvalidInputError(f"min_total_prefill_tokens must be an int >= 0, got {min_total_prefill_tokens!r}")
         if caches is not None and (len(caches) != replicas or not all(callable(getattr(c, "peek", None))
                                                                        for c in caches)):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
-from numbers import Integral, Real
 
-import numpy as np
 import torch
 
-from prefixlab.errors import InvalidInputError, is_int
+from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 
 def require(condition: bool, message: str) -> None:
@@ -74,7 +71,7 @@ def check_capture(capture: Iterable[int], length: int, name: str = "capture") ->
     positions = tuple(capture)
     for p in positions:
         require(
-            isinstance(p, Integral) and not isinstance(p, bool | np.bool_),
+            is_int(p),
             f"{name} must hold ints, got {p!r} ({type(p).__name__})",
         )
         require(0 <= p <= length, f"{name} position {p} is outside [0, {length}] for a call over {length} tokens")
@@ -97,7 +94,7 @@ def check_chunk_size(chunk_size: int) -> int:
 
 def check_scale(scale: float | None) -> float | None:
     """None or a finite real number (numpy scalars included), as a Python float."""
-    require(scale is None or (isinstance(scale, Real) and not isinstance(scale, bool) and math.isfinite(scale)),
+    require(scale is None or is_finite_number(scale),
             f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
     return None if scale is None else float(scale)
 
