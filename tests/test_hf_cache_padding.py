@@ -2,6 +2,7 @@
 column (rows without one start fresh), exact against the same batched generate without prefixlab."""
 
 import pytest
+import recurrent_patch_models
 import torch
 from hf_models import FAMILIES, build, cache_argument
 from test_hf_cache import generate, new_store, tokens
@@ -169,9 +170,10 @@ def test_left_padded_batch_with_transformers_layers_is_exact(family):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
 
 
-def test_a_row_of_pads_only_runs_the_batch_uncached():
-    """A row without a real token would be fed unmasked by the one-token forward after a hit (transformers masks
-    pads only in longer forwards): the batch runs uncached, exactly, and admits nothing."""
+def test_a_row_of_pads_only_keeps_two_tokens_in_the_forward_after_a_hit():
+    """A row without a real token would be fed unmasked by a one-token forward (transformers masks pads only in
+    longer forwards): the other rows resume, but short of their last two tokens, so the forward after the hit
+    masks it; the batch matches the uncached one exactly and only the real row is admitted."""
     model = with_trained_pad_embedding(build("qwen3_5"))
     store = new_store(model)
     prompt = tokens(9, seed=1)
@@ -181,6 +183,54 @@ def test_a_row_of_pads_only_runs_the_batch_uncached():
     options = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
     cache = HybridPrefixCache(store)
     got, expected = generate(model, batch, cache, **options), generate(model, batch, **options)
-    assert cache.rows_reused == [0, 0] and cache.commit() == 0 and torch.equal(got.sequences, expected.sequences)
+    assert cache.rows_reused == [8, 0] and torch.equal(got.sequences, expected.sequences)
     for mine, theirs in zip(got.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    # row 0 was admitted (prompt + output but its last token), row 1 (only its output is real) was not
+    for served, reusable in ((got.sequences[0], 14), (got.sequences[1, 10:], 0)):
+        alone = HybridPrefixCache(store)
+        generate(model, served[None], alone)
+        assert alone.reused_tokens == reusable
+    store.core.check_invariants()
+
+
+@pytest.mark.parametrize(("family", "patch"), [("qwen3_5_text", True), ("qwen3_5_text", False), ("bamba", False),
+                                               ("llama", True)])
+def test_chunked_prefill_of_a_row_whose_pads_fill_the_first_chunks_reuses_exactly(family, patch):
+    """generate(prefill_chunk_size=8) on a batch whose short row pads its first two chunks (17 pads): that row is
+    pads only in those forwards, takes its pads from a later chunk's mask, and both rows resume (before: the batch
+    ran uncached); tokens and fp32 logits match transformers' own chunked prefill, and the short row is admitted at
+    its real positions (its prompt and output served alone resume all but the last token)."""
+    from transformers import DynamicCache
+
+    model = build(family) if family == "llama" else recurrent_patch_models.build(family, seed=3)
+    model = with_trained_pad_embedding(model)
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=patch)
+
+    def run(input_ids, cache, **options):
+        return model.generate(input_ids, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                              eos_token_id=None, output_logits=True, return_dict_in_generate=True,
+                              prefill_chunk_size=8, **options)
+
+    def text(n, seed):
+        return tokens(n, seed=seed) % 57 + 3
+
+    system, other = text(30, 70), text(13, 71)
+    for head, seed in ((system, 72), (system, 73), (other, 74), (other, 75)):  # branch checkpoints at 30 and 13
+        run(torch.cat([head, text(4, seed)])[None], HybridPrefixCache(store))
+    short, long = torch.cat([other, text(20, 76)]), torch.cat([system, text(20, 77)])  # 33 and 50 tokens
+    batch, mask = left_pad([short, long])
+    cache = HybridPrefixCache(store)
+    got = run(batch, cache, attention_mask=mask)
+    expected = run(batch, DynamicCache(config=model.config), attention_mask=mask)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    # column 30: where the long row leaves the cached prefixes, and the short row at its real position 13 (17 pads)
+    assert cache.rows_reused == [13, 30]
+    follow = got.sequences[0, batch.shape[1] - len(short):][None]
+    alone = HybridPrefixCache(store)
+    single = run(follow, alone)
+    assert alone.reused_tokens == follow.shape[1] - 1
+    assert torch.equal(single.sequences, run(follow, DynamicCache(config=model.config)).sequences)
+    store.core.check_invariants()

@@ -36,8 +36,9 @@ agree), 0 when no row can reuse anything. Rotary positions stay right: generate 
 otherwise (or a padded one without position_ids on a model with attention layers, where the model would count
 columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real positions and taken
 at padded columns (shared by all rows); after generate each row is admitted as its real tokens (prompt without pads
-+ output[:-1]) with its states at column - p_b. Masks that are not plain left padding get no reuse and are not
-admitted. Beam search and num_return_sequences reorder / repeat the token record and pad counts with the tensors.
++ output[:-1]) with its states at column - p_b. A row of pads only so far (chunked prefill) starts fresh; a later
+forward's mask gives its pads. Masks that are not plain left padding get no reuse and are not admitted. Beam search
+and num_return_sequences reorder / repeat the token record and pad counts with the tensors.
 
 Direct forwards work the same way, outputs covering the tokens run (at least the last `logits_to_keep`). A later
 multi-token forward (chunked prefill, a continued turn) resumes further where the store holds more. Mamba2 takes its
@@ -57,7 +58,7 @@ from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.multimodal import first_key
-from prefixlab.cache.rows import left_pads, load_rows, pad_safe_splits, real_positions
+from prefixlab.cache.rows import PADS_ONLY, left_pads, load_rows, pad_safe_splits, real_positions, resolve_pads
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
@@ -163,7 +164,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()  # token ids were checked by the hooks (hooks.py), every row before any lookup
         batch, length = ids.shape
-        pads = left_pads(attention_mask, batch, length)
+        pads = left_pads(attention_mask, batch, length, pads_only_rows=True)  # (chunked prefill: rows start later)
         served = min(length if reusable is None else reusable, first_key(ids))  # (past a key, M-RoPE offsets)
         if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers),
                                                    served):
@@ -180,7 +181,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         self.store.check_weights()
         self._generation = self.store.generation
         self._admit_limit = float("inf") if reusable is None else reusable
-        tail = max(self.store.min_prefill_tokens, min(logits_tokens, length), length - self._admit_limit)
+        tail = self._tail(logits_tokens, length, length)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)
         self._plan_repeat(length - tail, common)
@@ -191,19 +192,26 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         return common
 
     @under_store_lock
-    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int, reusable: int | None = None) -> int:
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int, reusable: int | None = None,
+                       attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> int:
         """A forward continuing this request over `input_ids` [batch, t]: where the store holds a checkpoint of the
         tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
         it. The last `logits_tokens` columns are always computed, columns past `reusable` neither looked up nor
-        admitted (as in `begin`). Returns the leading columns now held."""
+        admitted (as in `begin`); rows of pads only so far get theirs from the mask. Returns the columns now held."""
         if not self._admit_rows or self._pending or self._generation != self.store.generation:
             return 0
+        if PADS_ONLY in self._pads:
+            pads = resolve_pads(self._pads, attention_mask, position_ids, self._seen, self._seen + input_ids.shape[1],
+                                bool(self.store.layout.kv_layers))
+            if pads is None:  # the mask or positions are not those of the padded prompt begun: admit nothing of it
+                self._admit_rows, self._report.admission = [], "not admitted (refused input)"
+                return 0
+            self._pads = pads
         if reusable is not None:
             self._admit_limit = min(self._admit_limit, self._seen + reusable)
         self.store.drop(self)  # its own lookups would commit it: a state at every chunk's end (held again after)
         ids = torch.cat([self.held_tokens(), input_ids.detach().cpu()], dim=1)
-        tail = max(self.store.min_prefill_tokens, min(logits_tokens, input_ids.shape[1]),
-                   ids.shape[1] - self._admit_limit)
+        tail = self._tail(logits_tokens, input_ids.shape[1], ids.shape[1])
         if ids.shape[1] - tail <= self._seen:
             return 0
         seen = self._seen
@@ -215,6 +223,12 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
             self.rows_reused, self.reused_tokens = rows_reused, max(rows_reused)
             self._fed.append(ids[:, seen:common])
         return common - seen
+
+    def _tail(self, logits_tokens: int, new: int, total: int) -> int:
+        """The last columns of a forward over `new` columns (`total` so far) that must run: the store's minimum, the
+        logits asked for, any past what may be admitted, and 2 while a row is pads only (rows.pad_safe_splits)."""
+        return max(self.store.min_prefill_tokens, min(logits_tokens, new), total - self._admit_limit,
+                   min(2, new) if PADS_ONLY in self._pads else 0)
 
     def _plan_repeat(self, position: int, common: int) -> None:
         """Where an identical prompt would resume (all but its last tail tokens), recorded by patched layers within
@@ -235,7 +249,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         try:
             for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
                 found.append(self._lookup(probe))
-            rows = [self._row_report(length - pad, probe, *pair)
+            rows = [self._row_report(max(length - pad, 0), probe, *pair)
                     for pad, probe, pair in zip(pads, probes, found, strict=True)]
             common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
             # rows resume from one column: a row whose checkpoint sits elsewhere is re-matched there (a checkpoint at
@@ -253,7 +267,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
             common = max(common, held)
             # a continuing forward plans over the tokens so far, replacing what earlier forwards planned past them;
             # their end is not the request's (the state at the request's end is taken at commit): not planned
-            planned = {pads[row] + p for row, (match, _) in enumerate(found)
+            planned = {pads[row] + p for row, (match, _) in enumerate(found) if pads[row] < length
                        for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
             self._plan = sorted(p for p in planned if common < p <= self._admit_limit)  # (none past an image)
             if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped

@@ -64,8 +64,9 @@ class ModelDrivenCache:
     def held_tokens(self) -> torch.Tensor:  # [batch, n] the tokens the cache's tensors describe
         raise NotImplementedError
 
-    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int,
-                       reusable: int | None) -> int:  # columns of input_ids now held
+    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int, reusable: int | None,
+                       attention_mask: torch.Tensor | None,
+                       position_ids: torch.Tensor | None) -> int:  # columns of input_ids now held
         raise NotImplementedError
 
     def forward_done(self) -> None:
@@ -255,7 +256,7 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
         kwargs = media.keyed(module, kwargs, first=False)
         skip = cache.resume_further(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), _logits_tokens(kwargs),
-                                    media.reusable(kwargs))
+                                    media.reusable(kwargs), kwargs.get("attention_mask"), kwargs.get("position_ids"))
         if skip:  # columns [seen, seen + length) run from seen + skip
             kwargs = _slice_inputs(kwargs, seen + skip, seen + length, seen + length, offset=seen, media=media)
     return kwargs

@@ -7,10 +7,15 @@ import torch
 
 from prefixlab.cache.tensors import TOKEN_AXIS
 
+# the pads of a row that is pads only so far (a chunk of a left-padded prompt): its real tokens start further on
+PADS_ONLY = 1 << 62
 
-def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> list[int] | None:
+
+def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int,
+              pads_only_rows: bool = False) -> list[int] | None:
     """Leading zero columns of each row of a 2D left-padding mask ([0]*batch without a mask); None if the mask is
-    anything else (zeros after ones, non-binary, another shape, a row without a real token)."""
+    anything else (zeros after ones, non-binary, another shape, a row without a real token unless `pads_only_rows`:
+    then such a row's pads are PADS_ONLY)."""
     if attention_mask is None:
         return [0] * batch
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
@@ -20,9 +25,9 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int) -> l
     expected = torch.arange(length)[None, :] >= pads[:, None]
     if not torch.equal(mask.bool(), expected) or not bool(((mask == 0) | (mask == 1)).all()):
         return None
-    if bool((pads == length).any()):  # a row of pads only: a forward shorter than the prompt would not mask it
+    if bool((pads == length).any()) and not pads_only_rows:
         return None
-    return pads.tolist()
+    return [PADS_ONLY if pad == length else pad for pad in pads.tolist()]
 
 
 def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool,
@@ -41,6 +46,21 @@ def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: i
     return all(torch.equal(ids[:, row, pad:stop], torch.arange(max(stop - pad, 0)).expand(ids.shape[0], -1))
                for row, pad in enumerate(pads))
 
+
+
+def resolve_pads(pads: list[int], attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, seen: int,
+                 total: int, has_attention: bool) -> list[int] | None:
+    """The `pads` of a request after a forward over columns [seen, total), where rows of PADS_ONLY may start: the
+    mask of the tokens so far must agree with the pads known, and a row starting here must run at its real positions
+    (0, 1, ... from its first real column, as `begin` requires of every row). None where they do not."""
+    now = left_pads(attention_mask, len(pads), total, pads_only_rows=True)
+    if now is None or any(old != new for old, new in zip(pads, now, strict=True) if old != PADS_ONLY):
+        return None
+    starting = [new - seen if old == PADS_ONLY and new != PADS_ONLY else PADS_ONLY  # (PADS_ONLY: not checked)
+                for old, new in zip(pads, now, strict=True)]
+    if all(pad == PADS_ONLY for pad in starting):
+        return now
+    return now if real_positions(position_ids, starting, total - seen, has_attention) else None
 
 
 def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None, mrope: bool = False) -> bool:
