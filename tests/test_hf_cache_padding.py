@@ -8,6 +8,7 @@ from hf_models import FAMILIES, build, cache_argument
 from test_hf_cache import generate, new_store, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.rows import PADS_ONLY, left_pads, resolve_pads
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 
 
@@ -234,3 +235,43 @@ def test_chunked_prefill_of_a_row_whose_pads_fill_the_first_chunks_reuses_exactl
     assert alone.reused_tokens == follow.shape[1] - 1
     assert torch.equal(single.sequences, run(follow, DynamicCache(config=model.config)).sequences)
     store.core.check_invariants()
+
+
+def test_pads_of_a_pads_only_row_come_from_a_later_mask_that_agrees():
+    """rows.resolve_pads: a row of pads only so far starts where a later forward's mask says, at its real positions;
+    a mask that contradicts the pads known (or is missing), or wrong positions for the starting row, give None."""
+    mask = torch.tensor([[0] * 10 + [1] * 2, [1] * 12])
+    assert left_pads(mask[:, :8], 2, 8) is None
+    assert left_pads(mask[:, :8], 2, 8, pads_only_rows=True) == [PADS_ONLY, 0]
+    positions = torch.tensor([[1, 1, 0, 1], [8, 9, 10, 11]])  # columns 8-11; row 0's real tokens at 10 and 11
+    assert resolve_pads([PADS_ONLY, 0], mask, positions, 8, 12, True) == [10, 0]
+    assert resolve_pads([PADS_ONLY, 0], mask[:, :10], positions[:, :2], 8, 10, True) == [PADS_ONLY, 0]
+    assert resolve_pads([PADS_ONLY, 0], mask, torch.tensor([[1, 1, 2, 3], [8, 9, 10, 11]]), 8, 12, True) is None
+    assert resolve_pads([PADS_ONLY, 0], mask, None, 8, 12, True) is None  # the model would count columns
+    assert resolve_pads([PADS_ONLY, 0], mask, None, 8, 12, False) == [10, 0]  # no attention: positions unused
+    assert resolve_pads([PADS_ONLY, 1], mask, positions, 8, 12, True) is None  # row 1 had a pad
+    assert resolve_pads([PADS_ONLY, 0], None, positions, 8, 12, True) is None  # row 0 cannot start at column 0
+
+
+def test_a_later_forward_without_the_mask_admits_nothing_of_a_pads_only_request():
+    """Direct forwards of a padded prompt in two chunks: the first has a row of pads only; the second, without the
+    attention mask, cannot say where that row starts, so nothing of the request is admitted; the logits still match
+    the same two forwards without prefixlab."""
+    from transformers import DynamicCache
+
+    model = with_trained_pad_embedding(build("qwen3_5"))
+    store = new_store(model)
+    batch, mask = left_pad([tokens(3, seed=80), tokens(12, seed=81)])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        outputs = []
+        for cache in (HybridPrefixCache(store), DynamicCache(config=model.config)):
+            first = model(input_ids=batch[:, :8], attention_mask=mask[:, :8], position_ids=positions[:, :8],
+                          past_key_values=cache).logits
+            second = model(input_ids=batch[:, 8:], position_ids=positions[:, 8:], past_key_values=cache).logits
+            outputs.append((first, second, cache))
+    (first, second, cache), (want_first, want_second, _) = outputs
+    torch.testing.assert_close(first, want_first, atol=1e-5, rtol=0)
+    torch.testing.assert_close(second, want_second, atol=1e-5, rtol=0)
+    assert cache.commit() == 0 and cache.report().admission == "not admitted (refused input)"
+    assert store.core.stats()["nodes"] == 0

@@ -54,7 +54,7 @@ def resolve_pads(pads: list[int], attention_mask: torch.Tensor | None, position_
     mask of the tokens so far must agree with the pads known, and a row starting here must run at its real positions
     (0, 1, ... from its first real column, as `begin` requires of every row). None where they do not."""
     now = left_pads(attention_mask, len(pads), total, pads_only_rows=True)
-    if now is None or any(old != new for old, new in zip(pads, now, strict=True) if old != PADS_ONLY):
+    if now is None or any(new != old if old != PADS_ONLY else new < seen for old, new in zip(pads, now, strict=True)):
         return None
     starting = [new - seen if old == PADS_ONLY and new != PADS_ONLY else PADS_ONLY  # (PADS_ONLY: not checked)
                 for old, new in zip(pads, now, strict=True)]
