@@ -113,8 +113,9 @@ def test_batch_rows_resume_from_their_own_prefixes(model):
     store.core.check_invariants()
 
 
-def test_left_padded_batch_without_a_common_column_runs_uncached_and_exact(model):
-    """Row 1 (3 pads) has nothing cached, so the common column is <= 3, where row 0 has no checkpoint: no reuse."""
+def test_left_padded_batch_without_a_common_column_primes_its_rows_and_is_exact(model):
+    """Row 1 (3 pads) has nothing cached, so one common column would be <= 3, where row 0 has no checkpoint: no
+    reuse (before align.py). Row 1 is prefilled alone up to the batch's column first: row 0 reuses its prefix."""
     store = new_store(model)
     prompt = tokens(2, 12, seed=7)
     warm(model, store, prompt[:1])
@@ -124,7 +125,7 @@ def test_left_padded_batch_without_a_common_column_runs_uncached_and_exact(model
     padded[1, :3] = 0
     cache = HybridPrefixCache(store)
     out = generate(model, padded, cache, attention_mask=mask)
-    assert cache.reused_tokens == 0
+    assert cache.rows_reused == [11, 0]
     assert torch.equal(out, generate(model, padded, attention_mask=mask))
 
 

@@ -29,26 +29,29 @@ def padded_model(family: str):
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5-patched", "bamba", "llama"])
 def test_left_padded_batch_reuses_each_rows_prefix_exactly_and_admits_the_rows(family):
-    """Rows of different lengths, left-padded: each resumes from its own cached prefix at one common padded column
-    (a row without any cached prefix starts fresh), tokens and fp32 logits match the same batched generate without
-    prefixlab, and every row is admitted without its pads."""
+    """Rows of different lengths, left-padded: each resumes from its own deepest cached checkpoint, as alone (the
+    rows whose checkpoints sit at other columns are first prefilled alone up to the batch's column: align.py), tokens
+    and fp32 logits match the same batched generate without prefixlab, and every row is admitted without its pads."""
     model = padded_model(family)
     store = new_store(model)
     system = tokens(14, seed=40)
     cached = [torch.cat([system, tokens(5, seed=41)]), torch.cat([system, tokens(3, seed=42)])]
     for prompt in cached:  # checkpoints at 14 (branch point) and at each prompt's last-but-one token (18, 16)
         generate(model, prompt[None], HybridPrefixCache(store))
-    rows = [torch.cat([cached[0], tokens(4, seed=43)]),  # 23 tokens, no pads: resumes at 18
-            torch.cat([cached[1], tokens(2, seed=44)]),  # 19 tokens, 4 pads: resumes at 14 (column 18)
-            tokens(4, seed=45)]  # nothing cached, 19 pads: starts fresh
+    rows = [torch.cat([cached[0], tokens(4, seed=43)]),  # 23 tokens, no pads
+            torch.cat([cached[1], tokens(2, seed=44)]),  # 19 tokens, 4 pads
+            tokens(4, seed=45)]  # nothing cached, 19 pads
     batch, mask = left_pad(rows)
+    store.flush()
+    alone = [store.core.peek(row[:-1].numpy())[0] for row in rows]  # each row's deepest checkpoint
     options = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
     cache = HybridPrefixCache(store)
     got, expected = generate(model, batch, cache, **options), generate(model, batch, **options)
     assert torch.equal(got.sequences, expected.sequences)
     for mine, theirs in zip(got.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
-    assert cache.rows_reused == ([19, 15, 0] if family == "llama" else [18, 14, 0])
+    # before align.py, one common column: [19, 15, 0] (llama) and [18, 14, 0]
+    assert cache.rows_reused == alone and alone[0] > 18 and alone[1] > (15 if family == "llama" else 14)
     store.core.check_invariants()
     for row, prompt in enumerate(rows):  # admitted without pads: the row's next turn resumes from its whole output
         follow = torch.cat([prompt, expected.sequences[row, batch.shape[1]:]])[None]
@@ -60,8 +63,9 @@ def test_left_padded_batch_reuses_each_rows_prefix_exactly_and_admits_the_rows(f
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
 def test_left_padded_batch_whose_longest_row_is_new_runs_exactly(family):
-    """The longest row (no pads) has nothing cached: the common column is 0, the batch runs uncached, exactly, and
-    its rows are admitted."""
+    """The longest row (no pads) has nothing cached, so one common column would be 0 and the batch would reuse
+    nothing; the rows are prefilled alone up to the batch's column first (align.py): the short row reuses its cached
+    prefix, the new row none (reported cold), exactly, and both rows are admitted."""
     model = padded_model(family)
     store = new_store(model)
     short = tokens(10, seed=50)
@@ -69,7 +73,9 @@ def test_left_padded_batch_whose_longest_row_is_new_runs_exactly(family):
     batch, mask = left_pad([tokens(16, seed=51), torch.cat([short, tokens(2, seed=52)])])
     cache = HybridPrefixCache(store)
     assert torch.equal(generate(model, batch, cache, attention_mask=mask), generate(model, batch, attention_mask=mask))
-    assert cache.reused_tokens == 0
+    store.flush()
+    assert cache.rows_reused == [0, 10] and [row.reason for row in cache.report().rows] == ["cold", "hit"]
+    assert store.stats()["sequences"] == 3 and store.stats()["reused_tokens"] == 10  # (the primes are not counted)
     single = HybridPrefixCache(store)
     generate(model, batch[:1], single)
     assert single.reused_tokens == 15

@@ -49,6 +49,8 @@ and why, what was admitted."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -128,6 +130,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
+        self.primed: list[RowReport | None] | None = None  # per row, the report of its prime before begin (align.py)
         self._generation = -1  # the store's generation at begin: a store cleared since gets nothing of this request
         self._admit_limit: float = float("inf")  # columns that may be admitted (multimodal.py: none past an image)
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
@@ -280,10 +283,16 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         finally:
             for pair in filter(None, found):
                 self._unlock(*pair)
-        for row, reused, (match, source) in zip(rows, rows_reused, found, strict=True):
-            row.reused, row.from_host = reused, bool(reused) and source is not match
-            if reused < row.checkpoint:
-                row.reason = "batch_alignment"
+        primed = self.primed if not held and self.primed else [None] * len(rows)
+        for i, ((match, source), prime) in enumerate(zip(found, primed, strict=True)):
+            if prime is not None:  # prefilled alone first (align.py): what the store held then, not what it computed
+                rows[i], rows_reused[i] = replace(prime, prompt_tokens=rows[i].prompt_tokens), min(rows_reused[i],
+                                                                                                  prime.reused)
+            else:
+                rows[i].from_host = bool(rows_reused[i]) and source is not match
+            rows[i].reused = rows_reused[i]
+            if rows_reused[i] < rows[i].checkpoint:
+                rows[i].reason = "batch_alignment"
         return common, rows, rows_reused
 
     def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
