@@ -12,33 +12,25 @@ One cache object serves one request (one generate call, or several calls that co
 whose positions do not continue them is refused). The model's forward hooks (cache/hooks.py, put there by
 `prefixlab.patch` or a PrefixStore) drive it, because `generate` never shows the prompt to a cache before the first
 forward:
-- first forward (`begin`): look up the longest reusable prefix of the prompt (at most all but its last token, so the
-  model still produces logits), load COPIES of its attention KV and of the recurrent + conv states at it, and tell the
-  hook which tokens remain; the hook then runs the model on those only;
-- every forward (`record`): remember the tokens fed, so the cache knows what sequence its tensors describe;
-- `capture`: snapshot the recurrent states at positions the store's policy planned (patched layers record them within
-  the one pass; with transformers' layers the hook splits the prefill there, except where a one-token segment would
-  hold a pad column: transformers masks pads out of recurrent layers only in multi-token forwards);
-- `commit` (called by the store before its next lookup, or by you): admit what the cache holds. After generate, the
-  cache has consumed prompt + output[:-1] (the last sampled token is never fed): that sequence is admitted, its final
-  state is the one a following chat turn resumes from. Where a decode step may compute differently from a prefill
-  (model_info.decode_differs_from_prefill: Nemotron-H, Zamba2) only the prompt is admitted if one did (patched
-  layers tell; transformers' cannot), and a prompt resumes at most all but its last two tokens.
+- first forward (`begin`): load COPIES of the KV and recurrent + conv states of the longest reusable prefix (at most
+  all but the last token) and tell the hook which tokens remain: it runs the model on those only;
+- every forward (`record`) remembers the tokens fed; planned states are captured within the pass (patched layers) or
+  by splitting the prefill there (transformers' layers; never a one-token segment at a pad column);
+- `commit` (by the store before its next lookup, or by you) admits prompt + output[:-1] with its states, its final
+  state the one a next chat turn resumes from; where a decode step may compute otherwise than a prefill (Nemotron-H,
+  Zamba2) only the prompt, if one did, and a prompt resumes at most all but its last two tokens.
 
 Batches: every row is matched on its own (on its real tokens, without its pads), then all rows resume at one common
-column c of the (left-padded) batch, generate feeding a rectangular batch. Row b with p_b leading pads resumes at
-real position c - p_b, from its own cached KV (placed at columns [p_b, c); pad columns hold zeros, masked out by the
-attention mask) and its own recurrent + conv states there; a row with nothing cached at c - p_b resumes nowhere, so c
-must be <= p_b for it (it starts fresh: zero states, only pads before c; the pads it still has are masked by the
-model as in an uncached run). c is the largest such column (the rows are re-matched at shorter probes until they all
-agree), 0 when no row can reuse anything. Rotary positions stay right: generate derives position_ids from the mask
-(cumsum), i.e. real positions, which the store's hook cuts like input_ids; a first forward whose position_ids say
-otherwise (or a padded one without position_ids on a model with attention layers, where the model would count
-columns, pads included) gets no reuse and admits nothing. Captures are planned per row in real positions and taken
-at padded columns (shared by all rows); after generate each row is admitted as its real tokens (prompt without pads
-+ output[:-1]) with its states at column - p_b. A row of pads only so far (chunked prefill) starts fresh; a later
-forward's mask gives its pads. Masks that are not plain left padding get no reuse and are not admitted. Beam search
-and num_return_sequences reorder / repeat the token record and pad counts with the tensors.
+column c of the (left-padded) batch: row b with p_b pads at real position c - p_b, from its own cached KV (placed at
+columns [p_b, c); pad columns hold zeros, masked by the attention mask) and states; a row with nothing cached starts
+fresh (c <= p_b). c is the deepest column where every row holds a checkpoint (rows re-matched at shorter probes until
+they agree); rows whose checkpoints sit at other columns are first prefilled alone up to the batch's deepest column
+(align.py). Positions must be the real ones (generate's, from the mask); a first forward whose position_ids say
+otherwise, or whose mask is not plain left padding, gets no reuse and admits nothing. A row of pads only so far
+(chunked prefill) starts fresh and a later forward's mask gives its pads. Captures are planned per row in real
+positions and taken at padded columns; each row is admitted as its real tokens (prompt + output[:-1]) with its
+states at column - p_b. Beam search and num_return_sequences reorder / repeat the token record and pad counts.
+More in docs/ARCHITECTURE.md "HF flow".
 
 Direct forwards work the same way, outputs covering the tokens run (at least the last `logits_to_keep`). A later
 multi-token forward (chunked prefill, a continued turn) resumes further where the store holds more. Mamba2 takes its
@@ -261,7 +253,7 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
                             if source.length and pads[row] + source.length != common]:
                 for row in stale:
                     pair, found[row] = found[row], None
-                    self._unlock(*pair)
+                    self.store.release_lookup(*pair)
                     found[row] = self._lookup(probes[row][: max(0, common - pads[row])])
                 common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
             rows_reused = [source.length for _, source in found]
@@ -282,14 +274,13 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
                           self.store.device)
         finally:
             for pair in filter(None, found):
-                self._unlock(*pair)
+                self.store.release_lookup(*pair)
         primed = self.primed if not held and self.primed else [None] * len(rows)
         for i, ((match, source), prime) in enumerate(zip(found, primed, strict=True)):
+            rows[i].from_host = bool(rows_reused[i]) and source is not match
             if prime is not None:  # prefilled alone first (align.py): what the store held then, not what it computed
                 rows[i], rows_reused[i] = replace(prime, prompt_tokens=rows[i].prompt_tokens), min(rows_reused[i],
                                                                                                   prime.reused)
-            else:
-                rows[i].from_host = bool(rows_reused[i]) and source is not match
             rows[i].reused = rows_reused[i]
             if rows_reused[i] < rows[i].checkpoint:
                 rows[i].reason = "batch_alignment"
@@ -303,11 +294,8 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
                          checkpoint=source.length, reason=self.store.explain(probe, source),
                          from_host=source is not match)
 
-    def _lookup(self, probe) -> tuple:
-        return self.store.lookup(probe, self.namespace, count=False)  # (rows loaded from the host: record_request)
-
-    def _unlock(self, match, source) -> None:
-        self.store.release_lookup(match, source)
+    def _lookup(self, probe) -> tuple:  # (rows loaded from the host are counted by record_request)
+        return self.store.lookup(probe, self.namespace, count=False)
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
         """Positions strictly inside (start, stop) where a forward over tokens [start, stop) must pause, so the
