@@ -59,8 +59,10 @@ def test_each_reason_is_stated_for_the_request_built_to_cause_it(model):
     right_padded = torch.cat([a[:, :10], torch.zeros(1, 2, dtype=torch.long)], dim=1)
     mask = torch.cat([torch.ones(1, 10), torch.zeros(1, 2)], dim=1).long()
     expect("refused_input", serve(model, store, right_padded, attention_mask=mask))
-    # a batch resumes at one column: a's row (checkpoint 19) drops to the branch checkpoint at 12 of the other row
-    batch = serve(model, store, torch.cat([a, branch(4)]))
+    # a batch resumes at one column: a's row (checkpoint 19) drops to the branch checkpoint at 12 of the other row.
+    # Prefilled in chunks of 10: before the first forward rows are primed to one column (align.py), but the first
+    # chunk holds neither checkpoint, and the later chunk resumes at one column without priming
+    batch = serve(model, store, torch.cat([a, branch(4)]), prefill_chunk_size=10)
     assert batch.reasons == ["batch_alignment", "hit"], str(batch)
     assert [(r.reused, r.checkpoint) for r in batch.rows] == [(12, 19), (12, 12)]
     expected += batch.reasons
