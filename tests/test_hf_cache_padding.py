@@ -281,3 +281,27 @@ def test_a_later_forward_without_the_mask_admits_nothing_of_a_pads_only_request(
     torch.testing.assert_close(second, want_second, atol=1e-5, rtol=0)
     assert cache.commit() == 0 and cache.report().admission == "not admitted (refused input)"
     assert store.core.stats()["nodes"] == 0
+
+
+def test_a_prime_does_not_evict_the_state_an_earlier_prime_of_the_batch_left():
+    """A store with room for four states and 60 tokens of KV: priming the second row would evict the first row's
+    primed state (then neither row reuses anything); the primed states are held until the batch looked them up."""
+    from prefixlab.cache.costmodel import ModelSpec
+
+    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+    store = PrefixStore(model, capacity=4 * spec.state_bytes + 60 * spec.kv_bytes_per_token, policy="marconi",
+                        block_size=4)
+
+    def run(input_ids, cache, **options):
+        return model.generate(input_ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                              **options)
+
+    system = tokens(40, seed=90) % 57 + 3
+    for seed in (91, 92):
+        run(torch.cat([system, tokens(3, seed=seed) % 57 + 3])[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([system, tokens(n, seed=93 + n) % 57 + 3]) for n in (3, 9)])
+    cache = HybridPrefixCache(store)
+    assert torch.equal(run(batch, cache, attention_mask=mask), run(batch, None, attention_mask=mask))
+    assert cache.rows_reused == [40, 40] and store.stats()["evictions"] > 0
+    store.core.check_invariants()

@@ -55,17 +55,30 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
     primed: list = [None] * batch
     done: dict[tuple, object] = {}  # rows primed already, by their tokens (beams, num_return_sequences: repeats)
     extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}  # only the state at the end matters
-    with torch.no_grad():
-        for b, (row, pad, depth) in enumerate(zip(rows, pads, own, strict=True)):
-            if column - pad <= depth:  # a checkpoint at the column already (or only pads before it)
-                continue
-            key = tuple(row[: column - pad].tolist())
-            if key in done:
-                primed[b] = done[key]
-                continue
-            prime = HybridPrefixCache(store, cache.namespace)
-            model(input_ids=row[None, : column - pad].to(input_ids.device), use_cache=True,
-                  **{cache_keyword: prime}, **extra)
-            primed[b] = done[key] = prime.report().rows[0]  # (report commits: the store keeps the column's state)
-            store.record_request([], replacing=[primed[b]])  # the batch counts the row
+    cache.prime_locks = []  # a later prime must not evict an earlier one's state: held until begin (release_primes)
+    try:
+        with torch.no_grad():
+            for b, (row, pad, depth) in enumerate(zip(rows, pads, own, strict=True)):
+                if column - pad <= depth:  # a checkpoint at the column already (or only pads before it)
+                    continue
+                key = tuple(row[: column - pad].tolist())
+                if key in done:
+                    primed[b] = done[key]
+                    continue
+                prime = HybridPrefixCache(store, cache.namespace)
+                model(input_ids=row[None, : column - pad].to(input_ids.device), use_cache=True,
+                      **{cache_keyword: prime}, **extra)
+                primed[b] = done[key] = prime.report().rows[0]  # (report commits: the store keeps the state)
+                store.record_request([], replacing=[primed[b]])  # the batch counts the row
+                cache.prime_locks.append(store.lookup(row[: column - pad].numpy(), cache.namespace, count=False))
+    except BaseException:
+        release_primes(cache)
+        raise
     cache.primed = primed
+
+
+def release_primes(cache) -> None:
+    """Unlock the primed states `prime_rows` held for `cache`'s first forward (after it looked them up)."""
+    locks, cache.prime_locks = getattr(cache, "prime_locks", []), []
+    for pair in locks:
+        cache.store.release_lookup(*pair)

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from prefixlab.cache.align import prime_rows
+from prefixlab.cache.align import prime_rows, release_primes
 from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
@@ -166,8 +166,11 @@ class _ModelHooks:
             if TOKEN_KEYS not in kwargs and self.media.reusable(kwargs) is None:  # (text: rows primed alone)
                 prime_rows(module, cache, kwargs["input_ids"], kwargs.get("attention_mask"), kwargs.get("position_ids"),
                            _logits_tokens(kwargs), self.cache_arg, "logits_to_keep" in self.parameters)
-            start = cache.begin(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), kwargs.get("attention_mask"),
-                                kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs))
+            try:
+                start = cache.begin(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), kwargs.get("attention_mask"),
+                                    kwargs.get("position_ids"), _logits_tokens(kwargs), self.media.reusable(kwargs))
+            finally:
+                release_primes(cache)
             offset = 0
         else:
             kwargs = _continuing(module, cache, kwargs, self.media, not splitting, self.own_positions)
