@@ -12,20 +12,14 @@ from collections.abc import Sequence
 
 import torch
 
-from prefixlab.cache.rows import left_pads, real_positions
+from prefixlab.cache.rows import left_pads, one_column, real_positions
 
 
 def aligned_reuse(peek, rows: Sequence[torch.Tensor], pads: Sequence[int], column: int) -> list[int]:
-    """Each row's reuse when the batch resumes at one column (HybridPrefixCache._resume's search, on
-    `peek(tokens) -> the deepest checkpoint in tokens`): the deepest column at or before `column` where every row
-    holds a checkpoint at its real depth, or starts fresh (only pads before it)."""
+    """Each row's reuse when the batch resumes at one column at or before `column` (HybridPrefixCache._resume's
+    search, on `peek(tokens) -> the deepest checkpoint in tokens`)."""
     found = [peek(row[: column - pad]) if column > pad else 0 for row, pad in zip(rows, pads, strict=True)]
-    common = min(pad + depth for pad, depth in zip(pads, found, strict=True))
-    while stale := [b for b, depth in enumerate(found) if depth and pads[b] + depth != common]:
-        for b in stale:
-            found[b] = peek(rows[b][: max(0, common - pads[b])])
-        common = min(pad + depth for pad, depth in zip(pads, found, strict=True))
-    return found
+    return one_column(found, list(pads), lambda row, limit: peek(rows[row][:limit]))
 
 
 def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

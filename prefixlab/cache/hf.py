@@ -41,8 +41,6 @@ and why, what was admitted."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from transformers.cache_utils import DynamicCache
 
@@ -50,16 +48,17 @@ from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
+from prefixlab.cache.hf_resume import RowResume
 from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.multimodal import first_key
-from prefixlab.cache.rows import PADS_ONLY, left_pads, load_rows, pad_safe_splits, real_positions, resolve_pads
+from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
 from prefixlab.errors import InvalidInputError
 
 
-class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache):
+class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache):
     """A transformers Cache that reuses exact prefixes from a PrefixStore and admits what it computes.
 
     Args:
@@ -231,71 +230,6 @@ class HybridPrefixCache(TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache)
         if self.store.records_in_kernel and position > common:
             self._plan = sorted({*self._plan, position})
             self._provisional.add(position)
-
-    def _resume(self, ids: torch.Tensor, tail: int, held: int) -> tuple[int, list[RowReport], list[int]]:
-        """Look up every row of `ids` [batch, length] (all but its last `tail` columns), align the rows on one
-        column and, if deeper than the `held` columns, load the store's KV and states there; plan the captures
-        after it. Returns (the column the cache holds now, the rows' reports, each row's reused tokens)."""
-        length, pads = ids.shape[1], self._pads
-        # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
-        # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
-        probes = [ids[row, pad: length - tail].numpy() for row, pad in enumerate(pads)]
-        found: list[tuple] = []  # per row: (device match, the match to load from), all locked
-        try:
-            for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
-                found.append(self._lookup(probe))
-            rows = [self._row_report(max(length - pad, 0), probe, *pair)
-                    for pad, probe, pair in zip(pads, probes, found, strict=True)]
-            common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
-            # rows resume from one column: a row whose checkpoint sits elsewhere is re-matched there (a checkpoint at
-            # or before it); a row without one (length 0) starts fresh: zero state, its KV up to there only pads
-            while stale := [row for row, (_, source) in enumerate(found)
-                            if source.length and pads[row] + source.length != common]:
-                for row in stale:
-                    pair, found[row] = found[row], None
-                    self.store.release_lookup(*pair)
-                    found[row] = self._lookup(probes[row][: max(0, common - pads[row])])
-                common = min(pad + source.length for pad, (_, source) in zip(pads, found, strict=True))
-            rows_reused = [source.length for _, source in found]
-            if not any(rows_reused):
-                common = 0
-            common = max(common, held)
-            # a continuing forward plans over the tokens so far, replacing what earlier forwards planned past them;
-            # their end is not the request's (the state at the request's end is taken at commit): not planned
-            planned = {pads[row] + p for row, (match, _) in enumerate(found) if pads[row] < length
-                       for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
-            self._plan = sorted(p for p in planned if common < p <= self._admit_limit)  # (none past an image)
-            if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped
-                for position in self._provisional - planned:
-                    self._captured.pop(position, None)
-                self._provisional = (self._provisional & planned) | set(self._plan)
-            if common > held:
-                load_rows(self.layers, self.store.layout, common, [source for _, source in found],
-                          self.store.device)
-        finally:
-            for pair in filter(None, found):
-                self.store.release_lookup(*pair)
-        primed = self.primed if not held and self.primed else [None] * len(rows)
-        for i, ((match, source), prime) in enumerate(zip(found, primed, strict=True)):
-            rows[i].from_host = bool(rows_reused[i]) and source is not match
-            if prime is not None:  # prefilled alone first (align.py): what the store held then, not what it computed
-                rows[i], rows_reused[i] = replace(prime, prompt_tokens=rows[i].prompt_tokens), min(rows_reused[i],
-                                                                                                  prime.reused)
-            rows[i].reused = rows_reused[i]
-            if rows_reused[i] < rows[i].checkpoint:
-                rows[i].reason = "batch_alignment"
-        return common, rows, rows_reused
-
-    def _row_report(self, prompt_tokens: int, probe, match, source) -> RowReport:
-        """A row's report before batch alignment: what the store shares and why it reuses no more."""
-        if prompt_tokens < 2:
-            return RowReport(prompt_tokens, reason="too_short")
-        return RowReport(prompt_tokens, shared=max(match.shared_length, source.shared_length),
-                         checkpoint=source.length, reason=self.store.explain(probe, source),
-                         from_host=source is not match)
-
-    def _lookup(self, probe) -> tuple:  # (rows loaded from the host are counted by record_request)
-        return self.store.lookup(probe, self.namespace, count=False)
 
     def capture_splits(self, start: int, stop: int) -> list[int]:
         """Positions strictly inside (start, stop) where a forward over tokens [start, stop) must pause, so the

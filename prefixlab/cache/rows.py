@@ -3,6 +3,8 @@ per-row tensors stacked into one padded batch (pure tensor functions)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from prefixlab.cache.tensors import TOKEN_AXIS
@@ -61,6 +63,19 @@ def resolve_pads(pads: list[int], attention_mask: torch.Tensor | None, position_
     if all(pad == PADS_ONLY for pad in starting):
         return now
     return now if real_positions(position_ids, starting, total - seen, has_attention) else None
+
+
+def one_column(depths: list[int], pads: list[int], deepest: Callable[[int, int], int]) -> list[int]:
+    """Each row's reuse when a batch resumes at one column: from each row's deepest checkpoint (`depths`), a row
+    whose checkpoint sits at another column (pad + depth) than the least is re-matched at a checkpoint at or before
+    it (`deepest(row, depth limit)` -> depth) until all agree; a row at depth 0 starts fresh (only pads before it)."""
+    depths = list(depths)
+    common = min(pad + depth for pad, depth in zip(pads, depths, strict=True))
+    while stale := [row for row, depth in enumerate(depths) if depth and pads[row] + depth != common]:
+        for row in stale:
+            depths[row] = deepest(row, max(0, common - pads[row]))
+        common = min(pad + depth for pad, depth in zip(pads, depths, strict=True))
+    return depths
 
 
 def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None, mrope: bool = False) -> bool:
