@@ -20,6 +20,9 @@
 #   Session 30 ran "tests_fla_mamba hydragen_sweep" (353 s; the sweep done), then the fla files alone with -n 14
 #   (96 of 98 finished in 310 s, 0 failed). Next: "fla_fp32_chunking", and the fla files split in two calls
 #   (tests_cuda_fla with FLA_TESTS_LIMIT=400) to see them whole.
+#   Session 33 (H100) ran STEPS="padded_batch tests_both" TESTS_BOTH_LIMIT=380 FLA_WORKERS=11 (488 s): without fla
+#   98 of 98 finished; with fla 95 of 98, 0 failed. pyproject's addopts hold -q, so name tests with -vv. Next: the fla
+#   files alone, -vv, in a call of their own (~400 s).
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -56,10 +59,14 @@ tests="$tests tests/test_numerics.py"
 # 1. without fla: prefixlab's torch kernels on CUDA against transformers' torch layers (session 22: 66 s)
 PYTHONPATH=$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda 120 python3 -m pytest -p no:cacheprovider -q -n 6 \
     -rs $tests
+# 0. session 32's priming of a left-padded batch's rows (prefixlab/cache/align.py) on a GPU: primed vs unprimed vs
+#    plain generate, fp32 (tokens must match) and bf16, before the tests so nothing shares the GPU with its clock
+PYTHONPATH=$base step padded_batch 150 sh -c 'cd benchmarks && for d in fp32 bf16; do python3 gpu_padded_batch.py \
+    --size small --prefix 4096 --rows 8 --question 32 --rounds 3 --dtype $d; done'
 # 1+4 at once (correctness only, no timings: 16 cores hold both), for a session short of device time
-PYTHONPATH=$base step tests_both 260 sh -c "PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 5 \
+PYTHONPATH=$base step tests_both ${TESTS_BOTH_LIMIT:-260} sh -c "PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 5 \
     -rfs --tb=short $tests >$OUT/tests_cuda.log 2>&1 & PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda \
-    python3 -m pytest -p no:cacheprovider -q -n 8 --maxfail=8 --tb=short -rfs $tests >$OUT/tests_cuda_fla.log 2>&1;
+    python3 -m pytest -p no:cacheprovider -vv -n ${FLA_WORKERS:-8} --maxfail=8 --tb=short -rfs $tests >$OUT/tests_cuda_fla.log 2>&1;
     wait; tail -n 15 $OUT/tests_cuda.log; grep -v '^E1126' $OUT/tests_cuda_fla.log | tail -n 60"
 # 2. issue 11: `prefixlab run` vs a plain generate loop, one GPU, ~0.5 B hybrid, fp32 (session 22: 63 s)
 PYTHONPATH=$base step serve 150 python3 benchmarks/serve_accelerate.py --size small --baseline \

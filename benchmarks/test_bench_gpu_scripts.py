@@ -63,3 +63,12 @@ def test_lse_kernel_choice_takes_the_fastest_correct_kernel_per_call_kind():
             {"kernel": "aten_efficient", "level_ms": 0.1, "suffix_ms": 0.1, **ok}]  # not one prefixlab can use
     assert choose(rows) == {"chosen": {"long": "cudnn", "short": "flex"}, "setting": "long=cudnn,short=flex"}
     assert choose([]) == {"chosen": {}, "setting": ""}
+
+
+def test_padded_batch_primes_every_row_to_the_cached_prompt_and_matches_plain_generate():
+    out = run("gpu_padded_batch.py", "--device", "cpu", "--prefix", "96", "--rows", "3", "--question", "4",
+              "--new-tokens", "2", "--rounds", "1")
+    row = json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    assert row["tokens_identical"] and row["rows_reused_primed"] == [96, 96, 96]
+    assert max(row["rows_reused_unprimed"]) < 96  # one column: no row holds the prompt's end there
+    assert row["primed_vs_plain"] == row["plain_ms"] / row["primed_ms"]
