@@ -8,13 +8,22 @@ over the issue-9 sweep (35 points) and 55 held-out points (other seeds and rates
 34 / 35 and 49 / 55 without it (benchmarks/RESULTS.md). When every alpha of the provisional grid saved the same FLOPs
 on the window (alpha has not yet made a difference to what this workload's evictions save), the final tuning is
 skipped and the provisional alpha (the middle of the tie) stays: the final one replays up to 21 x 4 x N0 requests,
-15-20x the trace's own replay where it falls inside a short trace, for no measured gain there (RESULTS)."""
+15-20x the trace's own replay where it falls inside a short trace, for no measured gain there (RESULTS).
+
+`lag_requests` other than 0 tunes in a background thread: the window and a fresh cache are taken when the tuning
+is due, and the alpha it finds takes effect at the first admission after the replays finished (None, PrefixStore's
+default: no admission ever waits for them), or exactly `lag_requests` admissions later (an int: waiting for them if
+they have not finished by then, so that where alpha changes does not depend on the threads' timing). 0 (the
+simulator's) tunes inline, at the admission that makes it due: that request's latency grows by the whole tuning."""
 
 from __future__ import annotations
 
 import copy
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -39,8 +48,10 @@ class AlphaBootstrap:
     outgrows the budget of a cache that evicts late or never); due `multiplier` x N0 requests after the first
     eviction, N0 being the requests seen by then."""
 
-    def __init__(self, multiplier: int, history_tokens: int) -> None:
-        self.multiplier, self.history_tokens = multiplier, history_tokens
+    def __init__(self, multiplier: int, history_tokens: int, lag_requests: int | None = 0) -> None:
+        self.multiplier, self.history_tokens, self.lag_requests = multiplier, history_tokens, lag_requests
+        # (job, the admission it applies at (None: once done), final, its window)
+        self.pending: tuple[Future, int | None, bool, AlphaBootstrap] | None = None
         self.requests: deque[tuple[np.ndarray, int]] = deque()
         self.held = self.dropped = 0  # tokens recorded now; requests dropped from the front
         self.tune_at: int | None = None
@@ -65,6 +76,37 @@ class AlphaBootstrap:
         """Whether the provisional tuning (see the module docstring) is due now (and not done yet)."""
         return (not self.provisional_done and self.tune_at is not None
                 and requests >= PROVISIONAL_MULTIPLIER * (self.tune_at // self.multiplier))
+
+    def advance(self, requests: int, fresh: Callable, replay: Callable,
+                provisional_grid: Sequence[float] | None) -> tuple[float, bool, float, float] | None:
+        """After recording a request: start a tuning that is due, or finish one whose time has come. Returns (alpha,
+        whether to keep tuning later, seconds the replays took, seconds this call waited for them) when an alpha
+        takes effect now. `fresh()`: an empty cache that places states as the live one does now (see `tune`)."""
+        if self.pending is not None:
+            job, apply_at, final, window = self.pending
+            waiting = not job.done() if apply_at is None else requests < apply_at
+            if waiting:
+                return None
+            self.pending = None
+            started = time.perf_counter()
+            alpha, seconds = job.result()
+            return self._tuned(alpha, final, window.tied, seconds, time.perf_counter() - started)
+        final = self.due(requests)
+        if not final and (provisional_grid is None or not self.provisional_due(requests)):
+            return None
+        grid = ALPHA_GRID if final else provisional_grid
+        if self.lag_requests == 0:
+            alpha, seconds = _timed_tune(self, fresh(), replay, grid)
+            return self._tuned(alpha, final, self.tied, seconds, seconds)
+        window = self.copy()
+        apply_at = None if self.lag_requests is None else requests + self.lag_requests
+        self.pending = (_executor().submit(_timed_tune, window, fresh(), replay, grid), apply_at, final, window)
+        return None
+
+    def _tuned(self, alpha: float, final: bool, tied: bool, seconds: float, waited: float) -> tuple:
+        self.provisional_done, self.tied = True, tied
+        # final, or a provisional tuning on which alpha made no difference: no further tuning
+        return alpha, not (final or tied), seconds, waited
 
     def tune(self, fresh, replay: Callable, grid: Sequence[float] = ALPHA_GRID) -> float:
         """The alpha of `grid` whose replay of the window (`replay(core, tokens, input_length) -> hit length`) from
@@ -97,3 +139,20 @@ class AlphaBootstrap:
         twin = copy.copy(self)
         twin.requests = deque(self.requests)
         return twin
+
+
+def _timed_tune(window: AlphaBootstrap, fresh, replay: Callable, grid: Sequence[float]) -> tuple[float, float]:
+    started = time.perf_counter()
+    return window.tune(fresh, replay, grid), time.perf_counter() - started
+
+
+_EXECUTOR: list[ThreadPoolExecutor] = []
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    """One worker thread for every cache's background tunings (they are rare and short)."""
+    with _EXECUTOR_LOCK:
+        if not _EXECUTOR:
+            _EXECUTOR.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixlab-alpha"))
+        return _EXECUTOR[0]

@@ -9,13 +9,12 @@ anything changes.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixlab.cache.alpha import ALPHA_GRID, AlphaBootstrap
+from prefixlab.cache.alpha import AlphaBootstrap
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
@@ -65,6 +64,8 @@ class PrefixCacheCore:
     FLOPs is kept (alpha stays 0 if the trace ends first; alpha.py AlphaBootstrap). A number fixes alpha. The
     recorded window is bounded by `history_tokens` (tokens of input + output): past it the oldest requests are
     dropped, so a cache that evicts late replays its most recent `history_tokens` tokens of requests instead.
+    `tuning_lag_requests` None tunes in a background thread and applies alpha once it is found; an int > 0 that
+    many admissions later (deterministic); 0 inline (alpha.py).
 
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
@@ -87,6 +88,7 @@ class PrefixCacheCore:
         overflow: bool = False,
         history_tokens: int = 1 << 22,
         explain: bool = False,
+        tuning_lag_requests: int | None = 0,
     ) -> None:
         sizes = {"capacity_bytes": capacity_bytes, "block_size": block_size, "checkpoint_budget": checkpoint_budget,
                  "bootstrap_multiplier": bootstrap_multiplier, "history_tokens": history_tokens}
@@ -108,10 +110,14 @@ class PrefixCacheCore:
         self.tree.on_change, self.tree.on_remove = self.eviction.update, self.eviction.forget
         self.clock = self.requests = self.evictions = self.rejected = 0
         self.tuning_seconds = 0.0  # wall time of the alpha tuner's replays (a one-off cost; benchmarks report it)
+        self.tuning_wait_seconds = 0.0  # of which admissions waited for (all of it unless tuning_lag_requests)
         self._live: dict[int, Match] = {}
         # the requests admitted until alpha is tuned (None once tuned, or when alpha is fixed)
-        self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens) if alpha is None and tunes_alpha(policy)
-                          else None)
+        if tuning_lag_requests is not None and (not is_int(tuning_lag_requests) or tuning_lag_requests < 0):
+            raise InvalidInputError(f"tuning_lag_requests must be None or an int >= 0, got {tuning_lag_requests!r}")
+        lag = None if tuning_lag_requests is None else int(tuning_lag_requests)
+        self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens, lag)
+                          if alpha is None and tunes_alpha(policy) else None)
         self._last_walk: tuple | None = None
         self.evicted = EvictionLog() if explain else None
 
@@ -336,17 +342,19 @@ class PrefixCacheCore:
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
         self.bootstrap.record(tokens, match.input_length if match else len(tokens))
-        final, grid = self.bootstrap.due(self.requests), self.eviction.provisional_grid
-        if final or (grid is not None and self.bootstrap.provisional_due(self.requests)):
-            fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
-                                    checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
-            fresh.admission.seed(self.admission)
-            started = time.perf_counter()
-            self.eviction.alpha = self.bootstrap.tune(fresh, _replay, ALPHA_GRID if final else grid)
-            self.bootstrap.provisional_done = True
-            # final, or a provisional tuning on which alpha made no difference: no further tuning (alpha.py)
-            self.bootstrap = None if final or self.bootstrap.tied else self.bootstrap
-            self.tuning_seconds += time.perf_counter() - started
+        tuned = self.bootstrap.advance(self.requests, self._fresh, _replay, self.eviction.provisional_grid)
+        if tuned is not None:
+            self.eviction.alpha, keep, seconds, waited = tuned
+            self.bootstrap = self.bootstrap if keep else None
+            self.tuning_seconds += seconds
+            self.tuning_wait_seconds += waited
+
+    def _fresh(self) -> PrefixCacheCore:
+        """An empty cache with alpha 0 that places states as this one does now (the alpha tuner's replays)."""
+        fresh = PrefixCacheCore(self.capacity_bytes, self.policy, self.spec, self.options.block_size, alpha=0.0,
+                                checkpoint_budget=self.options.checkpoint_budget, overflow=self.overflow)
+        fresh.admission.seed(self.admission)
+        return fresh
 
     def fork(self) -> PrefixCacheCore:
         """An independent copy between requests (no live matches), sharing the immutable payloads (the tuner's)."""

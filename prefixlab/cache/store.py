@@ -69,6 +69,9 @@ class PrefixStore:
             images kept by their pixels so that a repeated image skips the vision tower (cache/media_memo.py; the
             model's memo holds the most any open store asks for); default 256 MiB ("256MiB"; "256MB" is 256e6
             bytes, another value); 0 keeps none.
+        core_options: PrefixCacheCore's keyword options (alpha, checkpoint_budget, history_tokens, ...);
+            tuning_lag_requests defaults to None here: alpha is tuned in a background thread and applied once found
+            (an int n: n admissions later, deterministic; 0: inline, as the simulator).
 
     Thread-safe: several threads may run `generate` with their own HybridPrefixCache over one store; model forwards
     run concurrently, store bookkeeping is serialised by `lock` (see the module docstring). After `close()` every
@@ -105,7 +108,8 @@ class PrefixStore:
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
         offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")
-        core_options = {"explain": True} | core_options
+        # alpha tuned in a background thread: no admission waits for the tuner's replays (cache/alpha.py)
+        core_options = {"explain": True, "tuning_lag_requests": None} | core_options
         # what the store was built with, as `HybridPrefixCache(**options)` compares them
         self.options = {"capacity": self.capacity_bytes, "policy": policy, "offload_capacity": offload_bytes,
                         "block_size": block_size, "patch": patch, "media_cache": normalize_option("media_cache",
