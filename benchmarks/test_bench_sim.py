@@ -122,3 +122,23 @@ def test_system_prompt_versions_table(benchmark, spec):
         rows.append(f"| {policy} | " + " | ".join(f"{r:.2f}" for r in rates) + " |")
     benchmark.pedantic(lambda: None, rounds=1, iterations=1)
     print("\n" + "\n".join(rows))
+
+
+def test_alpha_tuning_off_the_request_path(spec):
+    """A store's alpha tuning (benchmarks/alpha_stall.py): inline, one request waits for the replays; on the
+    background thread (the store's default) none does."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from alpha_stall import serve
+
+    from prefixlab.sim.build import builtin_trace
+
+    trace = builtin_trace()
+    inline, background = (serve(trace, spec, int(0.5 * GB), "dp", lag, 0.002) for lag in (0, None))
+    print(f"\nbuiltin, dp, 0.5 GB, 2 ms a request: slowest request inline {inline['max_ms']:.1f} ms (tuning "
+          f"{inline['tuning_ms']:.1f} ms), background {background['max_ms']:.1f} ms (waited "
+          f"{background['tuning_wait_ms']:.3f} ms of {background['tuning_ms']:.1f} ms)")
+    assert inline["tuning_wait_ms"] == inline["tuning_ms"] > 0 and background["tuning_ms"] > 0
+    assert background["tuning_wait_ms"] < inline["tuning_wait_ms"]
