@@ -253,3 +253,33 @@ def test_table_solves_layers_when_read():
     _, costs, _ = placement._tables(hist, 16, placement._layer)
     for j in (0, 10, 150, 299, 400):
         assert np.array_equal(lazy.curve(j), np.maximum([F[min(j, 300)] for F in costs], 0.0) * hist.sum())
+
+
+def test_a_table_read_by_several_threads_at_once_solves_each_layer_once():
+    # the alpha tuner's background replays and the live store read the same solved tables (cache/law.py _TABLES)
+    import sys
+    import threading
+
+    from prefixlab.cache.placement import PlacementTable
+
+    rng = np.random.default_rng(0)
+    hists = [rng.integers(0, 50, 400).astype(np.float64) for _ in range(20)]
+    expected = [[PlacementTable(h, 16).cost(m, 399) for m in range(17)] for h in hists]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as the interpreter can
+    try:
+        for hist, want in zip(hists, expected, strict=True):
+            table, barrier, got = PlacementTable(hist, 16), threading.Barrier(4), []
+
+            def read(table=table, barrier=barrier, got=got):
+                barrier.wait()
+                got.append([table.cost(m, 399) for m in range(17)] + [table.positions(16, 399)])
+
+            threads = [threading.Thread(target=read) for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert all(row[:-1] == want for row in got) and len({tuple(row[-1]) for row in got}) == 1
+    finally:
+        sys.setswitchinterval(interval)

@@ -19,6 +19,7 @@ diff(b) (scipy's PAVA, O(N)), and the best line for x is the hull vertex where t
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,19 +153,23 @@ class PlacementTable:
     """The DP for every prefix of `hist` and every budget up to `budget`: an entry whose overlaps beyond depth j
     are served by a state at j (its end) costs `cost(m, j)` with m more states, placed at `positions(m, j)`. Costs
     are in the units of `hist` (counts x depth), not normalised. A layer is solved when first read, so a caller
-    that stops at the first state not worth its price solves only the layers it reads (the same arrays)."""
+    that stops at the first state not worth its price solves only the layers it reads (the same arrays).
+    Thread-safe: tables are shared (cache/law.py), and the alpha tuner's background replays read them beside the
+    live cache; a layer is solved under the table's lock (two threads solving one would append it twice)."""
 
     def __init__(self, hist, budget: int) -> None:
         self._dp = _LayeredDP(hist, budget, _layer)
         self._total = float(np.asarray(hist, dtype=np.float64).sum())
         self._costs: list[np.ndarray] = []  # the solved layers' costs, clipped at 0 and scaled to hist's units
+        self._lock = threading.Lock()
         self.n = self._dp.n
         self.layers = self._dp.layers  # budgets beyond this cannot lower any cost
 
     def _solve(self, m: int) -> None:
-        self._dp.solve(m)
-        for F in self._dp.costs[len(self._costs):]:
-            self._costs.append(np.maximum(F, 0.0) * self._total)
+        with self._lock:
+            self._dp.solve(m)
+            for F in self._dp.costs[len(self._costs):]:
+                self._costs.append(np.maximum(F, 0.0) * self._total)
 
     def cost(self, m: int, j: int) -> float:
         """cost(m, j), m <= layers."""
@@ -178,7 +183,8 @@ class PlacementTable:
         return np.array([F[min(j, self.n)] for F in self._costs])
 
     def positions(self, m: int, j: int) -> list[int]:
-        self._dp.solve(m)
+        if min(m, self.layers) > len(self._dp.choices):
+            self._solve(m)
         return _backtrack(self._dp.choices[:m], min(j, self.n))
 
 
