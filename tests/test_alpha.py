@@ -110,3 +110,20 @@ def test_a_store_tunes_in_the_background_unless_told_otherwise():
     store = PrefixStore(model, "1MB", tuning_lag_requests=0)
     assert store.core.bootstrap.lag_requests == 0
     store.close()
+
+
+def test_a_forked_child_runs_its_own_background_tunings():
+    import multiprocessing
+
+    from prefixlab.cache import alpha
+
+    alpha._executor().submit(int).result()  # the parent's worker thread exists
+    context = multiprocessing.get_context("fork")
+    with context.Pool(1) as pool:
+        child = pool.apply_async(_child_tunes_in_the_background)
+        assert child.get(timeout=60) == _alphas("dp", 0, _conversations())[0][-1]  # (hangs without its thread)
+
+
+def _child_tunes_in_the_background():
+    alphas, core = _alphas("dp", 2, _conversations())  # an int lag waits for the job: it would hang without a thread
+    return alphas[-1]

@@ -19,6 +19,7 @@ simulator's) tunes inline, at the admission that makes it due: that request's la
 from __future__ import annotations
 
 import copy
+import os
 import threading
 import time
 from collections import deque
@@ -148,6 +149,8 @@ def _timed_tune(window: AlphaBootstrap, fresh, replay: Callable, grid: Sequence[
 
 _EXECUTOR: list[ThreadPoolExecutor] = []
 _EXECUTOR_LOCK = threading.Lock()
+# a forked child has the executor object but not its thread: it starts its own (else its jobs would never run)
+os.register_at_fork(after_in_child=_EXECUTOR.clear)
 
 
 def _executor() -> ThreadPoolExecutor:
