@@ -28,6 +28,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from prefixlab.errors import InvalidInputError, is_int
+
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
 PROVISIONAL_MULTIPLIER = 2  # the provisional tuning: 2 x N0 requests after the first eviction's N0
 
@@ -140,6 +142,13 @@ class AlphaBootstrap:
         twin = copy.copy(self)
         twin.requests = deque(self.requests)
         return twin
+
+
+def check_tuning_lag(lag: object) -> int | None:
+    """`tuning_lag_requests` as given to a cache: None or an int >= 0 (numpy ints too), else InvalidInputError."""
+    if lag is not None and (not is_int(lag) or lag < 0):
+        raise InvalidInputError(f"tuning_lag_requests must be None or an int >= 0, got {lag!r}")
+    return None if lag is None else int(lag)
 
 
 def _timed_tune(window: AlphaBootstrap, fresh, replay: Callable, grid: Sequence[float]) -> tuple[float, float]:

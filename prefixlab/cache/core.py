@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixlab.cache.alpha import AlphaBootstrap
+from prefixlab.cache.alpha import AlphaBootstrap, check_tuning_lag
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
@@ -113,9 +113,7 @@ class PrefixCacheCore:
         self.tuning_wait_seconds = 0.0  # of which admissions waited for (all of it unless tuning_lag_requests)
         self._live: dict[int, Match] = {}
         # the requests admitted until alpha is tuned (None once tuned, or when alpha is fixed)
-        if tuning_lag_requests is not None and (not is_int(tuning_lag_requests) or tuning_lag_requests < 0):
-            raise InvalidInputError(f"tuning_lag_requests must be None or an int >= 0, got {tuning_lag_requests!r}")
-        lag = None if tuning_lag_requests is None else int(tuning_lag_requests)
+        lag = check_tuning_lag(tuning_lag_requests)
         self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens, lag)
                           if alpha is None and tunes_alpha(policy) else None)
         self._last_walk: tuple | None = None
