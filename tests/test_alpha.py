@@ -127,3 +127,15 @@ def test_a_forked_child_runs_its_own_background_tunings():
 def _child_tunes_in_the_background():
     alphas, core = _alphas("dp", 2, _conversations())  # an int lag waits for the job: it would hang without a thread
     return alphas[-1]
+
+
+def test_a_store_refuses_a_bad_tuning_lag_and_leaves_the_model_as_it_was():
+    from hf_models import build
+
+    from prefixlab import PrefixStore
+    from prefixlab.recurrent.patch import is_patched
+
+    model = build("qwen3_5")
+    with pytest.raises(InvalidInputError, match="tuning_lag_requests must be None or an int >= 0"):
+        PrefixStore(model, "1MB", tuning_lag_requests=-3)
+    assert not model._forward_hooks and not model._forward_pre_hooks and not is_patched(model)
