@@ -21,8 +21,9 @@
 #   (96 of 98 finished in 310 s, 0 failed). Next: "fla_fp32_chunking", and the fla files split in two calls
 #   (tests_cuda_fla with FLA_TESTS_LIMIT=400) to see them whole.
 #   Session 33 (H100) ran STEPS="padded_batch tests_both" TESTS_BOTH_LIMIT=380 FLA_WORKERS=11 (488 s): without fla
-#   98 of 98 finished; with fla 95 of 98, 0 failed. pyproject's addopts hold -q, so name tests with -vv. Next: the fla
-#   files alone, -vv, in a call of their own (~400 s).
+#   98 of 98 finished; with fla 95 of 98, 0 failed. pyproject's addopts hold -q, so name tests with -vv. Next:
+#     STEPS="padded_batch" bash benchmarks/gpu_check.sh                      (~200 s: where bf16's cached path loses)
+#     STEPS="tests_cuda_fla" FLA_TESTS_LIMIT=420 bash benchmarks/gpu_check.sh  (a call of its own: the fla run whole)
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -85,7 +86,7 @@ PYTHONPATH=$base step profile 120 sh -c 'cd benchmarks && python3 profile_serve.
 #    prefill chunkings (tests/conftest.py now asks Triton for IEEE fp32 dots), and importing fla re-registers
 #    "mamba2" in transformers' Auto mappings (the test models are now built from transformers' classes by name)
 PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda_fla ${FLA_TESTS_LIMIT:-200} python3 -m pytest -p no:cacheprovider \
-    -q -n 10 --tb=short -rfs $tests
+    -vv -n ${FLA_WORKERS:-14} --tb=short -rfs $tests
 # 4+4b at once (correctness only; 16 cores compile both sets of Triton kernels), the whole fla run in one call
 PYTHONPATH=$base step tests_fla_mamba ${FLA_TESTS_LIMIT:-300} sh -c "PYTHONPATH=$PWD/.whl/mamba:$base \
     PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 4 --tb=short -rfs \
