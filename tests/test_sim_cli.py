@@ -60,7 +60,7 @@ def stand_in_replay(monkeypatch):
     """simulate/ceiling stand-ins with known numbers: token hit rate = 10 x capacity in GB."""
     calls = []
 
-    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None, overflow=True):
+    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None, overflow=True, tuning_lag_requests=0):
         calls.append((len(requests), policy, capacity_bytes, spec.name))
         for _ in requests:
             progress(1)
@@ -169,6 +169,9 @@ def test_simulate_mooncake_trace_end_to_end(capsys, tmp_path):
         (["--model", "gpt-9"], "gpt-9"),
         (["--model", "/nonexistent/config.json"], "no such config file"),
         (["--on-error", "ignore"], "--on-error 'ignore': use one of stop, skip"),
+        (["--tuning-lag", "-1"], "--tuning-lag '-1' must be a finite number >= 0"),
+        (["--tuning-lag", "2.5"], "--tuning-lag '2.5' is not an integer"),
+        (["--replicas", "2", "--tuning-lag", "soon"], "--tuning-lag 'soon' is not an integer"),
     ],
 )
 def test_simulate_bad_arguments_exit_2_with_one_line(capsys, argv, match, stand_in_replay):
@@ -279,3 +282,18 @@ def test_a_cache_below_one_state_is_explained_and_strict_budget_never_exceeds_it
     assert hit == {False: 50, True: 0}
     _, _, err = run(capsys, "simulate", trace, "--policy", "marconi", "--capacity-gb", "1", *fleet)
     assert "holds no recurrent state" not in err
+
+
+@pytest.mark.parametrize("fleet", [[], ["--replicas", "2"]], ids=["one cache", "fleet"])
+def test_a_tuning_lag_replays_the_stores_background_tuning_deterministically(capsys, fleet):
+    def rows(*lag):
+        code, out, _ = run(capsys, "simulate", "builtin", "--policy", "dp", "--capacity-gb", "0.5", "--json", *fleet,
+                           *lag)
+        assert code == 0
+        return [json.loads(line) for line in out.strip().splitlines()]
+
+    keys = ("token_hit_rate", "alpha", "evictions", "flops_saved")
+    inline, lagged, again = rows(), rows("--tuning-lag", "40"), rows("--tuning-lag", "40")
+    assert [[row[k] for k in keys] for row in rows("--tuning-lag", "0")] == [[row[k] for k in keys] for row in inline]
+    assert lagged[0]["token_hit_rate"] != inline[0]["token_hit_rate"]  # the alpha applied 40 requests later
+    assert [[row[k] for k in keys] for row in again] == [[row[k] for k in keys] for row in lagged]

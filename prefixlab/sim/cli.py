@@ -129,6 +129,12 @@ def parse_routings(text: str) -> list[str]:
     return names
 
 
+def core_options(args: argparse.Namespace) -> dict:
+    """The replayed caches' options from `simulate`'s flags."""
+    lag = parse_number(args.tuning_lag, "--tuning-lag", integer=True, strict=False)
+    return {"overflow": not args.strict_budget, "tuning_lag_requests": lag}
+
+
 def run_simulate(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -144,6 +150,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     # Everything is checked before the (slow) replays start.
     policies = parse_policies(args.policy)
     capacities_gb = parse_capacities_gb(args.capacity_gb)
+    options = core_options(args)
     spec = load_spec(args.model)
     if args.plot:
         report.check_plot_path(args.plot)
@@ -162,7 +169,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             for capacity_gb in capacities_gb:
                 bar.set_postfix_str(f"{policy} {capacity_gb:g} GB")
                 result = simulate(requests, policy, report.gb_to_bytes(capacity_gb), spec, progress=bar.update,
-                                  overflow=not args.strict_budget)
+                                  **options)
                 rows.append(report.result_row(result, capacity_gb, bound))
     print(report.json_lines(rows) if args.json else report.format_table(rows))
     if args.plot:
@@ -179,7 +186,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     from prefixlab.sim.replay import ceiling, load_imbalance, simulate, simulate_fleet
 
     policies, capacities_gb = parse_policies(args.policy), parse_capacities_gb(args.capacity_gb)
-    replica_counts = parse_replicas(args.replicas)
+    options, replica_counts = core_options(args), parse_replicas(args.replicas)
     routings = parse_routings("affinity" if args.routing is None else args.routing)
     balance_eps = parse_number("0.15" if args.balance_eps is None else args.balance_eps, "--balance-eps", strict=False)
     spec = load_spec(args.model)
@@ -202,13 +209,12 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
                     if args.single_cache:
                         bar.set_postfix_str(f"{policy} 1 x {capacity_gb * replicas:g} GB")
                         one = simulate(requests, policy, capacity_bytes * replicas, spec, progress=bar.update,
-                                       overflow=not args.strict_budget)
+                                       **options)
                         single = {"single_cache_token_hit_rate": one.token_hit_rate}
                     for routing in routings:
                         bar.set_postfix_str(f"{policy} {replicas} x {capacity_gb:g} GB {routing}")
                         result, loads = simulate_fleet(requests, policy, capacity_bytes, spec, replicas, routing,
-                                                       bar.update, balance_eps=balance_eps,
-                                                       overflow=not args.strict_budget)
+                                                       bar.update, balance_eps=balance_eps, **options)
                         rows.append({
                             **report.result_row(result, capacity_gb, bound), "replicas": replicas,
                             "routing": routing, "load_imbalance": load_imbalance(loads),
@@ -301,6 +307,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--strict-budget", action="store_true",
                      help="never exceed the byte budget (default: an entry larger than the free space is kept whole "
                           "until the next admission, as in Marconi's simulator)")
+    sim.add_argument("--tuning-lag", default="0", metavar="N",
+                     help="apply a tuned alpha N requests after it is due, its replays on a background thread, as a "
+                          "PrefixStore does (which applies it once found); default 0: inline, as Marconi")
     sim.add_argument("--replicas", help="comma-separated fleet sizes: replay N caches of --capacity-gb each")
     sim.add_argument("--routing",
                      help="with --replicas: comma-separated routers (random, round-robin, affinity; default affinity)")

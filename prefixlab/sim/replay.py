@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from prefixlab.cache.alpha import check_tuning_lag
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.tree import RadixTree
@@ -35,13 +36,16 @@ def simulate(
     block_size: int = 32,
     alpha: float | None = None,
     overflow: bool = True,
+    tuning_lag_requests: int = 0,
 ) -> SimResult:
     """Replay `requests` through a `policy` cache of `capacity_bytes`; `progress(1)` is called after each request
     (pass a tqdm's `update`). `alpha=None` tunes Marconi's alpha as the paper does. `overflow=True` keeps an
     entry larger than the free space whole until the next admission, as the Marconi simulator does;
-    `overflow=False` never exceeds the budget (see PrefixCacheCore)."""
+    `overflow=False` never exceeds the budget (see PrefixCacheCore). `tuning_lag_requests` n > 0 applies a tuned
+    alpha n requests after it is due, as a PrefixStore tuning in the background does (deterministically)."""
     requests = _check_requests(requests)
-    core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha, overflow=overflow)
+    core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha, overflow=overflow,
+                           tuning_lag_requests=_check_lag(tuning_lag_requests))
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
@@ -69,6 +73,7 @@ def simulate_fleet(
     balance_eps: float = 0.15,
     block_size: int = 32,
     overflow: bool = True,
+    tuning_lag_requests: int = 0,
 ) -> tuple[SimResult, np.ndarray]:
     """Replay `requests` over `replicas` caches of `capacity_bytes` each, a `routing` router (prefixlab.fleet)
     sending each request to one of them (affinity asks the caches what they hold). Returns the fleet's result and
@@ -76,7 +81,9 @@ def simulate_fleet(
     from prefixlab.fleet.router import make_router
 
     requests = _check_requests(requests)
-    cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow) for _ in range(replicas)]
+    lag = _check_lag(tuning_lag_requests)
+    cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow, tuning_lag_requests=lag)
+             for _ in range(replicas)]
     # affinity asks the replica caches what they still hold (peek), so it sees their evictions
     router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=cores)
     started = time.perf_counter()
@@ -92,6 +99,13 @@ def simulate_fleet(
     result = summarize(policy, capacity_bytes, lengths, hits, spec, evictions=sum(c.evictions for c in cores),
                        replay_seconds=elapsed)
     return result, router.loads.copy()
+
+
+def _check_lag(lag: object) -> int:
+    """A replay's tuning lag: an int >= 0 (None, "once found", depends on the threads' timing: not a replay)."""
+    if lag is None:
+        raise InvalidInputError("tuning_lag_requests must be an int >= 0 in a replay (None depends on timing)")
+    return check_tuning_lag(lag)
 
 
 def load_imbalance(loads: np.ndarray) -> float:
