@@ -139,3 +139,14 @@ def test_a_store_refuses_a_bad_tuning_lag_and_leaves_the_model_as_it_was():
     with pytest.raises(InvalidInputError, match="tuning_lag_requests must be None or an int >= 0"):
         PrefixStore(model, "1MB", tuning_lag_requests=-3)
     assert not model._forward_hooks and not model._forward_pre_hooks and not is_patched(model)
+
+
+@pytest.mark.parametrize("lag", [None, -2])
+def test_a_replay_takes_only_a_deterministic_lag(lag):
+    from prefixlab.sim.build import builtin_trace
+    from prefixlab.sim.replay import simulate, simulate_fleet
+
+    with pytest.raises(InvalidInputError, match="tuning_lag_requests must be"):
+        simulate(builtin_trace(), "dp", 10**8, tiny_spec(), tuning_lag_requests=lag)
+    with pytest.raises(InvalidInputError, match="tuning_lag_requests must be"):
+        simulate_fleet(builtin_trace(), "dp", 10**8, tiny_spec(), 2, "affinity", tuning_lag_requests=lag)
