@@ -85,11 +85,13 @@ def test_with_no_lag_given_no_admission_waits_and_the_alpha_applies_once_found(m
     core = PrefixCacheCore(700, "dp", tiny_spec(), tuning_lag_requests=None)
     for prompt, output in requests[:-1]:  # the tuning stays blocked through all of these
         replay_request(core, prompt, output)
-    assert core.alpha == 0.0 and core.tuning_wait_seconds == 0.0
+    assert core.alpha == 0.0 and core.tuning_wait_seconds == 0.0 and core.stats()["tuning_pending"]
     release.set()
     core.bootstrap.pending[0].result(timeout=30)
     replay_request(core, *requests[-1])
     assert core.alpha == inline[_first_change(inline)] and core.tuning_wait_seconds < core.tuning_seconds
+    stats = core.stats()
+    assert not stats["tuning_pending"] and stats["tuning_seconds"] == core.tuning_seconds > 0
 
 
 @pytest.mark.parametrize("lag", [-1, True, 1.5, "8"])

@@ -64,8 +64,7 @@ class PrefixCacheCore:
     FLOPs is kept (alpha stays 0 if the trace ends first; alpha.py AlphaBootstrap). A number fixes alpha. The
     recorded window is bounded by `history_tokens` (tokens of input + output): past it the oldest requests are
     dropped, so a cache that evicts late replays its most recent `history_tokens` tokens of requests instead.
-    `tuning_lag_requests` None tunes in a background thread and applies alpha once it is found; an int > 0 that
-    many admissions later (deterministic); 0 inline (alpha.py).
+    `tuning_lag_requests`: None tunes on a background thread, n > 0 too but applies n admissions later, 0 inline.
 
     An entry that does not fit even after evicting everything unlocked is cut to its longest prefix that fits;
     with `overflow=True` it is kept whole instead and the cache stays over budget until the next admission
@@ -377,7 +376,9 @@ class PrefixCacheCore:
             "kv_bytes": self.tree.kv_bytes, "state_bytes": self.tree.state_bytes,
             "checkpoints": self.tree.num_checkpoints, "nodes": sum(1 for _ in self.tree.nodes()),
             "requests": self.requests, "evictions": self.evictions, "rejected": self.rejected, "alpha": self.alpha,
-            "locked_matches": len(self._live),
+            "locked_matches": len(self._live), "tuning_seconds": self.tuning_seconds,  # (the alpha tuner's)
+            "tuning_wait_seconds": self.tuning_wait_seconds,
+            "tuning_pending": bool(self.bootstrap and self.bootstrap.pending),
         }
 
     def check_invariants(self) -> None:

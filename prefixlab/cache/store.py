@@ -343,7 +343,8 @@ class PrefixStore:
 
     @serialized
     def stats(self) -> dict:
-        """Core statistics (bytes, checkpoints, evictions, rejected admissions...) plus reuse per sequence served:
+        """Core statistics (bytes, checkpoints, evictions, rejected admissions, alpha and its tuner's seconds and
+        whether a tuning is running...) plus reuse per sequence served:
         sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store), offload_hits
         (sequences whose reuse was loaded from the host tier),
         decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill),
