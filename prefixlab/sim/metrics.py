@@ -26,7 +26,7 @@ class SimResult:
     alpha: float | None = None
     evictions: int = 0
     replay_seconds: float = 0.0
-    tuning_seconds: float = 0.0  # the part of replay_seconds spent tuning alpha (Marconi's bootstrap replays)
+    tuning_seconds: float = 0.0  # alpha tuning replays: inline, part of replay_seconds; with a lag, on their thread
 
     def as_dict(self) -> dict:
         return asdict(self)
