@@ -16,37 +16,39 @@ def require(condition: bool, message: str) -> None:
 
 def check_tensor(name: str, tensor: object, shape: Sequence[int | None], *, floating: bool = True) -> torch.Tensor:
     """`tensor` is a torch.Tensor whose shape matches `shape` (None = any size on that dim)."""
-    require(isinstance(tensor, torch.Tensor), f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    assert isinstance(tensor, torch.Tensor)
-    expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-    require(
-        tensor.dim() == len(shape) and all(s is None or s == d for s, d in zip(shape, tensor.shape, strict=True)),
-        f"{name} has shape {list(tensor.shape)}, expected {expected}",
-    )
-    if floating:
-        require(tensor.is_floating_point(), f"{name} must be a floating point tensor, got {tensor.dtype}")
+    # Messages are formatted only on failure: these checks run in every patched layer's forward (decode steps too)
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidInputError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() != len(shape) or not all(s is None or s == d for s, d in zip(shape, tensor.shape, strict=True)):
+        expected = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+        raise InvalidInputError(f"{name} has shape {list(tensor.shape)}, expected {expected}")
+    if floating and not tensor.is_floating_point():
+        raise InvalidInputError(f"{name} must be a floating point tensor, got {tensor.dtype}")
     return tensor
 
 
 def check_same_device(named: dict[str, torch.Tensor | None]) -> torch.device:
     """All given tensors live on one device; returns it."""
-    present = {name: t for name, t in named.items() if t is not None}
-    first_name, first = next(iter(present.items()))
-    for name, tensor in present.items():
-        require(
-            tensor.device == first.device,
-            f"{name} is on {tensor.device} but {first_name} is on {first.device}: move them to one device",
-        )
+    first_name = first = None
+    for name, tensor in named.items():
+        if tensor is None:
+            continue
+        if first is None:
+            first_name, first = name, tensor
+        elif tensor.device != first.device:
+            raise InvalidInputError(
+                f"{name} is on {tensor.device} but {first_name} is on {first.device}: move them to one device"
+            )
     return first.device
 
 
 def check_same_dtype(named: dict[str, torch.Tensor]) -> torch.dtype:
     first_name, first = next(iter(named.items()))
     for name, tensor in named.items():
-        require(
-            tensor.dtype == first.dtype,
-            f"{name} has dtype {tensor.dtype} but {first_name} has {first.dtype}: cast them to one dtype",
-        )
+        if tensor.dtype != first.dtype:
+            raise InvalidInputError(
+                f"{name} has dtype {tensor.dtype} but {first_name} has {first.dtype}: cast them to one dtype"
+            )
     return first.dtype
 
 
@@ -55,31 +57,26 @@ def check_state(name: str, state: torch.Tensor | None, shape: Sequence[int], com
     if state is None:
         return
     check_tensor(name, state, shape)
-    require(
-        state.dtype in (torch.float32, compute_dtype),
-        f"{name} has dtype {state.dtype}; pass it as torch.float32 (or the inputs' dtype {compute_dtype})",
-    )
+    if state.dtype != torch.float32 and state.dtype != compute_dtype:
+        raise InvalidInputError(
+            f"{name} has dtype {state.dtype}; pass it as torch.float32 (or the inputs' dtype {compute_dtype})"
+        )
 
 
 def check_capture(capture: Iterable[int], length: int, name: str = "capture") -> tuple[int, ...]:
     """Capture positions: sorted, distinct ints in [0, length] (p = state after the first p tokens). Integers of
     any kind (numpy's too) are taken and returned as Python ints."""
-    require(
-        not isinstance(capture, (str, bytes, torch.Tensor)) and hasattr(capture, "__iter__"),
-        f"{name} must be a sequence of ints, got {type(capture).__name__}",
-    )
+    if isinstance(capture, (str, bytes, torch.Tensor)) or not hasattr(capture, "__iter__"):
+        raise InvalidInputError(f"{name} must be a sequence of ints, got {type(capture).__name__}")
     positions = tuple(capture)
     for p in positions:
-        require(
-            is_int(p),
-            f"{name} must hold ints, got {p!r} ({type(p).__name__})",
-        )
-        require(0 <= p <= length, f"{name} position {p} is outside [0, {length}] for a call over {length} tokens")
+        if not is_int(p):
+            raise InvalidInputError(f"{name} must hold ints, got {p!r} ({type(p).__name__})")
+        if not 0 <= p <= length:
+            raise InvalidInputError(f"{name} position {p} is outside [0, {length}] for a call over {length} tokens")
     positions = tuple(int(p) for p in positions)
-    require(
-        all(a < b for a, b in zip(positions, positions[1:], strict=False)),
-        f"{name} must be sorted and distinct, got {list(positions)}",
-    )
+    if not all(a < b for a, b in zip(positions, positions[1:], strict=False)):
+        raise InvalidInputError(f"{name} must be sorted and distinct, got {list(positions)}")
     return positions
 
 

@@ -7,7 +7,8 @@ a run over all of x.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -66,9 +67,20 @@ def causal_conv1d(
         _checks.check_tensor("bias", bias, (x.shape[1],))
     _checks.check_same_device({"x": x, "weight": weight, "bias": bias})
     require(activation is None or activation in ACT2FN, f"activation {activation!r} is not a transformers activation")
-    kernel_size = weight.shape[1]
     positions = _checks.check_capture(capture, x.shape[-1])
+    y, history = conv_with_history(x, weight, bias, activation, initial_conv_state)
+    states = {p: history[..., p : p + weight.shape[1]].clone() for p in positions}
+    return y, history[..., -weight.shape[1]:].clone(), states
 
+
+def conv_with_history(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
+    initial_conv_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """causal_conv1d's computation on checked inputs: (y, the history [B, C, K + T]: the K inputs before x, then x),
+    conv states being windows of the history. For callers that built the inputs themselves (a patched layer's
+    forward, each decode step: the checks and the final state's copy are its overhead there)."""
+    kernel_size = weight.shape[1]
     history = _with_history(x, kernel_size, initial_conv_state)
     # The first output reads inputs 1 .. K of `history` (input 0 only matters to the state), hence [..., 1:].
     if x.shape[-1] == 0:  # conv1d rejects inputs shorter than the kernel
@@ -76,6 +88,11 @@ def causal_conv1d(
     else:
         y = F.conv1d(history[..., 1:].to(weight.dtype), weight[:, None, :], bias, groups=x.shape[1])
     if activation is not None:
-        y = ACT2FN[activation](y)
-    states = {p: history[..., p : p + kernel_size].clone() for p in positions}
-    return y.to(x.dtype), history[..., -kernel_size:].clone(), states
+        y = _activation(activation)(y)
+    return y.to(x.dtype), history
+
+
+@functools.cache
+def _activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """transformers' activation module of that name, built once (ACT2FN builds a new module at each lookup)."""
+    return ACT2FN[name]

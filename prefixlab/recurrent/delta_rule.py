@@ -66,9 +66,10 @@ def gated_delta_rule(
 
         o, final, captured = delta_rule_fla(q, k, v, g, beta, state, positions, use_qk_l2norm, scale)
     else:
-        q, k, v, g, beta = (x.to(torch.float32) for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (q, k, v, g, beta))
         o, final, captured = _KERNELS[backend](q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale)
-    return o.to(out_dtype), final, captured
+    # (a dtype test before each cast: at a decode step's size a no-op .to() costs as much as the arithmetic)
+    return (o if o.dtype == out_dtype else o.to(out_dtype)), final, captured
 
 
 def _check_delta_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:
@@ -110,18 +111,20 @@ def delta_rule_naive(
     wanted = set(positions)
     captured: States = {}
     outputs = []
+    # rows [B, H, 1, K] times the state [B, H, K, V]: a batched matmul (torch.einsum's Python wrapper costs as much
+    # as the product itself at a decode step's size)
+    q, k = q[:, :, :, None, :], k[:, :, :, None, :]
     for t in range(q.shape[1]):
         if t in wanted:
             captured[t] = state.clone()
         decay = g[:, t].exp()
         state = state * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
-        predicted = torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        delta = (v[:, t] - predicted) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        delta = (v[:, t, :, None, :] - k[:, t] @ state) * beta[:, t, :, None, None]
+        state = state + k[:, t].transpose(-1, -2) * delta
+        outputs.append(q[:, t] @ state)
     if q.shape[1] in wanted:
         captured[q.shape[1]] = state.clone()
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(v.shape)
+    o = torch.cat(outputs, dim=2).transpose(1, 2) if outputs else v.new_zeros(v.shape)
     return o, state, captured
 
 

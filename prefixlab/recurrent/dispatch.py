@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from prefixlab.compile import compile_or_eager
+from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent._checks import require
 
 PORTABLE_BACKENDS = ("naive", "torch", "compiled")
@@ -24,7 +25,8 @@ def resolve_backend(
     decode step, which a chunked kernel would pad to a whole chunk). Explicit names are checked and never silently
     replaced."""
     allowed = ("auto", *PORTABLE_BACKENDS, cuda_package)
-    require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
+    if backend not in allowed:
+        raise InvalidInputError(f"backend must be one of {list(allowed)}, got {backend!r}")
     if backend == "auto":
         usable = device.type == "cuda" and cuda_unsupported is None and _installed(cuda_package)
         return cuda_package if usable else ("naive" if tokens is not None and tokens <= 1 else "torch")

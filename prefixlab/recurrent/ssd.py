@@ -69,22 +69,29 @@ def ssd(
 
         return ssd_mamba_ssm(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, positions, chunk_size)
 
-    dt = dt.to(torch.float32)
+    x32, dt, A, B, C = (_float32(t) for t in (x, dt, A, B, C))
     if dt_bias is not None:
-        dt = dt + dt_bias.to(torch.float32)
+        dt = dt + _float32(dt_bias)
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    B, C = (t.to(torch.float32).repeat_interleave(heads // groups, dim=2) for t in (B, C))
+    if groups != heads:
+        B, C = (t.repeat_interleave(heads // groups, dim=2) for t in (B, C))
     if initial_state is None:
         state = torch.zeros(batch, heads, head_dim, state_size, dtype=torch.float32, device=x.device)
     else:
         state = initial_state.to(torch.float32, copy=True)  # never alias the caller's tensor
     kernel = {"naive": ssd_naive, "torch": ssd_chunked, "compiled": ssd_compiled}[backend]
-    y, final, captured = kernel(x.to(torch.float32), dt, A.to(torch.float32), B, C, state, positions, chunk_size)
+    y, final, captured = kernel(x32, dt, A, B, C, state, positions, chunk_size)
     if D is not None:
-        y = y + x.to(torch.float32) * (D.to(torch.float32)[:, None] if D.dim() == 1 else D.to(torch.float32))
-    return y.to(x.dtype), final, captured
+        y = y + x32 * (_float32(D)[:, None] if D.dim() == 1 else _float32(D))
+    return (y if y.dtype == x.dtype else y.to(x.dtype)), final, captured
+
+
+def _float32(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in float32, without a .to() call when it is already (at a decode step's size a no-op .to() costs as
+    much as the arithmetic)."""
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def _check_ssd_inputs(x, dt, A, B, C, D, dt_bias) -> tuple[int, int, int, int, int, int]:

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from prefixlab.errors import InvalidInputError
-from prefixlab.recurrent.conv import causal_conv1d
+from prefixlab.recurrent._checks import check_tensor
+from prefixlab.recurrent.conv import conv_with_history
 
 States = dict[int, torch.Tensor]
 CAPTURE_ATTRIBUTE = "prefixlab_capture_positions"
@@ -207,9 +208,12 @@ def run_layer(
     kernel_size = conv.kernel_size[0]
     # While transformers records the past, the cached conv state is the whole history: the conv needs its last K.
     history = None if view.conv_state is None else view.conv_state[..., -kernel_size:]
-    conv_output, _, conv_states = causal_conv1d(
-        projected.conv_input, conv.weight[:, 0], conv.bias, family.activation(layer), history, view.positions
+    if history is not None:  # the rest comes from the layer itself; the cache's state may not fit this batch
+        check_tensor("initial_conv_state", history, (batch, projected.conv_input.shape[1], kernel_size))
+    conv_output, conv_history = conv_with_history(
+        projected.conv_input, conv.weight[:, 0], conv.bias, family.activation(layer), history
     )
+    conv_states = {p: conv_history[..., p : p + kernel_size].clone() for p in view.positions}
     request = ScanRequest(view.recurrent_state, view.positions, mask, _scan_backend(backend, hidden_states))
     mixed = family.mix(layer, conv_output.transpose(1, 2), projected, request)
     view.record(conv_states, mixed.states, view.recurrent_dtype(mixed.final_state))
