@@ -93,9 +93,10 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
         ids = ids[:1]  # 4 rows: the first counts text positions
     if ids.dim() != 3 or ids.shape[1] not in (1, len(pads)) or (ids.shape[1] == 1 and len(set(pads)) > 1):
         return True
-    expected = torch.tensor([seen - pad for pad in pads[: ids.shape[1]]])
-    real = expected >= 0  # a row still in its left pads there has a pad's position (whatever the model fills in)
-    return bool((ids[:, :, 0].cpu().long() == expected)[:, real].all())
+    expected = [seen - pad for pad in pads[: ids.shape[1]]]
+    # (plain lists: at a decode step's size, building and comparing tensors costs more than the step's cache work)
+    return all(position == want for row in ids[:, :, 0].tolist() for position, want in zip(row, expected, strict=True)
+               if want >= 0)  # a row still in its left pads there has a pad's position (whatever the model fills in)
 
 
 def pad_safe_splits(splits: list[int], start: int, stop: int, unsafe_below: int) -> list[int]:
