@@ -24,6 +24,7 @@
 #   98 of 98 finished; with fla 95 of 98, 0 failed. pyproject's addopts hold -q, so name tests with -vv. Next:
 #     STEPS="padded_batch" bash benchmarks/gpu_check.sh                      (~200 s: where bf16's cached path loses)
 #     STEPS="tests_cuda_fla" FLA_TESTS_LIMIT=420 bash benchmarks/gpu_check.sh  (a call of its own: the fla run whole)
+#   Session 34 (no GPU) added step decode (~60 s): run it with padded_batch, e.g. STEPS="decode padded_batch".
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -67,6 +68,10 @@ PYTHONPATH=$base PREFIXLAB_TEST_DEVICE=cuda step tests_cuda 120 python3 -m pytes
 PYTHONPATH=$base step padded_batch 200 sh -c 'cd benchmarks && for d in fp32 bf16; do python3 gpu_padded_batch.py \
     --size small --prefix 4096 --rows 8 --question 32 --rounds 3 --dtype $d; done; python3 gpu_padded_batch.py \
     --size small --prefix 4096 --rows 8 --question 32 --rounds 1 --dtype bf16 --profile 15'
+# 0b. a decode step's cost through prefixlab vs plain transformers on the ~0.5 B hybrid (decode_overhead.py): the host
+#    time per step is what a GPU waits on at this size (session 34 halved it on the CPU: 1.19-1.24x -> 1.07-1.11x)
+PYTHONPATH=$base step decode 120 sh -c 'cd benchmarks && for d in fp32 bf16; do for f in qwen3_5 bamba; do \
+    python3 decode_overhead.py --size small --family $f --dtype $d --steps 200; done; done'
 # 1+4 at once (correctness only, no timings: 16 cores hold both), for a session short of device time
 PYTHONPATH=$base step tests_both ${TESTS_BOTH_LIMIT:-260} sh -c "PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 5 \
     -rfs --tb=short $tests >$OUT/tests_cuda.log 2>&1 & PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda \
