@@ -73,6 +73,7 @@ def cache_store_options(store: PrefixStore | None, options: dict) -> dict:
             raise InvalidInputError(f"{sorted(options)} are options of the store: pass them to PrefixStore, "
                                     "or leave the store out to use the model's default store")
         check_open(store)
+        return {}  # (each request builds a cache: no signature to read)
     known = frozenset(inspect.signature(PrefixStore).parameters) - {"model", "core_options"}
     if unknown := sorted(set(options) - known):
         raise InvalidInputError(f"unknown HybridPrefixCache options {unknown}; store options are {sorted(known)}")
