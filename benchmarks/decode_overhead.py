@@ -53,7 +53,7 @@ def step_seconds(plain: torch.nn.Module, cached: torch.nn.Module, store: PrefixS
     for model, cache in zip(models, caches, strict=True):
         nexts.append(model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1))
     for step in range(steps):
-        position = torch.tensor([[prompt.shape[1] + step]], device=prompt.device)
+        position = torch.full((prompt.shape[0], 1), prompt.shape[1] + step, device=prompt.device)
         for i, (model, cache) in enumerate(zip(models, caches, strict=True)):
             sync()
             start = time.perf_counter()
@@ -66,20 +66,20 @@ def step_seconds(plain: torch.nn.Module, cached: torch.nn.Module, store: PrefixS
 
 
 def measure(family: str = "qwen3_5", size: str = "tiny", dtype: str = "fp32", steps: int = 300, prompt: int = 64,
-            device: str | None = None) -> dict:
+            device: str | None = None, batch: int = 1) -> dict:
     """The JSON record: median step milliseconds of each path, their ratio, whether the tokens matched."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     plain = build(family, size, DTYPES[dtype], device)
     cached = copy.deepcopy(plain)  # the store patches this one; `plain` keeps transformers' layers
     store = PrefixStore(cached, capacity="4GiB")
-    ids = torch.randint(3, VOCAB - 1, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    ids = torch.randint(3, VOCAB - 1, (batch, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     with torch.inference_mode():
         step_seconds(plain, cached, store, ids, 10, sync)  # warm-up: allocations, lazy inits
         plain_s, cached_s, same = step_seconds(plain, cached, store, ids, steps, sync)
     store.close()
     plain_ms, cached_ms = (sorted(s)[len(s) // 2] * 1e3 for s in (plain_s, cached_s))
-    return {"family": family, "size": size, "dtype": dtype, "device": device, "steps": steps,
+    return {"family": family, "size": size, "dtype": dtype, "device": device, "batch": batch, "steps": steps,
             "plain_step_ms": round(plain_ms, 4), "prefixlab_step_ms": round(cached_ms, 4),
             "ratio": round(cached_ms / plain_ms, 4), "tokens_identical": same}
 
@@ -91,10 +91,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens before the decode steps")
+    parser.add_argument("--batch", type=int, default=1, help="rows decoded together (one prompt each)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(json.dumps(measure(args.family, args.size, args.dtype, args.steps, args.prompt)))
+    print(json.dumps(measure(args.family, args.size, args.dtype, args.steps, args.prompt, batch=args.batch)))
 
 
 if __name__ == "__main__":
