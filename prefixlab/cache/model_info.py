@@ -121,7 +121,21 @@ def weights_version(model: torch.nn.Module) -> tuple:
         except RuntimeError:  # an inference tensor
             return 0
 
-    return tuple((id(param), version(param), param.data_ptr()) for param in model.parameters())
+    return tuple((id(param), version(param), param.data_ptr()) for param in _parameters(model))
+
+
+def _parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter of `model` once, in a fixed order: `model.parameters()` without its nested generators, which
+    cost each request (weights_version runs once per request) several times this walk's time."""
+    found, seen, stack = [], set(), [model]
+    while stack:
+        module = stack.pop()
+        for param in module._parameters.values():
+            if param is not None and id(param) not in seen:
+                seen.add(id(param))
+                found.append(param)
+        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
+    return found
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
