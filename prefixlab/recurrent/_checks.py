@@ -95,3 +95,8 @@ def check_scale(scale: float | None) -> float | None:
             f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
     return None if scale is None else float(scale)
 
+
+def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, without a .to() call when it is already: the kernels cast every input and output, and
+    at a decode step's size a no-op .to() costs as much as the arithmetic."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)

@@ -68,18 +68,17 @@ def causal_conv1d(
     _checks.check_same_device({"x": x, "weight": weight, "bias": bias})
     require(activation is None or activation in ACT2FN, f"activation {activation!r} is not a transformers activation")
     positions = _checks.check_capture(capture, x.shape[-1])
-    y, history = conv_with_history(x, weight, bias, activation, initial_conv_state)
-    states = {p: history[..., p : p + weight.shape[1]].clone() for p in positions}
+    y, history, states = conv_with_history(x, weight, bias, activation, initial_conv_state, positions)
     return y, history[..., -weight.shape[1]:].clone(), states
 
 
 def conv_with_history(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None,
-    initial_conv_state: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """causal_conv1d's computation on checked inputs: (y, the history [B, C, K + T]: the K inputs before x, then x),
-    conv states being windows of the history. For callers that built the inputs themselves (a patched layer's
-    forward, each decode step: the checks and the final state's copy are its overhead there)."""
+    initial_conv_state: torch.Tensor | None, positions: Sequence[int] = (),
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """causal_conv1d's computation on checked inputs: (y, the history [B, C, K + T]: the K inputs before x, then x,
+    {p: conv state after p tokens}). For callers that built the inputs themselves (a patched layer's forward, each
+    decode step: the checks and the final state's copy are its overhead there)."""
     kernel_size = weight.shape[1]
     history = _with_history(x, kernel_size, initial_conv_state)
     # The first output reads inputs 1 .. K of `history` (input 0 only matters to the state), hence [..., 1:].
@@ -89,7 +88,8 @@ def conv_with_history(
         y = F.conv1d(history[..., 1:].to(weight.dtype), weight[:, None, :], bias, groups=x.shape[1])
     if activation is not None:
         y = _activation(activation)(y)
-    return y.to(x.dtype), history
+    states = {p: history[..., p : p + kernel_size].clone() for p in positions}
+    return y.to(x.dtype), history, states
 
 
 @functools.cache

@@ -66,10 +66,9 @@ def gated_delta_rule(
 
         o, final, captured = delta_rule_fla(q, k, v, g, beta, state, positions, use_qk_l2norm, scale)
     else:
-        q, k, v, g, beta = (x if x.dtype == torch.float32 else x.float() for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (_checks.cast(x, torch.float32) for x in (q, k, v, g, beta))
         o, final, captured = _KERNELS[backend](q, k, v, g, beta, state, positions, chunk_size, use_qk_l2norm, scale)
-    # (a dtype test before each cast: at a decode step's size a no-op .to() costs as much as the arithmetic)
-    return (o if o.dtype == out_dtype else o.to(out_dtype)), final, captured
+    return _checks.cast(o, out_dtype), final, captured
 
 
 def _check_delta_inputs(q, k, v, g, beta) -> tuple[int, int, int, int, int, int]:

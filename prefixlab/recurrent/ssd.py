@@ -69,9 +69,9 @@ def ssd(
 
         return ssd_mamba_ssm(x, dt, A, B, C, D, dt_bias, dt_softplus, dt_limit, initial_state, positions, chunk_size)
 
-    x32, dt, A, B, C = (_float32(t) for t in (x, dt, A, B, C))
+    x32, dt, A, B, C = (_checks.cast(t, torch.float32) for t in (x, dt, A, B, C))
     if dt_bias is not None:
-        dt = dt + _float32(dt_bias)
+        dt = dt + _checks.cast(dt_bias, torch.float32)
     if dt_softplus:
         dt = F.softplus(dt)
     dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
@@ -84,14 +84,10 @@ def ssd(
     kernel = {"naive": ssd_naive, "torch": ssd_chunked, "compiled": ssd_compiled}[backend]
     y, final, captured = kernel(x32, dt, A, B, C, state, positions, chunk_size)
     if D is not None:
-        y = y + x32 * (_float32(D)[:, None] if D.dim() == 1 else _float32(D))
-    return (y if y.dtype == x.dtype else y.to(x.dtype)), final, captured
+        skip = _checks.cast(D, torch.float32)
+        y = y + x32 * (skip[:, None] if D.dim() == 1 else skip)
+    return _checks.cast(y, x.dtype), final, captured
 
-
-def _float32(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` in float32, without a .to() call when it is already (at a decode step's size a no-op .to() costs as
-    much as the arithmetic)."""
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 def _check_ssd_inputs(x, dt, A, B, C, D, dt_bias) -> tuple[int, int, int, int, int, int]:

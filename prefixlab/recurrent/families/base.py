@@ -210,10 +210,9 @@ def run_layer(
     history = None if view.conv_state is None else view.conv_state[..., -kernel_size:]
     if history is not None:  # the rest comes from the layer itself; the cache's state may not fit this batch
         check_tensor("initial_conv_state", history, (batch, projected.conv_input.shape[1], kernel_size))
-    conv_output, conv_history = conv_with_history(
-        projected.conv_input, conv.weight[:, 0], conv.bias, family.activation(layer), history
+    conv_output, _, conv_states = conv_with_history(
+        projected.conv_input, conv.weight[:, 0], conv.bias, family.activation(layer), history, view.positions
     )
-    conv_states = {p: conv_history[..., p : p + kernel_size].clone() for p in view.positions}
     request = ScanRequest(view.recurrent_state, view.positions, mask, _scan_backend(backend, hidden_states))
     mixed = family.mix(layer, conv_output.transpose(1, 2), projected, request)
     view.record(conv_states, mixed.states, view.recurrent_dtype(mixed.final_state))
