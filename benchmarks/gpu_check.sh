@@ -25,6 +25,8 @@
 #     STEPS="padded_batch" bash benchmarks/gpu_check.sh                      (~200 s: where bf16's cached path loses)
 #     STEPS="tests_cuda_fla" FLA_TESTS_LIMIT=420 bash benchmarks/gpu_check.sh  (a call of its own: the fla run whole)
 #   Session 34 (no GPU) added step decode (~60 s): run it with padded_batch, e.g. STEPS="decode padded_batch".
+#   Session 35 (no GPU) primes a batch's rows of one cached prompt in one right-padded forward (was 8): step
+#   padded_batch's primes_ms measures it on a GPU (a 0.5 B model's primes are launch-bound there).
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).

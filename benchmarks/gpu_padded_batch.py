@@ -3,8 +3,8 @@
 Rows of different lengths hold the cached prompt's checkpoint at different padded columns. Three ways to serve the
 same kind of batch, each checked token for token against plain generate() of the same batch:
   plain     generate() with transformers' own cache (prefills every row whole, batched)
-  primed    through the store: each row is prefilled alone from the cached prompt up to the batch's deepest column,
-            then the batch resumes there (the default)
+  primed    through the store: the rows are prefilled from the cached prompt up to the batch's deepest column
+            (together, right-padded, since session 35; one by one before), then the batch resumes there (the default)
   unprimed  through the store with priming switched off: the batch resumes at one column, where no row holds
             the prompt's checkpoint, so it reuses nothing
 Each round serves fresh questions (a served batch is admitted, which would let the next one hit its rows), rounds

@@ -305,3 +305,87 @@ def test_a_prime_does_not_evict_the_state_an_earlier_prime_of_the_batch_left():
     assert torch.equal(run(batch, cache, attention_mask=mask), run(batch, None, attention_mask=mask))
     assert cache.rows_reused == [40, 40] and store.stats()["evictions"] > 0
     store.core.check_invariants()
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_rows_under_one_cached_prompt_are_primed_together_in_one_right_padded_forward(family):
+    """Rows of one cached prompt plus questions of 7, 8 and 9 tokens, left-padded: the prompt's checkpoint sits at
+    another column in each row. The rows are primed together (align.py: one forward, right-padded, each row's
+    state captured at its own end by the patched layers), then the batch resumes every row at its last column:
+    tokens and fp32 logits equal the uncached batched generate, and the primes are not counted as requests."""
+    model = padded_model(family)
+    store = new_store(model)
+    system = tokens(24, seed=60)
+    for seed in (61, 62):  # a branch point at 24: the prompt's checkpoint
+        generate(model, torch.cat([system, tokens(3, seed=seed)])[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([system, tokens(n, seed=63 + n)]) for n in (7, 8, 9)])  # pads 2, 1, 0
+    shapes = []
+    counter = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                              with_kwargs=True)  # (after the store's hook: the columns it runs)
+    options = dict(attention_mask=mask, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    cache = HybridPrefixCache(store)
+    try:
+        got = generate(model, batch, cache, **options)
+    finally:
+        counter.remove()
+    expected = generate(model, batch, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    # one prime of columns 24..31 for all three rows (real tokens 6, 7 and 8), then the batch from column 32
+    assert shapes[:2] == [(3, 8), (3, 1)] and all(shape[0] == 3 for shape in shapes)
+    assert cache.rows_reused == [24, 24, 24] and [r.reason for r in cache.report().rows] == ["hit"] * 3
+    store.flush()
+    assert store.stats()["sequences"] == 5 and store.stats()["reused_tokens"] == 72
+    store.core.check_invariants()
+    for row, end in enumerate([30, 31, 32]):  # each row's state at its prime's end, admitted without pads
+        assert store.core.peek(batch[row, mask[row].bool()][:end].numpy())[0] == end
+
+
+def test_primes_are_bucketed_so_that_pads_stay_within_their_share():
+    from prefixlab.cache.align import padded_buckets
+
+    assert padded_buckets(list("abc"), [1, 4, 8], None) == [["c", "b", "a"]]
+    assert padded_buckets(list("abc"), [1, 4, 8], 0.25) == [["c"], ["b"], ["a"]]  # 16 > 1.25 * 12, 8 > 1.25 * 5
+    assert padded_buckets(list("abcd"), [6, 8, 7, 2], 0.25) == [["b", "c", "a"], ["d"]]  # 24 <= 26.25; 32 > 28.75
+    assert padded_buckets([], [], 0.25) == [] and padded_buckets(["a"], [3], 0.0) == [["a"]]
+
+
+def test_right_padded_rows_are_recognised_only_with_their_ends():
+    from prefixlab.cache.rows import right_padded
+
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert right_padded(mask, [2, 3], 3)
+    assert not right_padded(mask, [3, 3], 3) and not right_padded(mask, [2, 2], 3)
+    assert not right_padded(None, [2, 3], 3) and not right_padded(mask, [0, 3], 3)
+    assert not right_padded(torch.tensor([[0, 1, 1], [1, 1, 1]]), [2, 3], 3)
+
+
+def test_a_row_whose_primed_state_a_later_row_evicted_is_primed_again_alone(monkeypatch):
+    """A store with room for two states: admitting the second row of a batched prime evicts the first row's state,
+    so each row is primed again alone (and the batch, which still cannot hold both, runs exactly from what is left)."""
+    import prefixlab.cache.align as align
+    from prefixlab.cache.costmodel import ModelSpec
+
+    primes, prime = [], align._prime
+    monkeypatch.setattr(align, "CPU_PRIME_PADDING", None)  # (2 and 8 tokens: a CPU would prime them apart)
+    monkeypatch.setattr(align, "_prime", lambda *args: primes.append([len(row) for row in args[3]]) or prime(*args))
+    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
+    store = PrefixStore(model, capacity=2 * spec.state_bytes + 44 * spec.kv_bytes_per_token, policy="marconi",
+                        block_size=4)
+
+    def run(input_ids, cache, **options):
+        return model.generate(input_ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
+                              **options)
+
+    system = tokens(40, seed=90) % 57 + 3
+    for seed in (91, 92):
+        run(torch.cat([system, tokens(3, seed=seed) % 57 + 3])[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([system, tokens(n, seed=93 + n) % 57 + 3]) for n in (3, 9)])
+    primes.clear()
+    with pytest.warns(RuntimeWarning, match="does not fit"):
+        assert torch.equal(run(batch, HybridPrefixCache(store), attention_mask=mask),
+                           run(batch, None, attention_mask=mask))
+    assert primes == [[48, 42], [48], [42]]  # (longest first)
+    store.core.check_invariants()

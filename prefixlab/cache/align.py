@@ -1,15 +1,19 @@
 """Rows of a batch resume at one column (hf.py), so a row reuses only where it holds a checkpoint at that column
 minus its left pads: rows of different lengths under one cached prompt hold its checkpoint at different columns,
 and such a batch would reuse nothing. `prime_rows` (called by the hooks before a batch's first forward) prefills
-each such row alone from its own deepest checkpoint up to the batch's deepest column, as `prefixlab run` primes a
-shared prefix; the store keeps the state there and the batch then resumes every row at that column. It primes only
-where that reuses more of the store than the batch would without it. The tokens a prime computes are not counted as
-reused: each row reports what its prime found (`HybridPrefixCache.primed`), what the store held before."""
+each such row from its own deepest checkpoint up to the batch's deepest column, as `prefixlab run` primes a shared
+prefix; the store keeps the state there and the batch then resumes every row at that column. It primes only where
+that reuses more of the store than the batch would without it. Rows resuming at one depth (under one cached prompt)
+are primed together: one forward over their tokens right-padded (`HybridPrefixCache.row_ends`), where patched
+layers capture each row's state at its own end; a forward per row costs a GPU a launch-bound pass of every layer
+per row. The tokens a prime computes are not counted as reused: each row reports what its prime found
+(`HybridPrefixCache.primed`), what the store held before."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from prefixlab.cache.rows import left_pads, one_column, real_positions
@@ -27,10 +31,8 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
                takes_logits_to_keep: bool) -> None:
     """Before `cache`'s first forward over `input_ids` [batch, length]: prime the rows (see the module docstring)
     when that reuses more; sets `cache.primed` (per row, its prime's report; None: not primed)."""
-    from prefixlab.cache.hf import HybridPrefixCache
-
     store, (batch, length) = cache.store, input_ids.shape
-    if batch < 2 or store.closed:
+    if batch < 2 or store.closed or getattr(cache, "row_ends", None) is not None:  # (primes are not primed)
         return
     pads = left_pads(attention_mask, batch, length)
     if pads is None or not real_positions(position_ids, pads, length, bool(store.layout.kv_layers)):
@@ -46,29 +48,89 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
         own = [peek(row[: column - pad]) if column > pad else 0 for row, pad in zip(rows, pads, strict=True)]
         if sum(own) <= sum(aligned_reuse(peek, rows, pads, column)):
             return
+        # the rows to prime, by their tokens (beams and num_return_sequences repeat rows: each is primed once)
+        todo: dict[tuple, list[int]] = {}
+        for b, (row, pad, depth) in enumerate(zip(rows, pads, own, strict=True)):
+            if column - pad > depth:  # (else a checkpoint at the column already, or only pads before it)
+                todo.setdefault(tuple(row[: column - pad].tolist()), []).append(b)
+        groups = _prime_groups(store, todo, peek, CPU_PRIME_PADDING if input_ids.device.type == "cpu" else None)
     primed: list = [None] * batch
-    done: dict[tuple, object] = {}  # rows primed already, by their tokens (beams, num_return_sequences: repeats)
-    extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}  # only the state at the end matters
     cache.prime_locks = []  # a later prime must not evict an earlier one's state: held until begin (release_primes)
     try:
         with torch.no_grad():
-            for b, (row, pad, depth) in enumerate(zip(rows, pads, own, strict=True)):
-                if column - pad <= depth:  # a checkpoint at the column already (or only pads before it)
-                    continue
-                key = tuple(row[: column - pad].tolist())
-                if key in done:
-                    primed[b] = done[key]
-                    continue
-                prime = HybridPrefixCache(store, cache.namespace)
-                model(input_ids=row[None, : column - pad].to(input_ids.device), use_cache=True,
-                      **{cache_keyword: prime}, **extra)
-                primed[b] = done[key] = prime.report().rows[0]  # (report commits: the store keeps the state)
-                store.record_request([], replacing=[primed[b]])  # the batch counts the row
-                cache.prime_locks.append(store.lookup(row[: column - pad].numpy(), cache.namespace, count=False))
+            def run(keys: list[tuple]) -> list:
+                reports = _prime(model, store, cache.namespace, [torch.tensor(key) for key in keys], input_ids.device,
+                                 cache_keyword, takes_logits_to_keep)
+                store.record_request([], replacing=reports)  # the batch counts the rows (report committed them)
+                return reports
+
+            for group in groups:
+                for key, report in zip(group, run(group), strict=True):
+                    lock = store.lookup(np.asarray(key), cache.namespace, count=False)
+                    if lock[1].length < len(key) and len(group) > 1:  # a later row's admission evicted it: alone
+                        store.release_lookup(*lock)
+                        report = run([key])[0]
+                        lock = store.lookup(np.asarray(key), cache.namespace, count=False)
+                    cache.prime_locks.append(lock)
+                    for b in todo[key]:
+                        primed[b] = report
     except BaseException:
         release_primes(cache)
         raise
     cache.primed = primed
+
+
+# On a CPU a forward costs about its tokens, pads included: rows are primed together only while the pads add at
+# most this share to their tokens. (A GPU's prime of a few hundred tokens costs its launches: one forward for all.)
+CPU_PRIME_PADDING = 0.25
+
+
+def _prime_groups(store, todo: dict[tuple, list[int]], peek, padding: float | None) -> list[list[tuple]]:
+    """The primes to run together: those resuming at one depth (one column of a right-padded batch), where patched
+    layers capture each row's states apart, in buckets padded by at most `padding` (None: any); one by one
+    otherwise (transformers' layers capture by splitting the forward, at columns shared by every row)."""
+    if not store.records_in_kernel:
+        return [[key] for key in todo]
+    tail = max(store.min_prefill_tokens, 1)  # (what begin leaves each row to compute: logits_to_keep=1)
+    by_depth: dict[int, list[tuple]] = {}
+    for key in todo:
+        by_depth.setdefault(peek(torch.tensor(key[: len(key) - tail])), []).append(key)
+    return [bucket for depth, keys in by_depth.items()
+            for bucket in padded_buckets(keys, [len(key) - depth for key in keys], padding)]
+
+
+def padded_buckets(items: list, lengths: list[int], padding: float | None) -> list[list]:
+    """`items` in buckets, longest first, each padded to its longest: a bucket takes the next item while its
+    padded tokens stay within (1 + padding) x its real tokens (`padding` None: one bucket)."""
+    order = sorted(range(len(items)), key=lambda i: -lengths[i])
+    buckets: list[list[int]] = []
+    for i in order:
+        bucket = buckets[-1] if buckets else None
+        if bucket is not None and (padding is None or (len(bucket) + 1) * lengths[bucket[0]]
+                                   <= (1 + padding) * (sum(lengths[j] for j in bucket) + lengths[i])):
+            bucket.append(i)
+        else:
+            buckets.append([i])
+    return [[items[i] for i in bucket] for bucket in buckets]
+
+
+def _prime(model, store, namespace: str, rows: list[torch.Tensor], device, cache_keyword: str,
+           takes_logits_to_keep: bool) -> list:
+    """Prefill `rows` (token ids) through a new cache of `store`, several at once right-padded (each row's end
+    state captured by the row's own column); returns each row's report."""
+    from prefixlab.cache.hf import HybridPrefixCache
+
+    prime = HybridPrefixCache(store, namespace)
+    lengths = [len(row) for row in rows]
+    # right pads repeat a row's last token (any valid id: nothing past a row's end is looked up or admitted)
+    input_ids = torch.stack([torch.cat([row, row[-1:].expand(max(lengths) - len(row))]) for row in rows])
+    inputs = {"input_ids": input_ids.to(device)}
+    if len(rows) > 1:
+        prime.row_ends = lengths
+        inputs["attention_mask"] = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long().to(device)
+    extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}  # only the states matter
+    model(**inputs, use_cache=True, **{cache_keyword: prime}, **extra)
+    return prime.report().rows
 
 
 def release_primes(cache) -> None:

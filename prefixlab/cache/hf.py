@@ -51,7 +51,7 @@ from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hf_resume import RowResume
 from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.multimodal import first_key
-from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads
+from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads, right_padded
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
@@ -86,7 +86,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self.namespace = namespace
         self.reused_tokens = 0  # tokens of the prompt that came from the store (the most of any row)
         self.rows_reused: list[int] = []  # per row: its real tokens that came from the store
-        self.prefixlab_capture_positions: list[int] | None = None
+        self.prefixlab_capture_positions: list[int] | list[list[int]] | None = None
+        # per row, the columns of its tokens, right padding after them: a batch of primes (align.py); None: left pads
+        self.row_ends: list[int] | None = None
         self._report = RequestReport()
         self._clear_request()
 
@@ -119,6 +121,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self._pads: list[int] = []  # per row: leading pad columns (left padding)
         self._plan: list[int] = []  # absolute positions whose states we still have to capture
         self._captured: dict[int, dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
+        self._row_plans: list[list[int]] = []  # with row_ends: per row, the positions to capture in that row alone
+        self._row_captured: dict[tuple[int, int], dict[str, dict[tuple[int, int], torch.Tensor]]] = {}
         self._provisional: set[int] = set()  # planned by a later forward over part of the prompt (resume_further)
         self._committed = 0
         self.primed: list[RowReport | None] | None = None  # per row, the report of its prime before begin (align.py)
@@ -158,11 +162,14 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             raise InvalidInputError(f"input_ids must be [batch, length>0], got shape {list(input_ids.shape)}")
         ids = input_ids.detach().cpu()  # token ids were checked by the hooks (hooks.py), every row before any lookup
         batch, length = ids.shape
-        pads = left_pads(attention_mask, batch, length, pads_only_rows=True)  # (chunked prefill: rows start later)
-        served = min(length if reusable is None else reusable, first_key(ids))  # (past a key, M-RoPE offsets)
-        if pads is not None and not real_positions(position_ids, pads, length, bool(self.store.layout.kv_layers),
-                                                   served):
-            pads = None
+        if self.row_ends is not None:  # right padding: rows at positions 0, 1, ... (the hooks' column positions)
+            pads = [0] * batch if right_padded(attention_mask, self.row_ends, length) else None
+        else:
+            pads = left_pads(attention_mask, batch, length, pads_only_rows=True)  # (chunked prefill: rows start later)
+            served = min(length if reusable is None else reusable, first_key(ids))  # (past a key, M-RoPE offsets)
+            if pads is not None and not real_positions(position_ids, pads, length,
+                                                       bool(self.store.layout.kv_layers), served):
+                pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
@@ -253,6 +260,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self._fed.append(input_ids.detach().cpu())
         self._pending = input_ids.shape[1]
         stop = self._seen + self._pending
+        if self._row_plans:  # each row its own offsets (its end among them): patched layers record them by row
+            self.prefixlab_capture_positions = [[p - self._seen for p in plan if self._seen <= p <= stop]
+                                                for plan in self._row_plans]
+            return
         offsets = [p - self._seen for p in self._plan if self._seen <= p <= stop]
         self.prefixlab_capture_positions = offsets or None
 
@@ -284,11 +295,15 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self.prefixlab_capture_positions = None
 
     def prefixlab_record(self, layer_idx: int, offset: int, conv_state: torch.Tensor | None,
-                         recurrent_state: torch.Tensor | None) -> None:
+                         recurrent_state: torch.Tensor | None, row: int | None = None) -> None:
         """Called by patched recurrent layers (recurrent capture protocol) with the states after `offset` tokens of
-        the current forward; the tensors are already the caller's clones (detached here: with grad enabled the store
-        would otherwise keep the request's autograd graph alive)."""
-        states = self._captured.setdefault(self._seen + offset, {"conv": {}, "recurrent": {}})
+        the current forward (of batch row `row` alone, [1, ...], where rows capture apart); the tensors are already
+        the caller's clones (detached here: with grad enabled the store would otherwise keep the request's autograd
+        graph alive)."""
+        if row is not None:
+            states = self._row_captured.setdefault((row, self._seen + offset), {"conv": {}, "recurrent": {}})
+        else:
+            states = self._captured.setdefault(self._seen + offset, {"conv": {}, "recurrent": {}})
         if conv_state is not None:
             states["conv"][(layer_idx, 0)] = conv_state.detach()
         if recurrent_state is not None:
@@ -322,18 +337,22 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         if tokens.shape[1] != self._seen:  # tokens fed outside the hooks: we cannot say what the tensors hold
             return 0
         snapshots = {p: snap for p, snap in self._captured.items() if p <= end}
-        if end == self._seen:
+        if end == self._seen and self.row_ends is None:
             snapshots[end] = snapshot_states(self.layers, self.store.layout.state_layers)
         for row in self._admit_rows:
             pad = self._pads[row]  # real position = column - pad; states at or before the first real token unused
-            states = {
-                pos - pad: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
-                                       {k: t[row].clone() for k, t in snap["recurrent"].items()})
-                for pos, snap in snapshots.items() if pos > pad
-            }
-            if end > pad:
-                kv = row_kv(self.layers, self.store.layout.kv_layers, row, pad)
-                self._report.add_admission(self.store.admit(tokens[row, pad:end].numpy(), kv, states, self.namespace))
+            stop = end if self.row_ends is None else min(end, self.row_ends[row])
+            if stop <= pad:
+                continue
+            states = {pos - pad: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
+                                             {k: t[row].clone() for k, t in snap["recurrent"].items()})
+                      for pos, snap in snapshots.items() if pad < pos <= stop}
+            # right padding: the states each row captured alone (its end's among them), none past its end
+            states |= {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
+                                        {k: t[0] for k, t in snap["recurrent"].items()})
+                       for (of, pos), snap in self._row_captured.items() if of == row and pos <= stop}
+            kv = row_kv(self.layers, self.store.layout.kv_layers, row, pad)
+            self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
         offered = end - self._committed
         self._committed = end
         return offered

@@ -20,15 +20,16 @@ class RowResume:
         column and, if deeper than the `held` columns, load the store's KV and states there; plan the captures
         after it. Returns (the column the cache holds now, the rows' reports, each row's reused tokens)."""
         length, pads = ids.shape[1], self._pads
+        ends = self.row_ends or [length] * len(pads)  # (right padding: each row's tokens end at its own column)
         # row b's real tokens; resuming at padded column c means resuming row b at real position c - pads[b], and
-        # c <= length - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
-        probes = [ids[row, pad: length - tail].numpy() for row, pad in enumerate(pads)]
+        # c <= end - tail leaves every row the tokens it must compute (store.min_prefill_tokens)
+        probes = [ids[row, pad: end - tail].numpy() for row, (pad, end) in enumerate(zip(pads, ends, strict=True))]
         found: list[tuple] = []  # per row: (device match, the match to load from), all locked
         try:
             for probe in probes:  # one by one: `found` holds every lock taken, for the finally below
                 found.append(self._lookup(probe))
-            rows = [self._row_report(max(length - pad, 0), probe, *pair)
-                    for pad, probe, pair in zip(pads, probes, found, strict=True)]
+            rows = [self._row_report(max(end - pad, 0), probe, *pair)
+                    for pad, end, probe, pair in zip(pads, ends, probes, found, strict=True)]
 
             def deepest(row: int, limit: int) -> int:  # re-matched there (a row at 0 starts fresh: only pads before)
                 pair, found[row] = found[row], None
@@ -43,8 +44,13 @@ class RowResume:
             common = max(common, held)
             # a continuing forward plans over the tokens so far, replacing what earlier forwards planned past them;
             # their end is not the request's (the state at the request's end is taken at commit): not planned
-            planned = {pads[row] + p for row, (match, _) in enumerate(found) if pads[row] < length
-                       for p in self.store.plan(ids[row, pads[row]:].numpy(), match)} - ({length} if held else set())
+            plans = [{pads[row] + p for p in self.store.plan(ids[row, pads[row]:ends[row]].numpy(), match)}
+                     if pads[row] < ends[row] else set() for row, (match, _) in enumerate(found)]
+            if self.row_ends is not None:  # (one forward) each row captures its own plan and its end's state alone
+                self._row_plans = [sorted(p for p in plan | {end} if common < p <= end)
+                                   for plan, end in zip(plans, ends, strict=True)]
+                plans = []
+            planned = set().union(*plans) - ({length} if held else set())
             self._plan = sorted(p for p in planned if common < p <= self._admit_limit)  # (none past an image)
             if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped
                 for position in self._provisional - planned:

@@ -32,6 +32,14 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int,
     return [PADS_ONLY if pad == length else pad for pad in pads.tolist()]
 
 
+def right_padded(attention_mask: torch.Tensor | None, ends: list[int], length: int) -> bool:
+    """Whether a [batch, length] mask is ones on each row's first `ends[row]` (>= 1) columns and zeros after."""
+    if attention_mask is None or tuple(attention_mask.shape) != (len(ends), length) or not all(ends):
+        return False
+    expected = torch.arange(length)[None, :] < torch.tensor(ends)[:, None]
+    return torch.equal(attention_mask.detach().cpu(), expected.to(attention_mask.dtype))
+
+
 def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool,
                    cached: int | None = None) -> bool:
     """Whether each row's real tokens run at positions 0, 1, ... (what cached KV was computed at) on the first
