@@ -344,8 +344,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             stop = end if self.row_ends is None else min(end, self.row_ends[row])
             if stop <= pad:
                 continue
-            states = {pos - pad: TensorState({k: t[row].clone() for k, t in snap["conv"].items()},
-                                             {k: t[row].clone() for k, t in snap["recurrent"].items()})
+            states = {pos - pad: TensorState({k: _row_of(t, row) for k, t in snap["conv"].items()},
+                                             {k: _row_of(t, row) for k, t in snap["recurrent"].items()})
                       for pos, snap in snapshots.items() if pad < pos <= stop}
             # right padding: the states each row captured alone (its end's among them), none past its end
             states |= {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
@@ -356,3 +356,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         offered = end - self._committed
         self._committed = end
         return offered
+
+
+def _row_of(snapshot: torch.Tensor, row: int) -> torch.Tensor:
+    """A batch row of a state snapshot (owned: never written again) for the store: the snapshot itself for a batch
+    of one, else a copy (a view would keep the whole batch's tensor alive)."""
+    return snapshot[row] if snapshot.shape[0] == 1 else snapshot[row].clone()
