@@ -98,6 +98,43 @@ def test_reuse_is_exact_with_patched_recurrent_layers(family):
     assert reused[2] >= 24 and reused[3] == turn_reusable
 
 
+@pytest.mark.parametrize("family", [family_param(f) for f in FAMILIES if has_patchable_layers(f)])
+def test_rows_of_one_cached_prompt_primed_in_one_right_padded_forward_are_exact(family):
+    """A left-padded batch of three rows under one cached 24-token prompt (questions of 7, 8, 9 tokens): their
+    primes run as one right-padded forward, each row's states captured at its own end by the patched layers
+    (align.py), and the batch then matches the uncached batched generate (tokens, fp32 logits) reusing the prompt."""
+    from test_hf_cache_padding import left_pad
+
+    model = patch(build(family))
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+
+    def run(input_ids, cache=None, **options):
+        served = {cache_argument(model): cache} if cache is not None else {}
+        return model.generate(input_ids, do_sample=False, pad_token_id=0, max_new_tokens=4, eos_token_id=None,
+                              output_logits=True, return_dict_in_generate=True, **served, **options)
+
+    rng = torch.Generator().manual_seed(7)
+    system = torch.randint(3, 128, (24,), generator=rng)
+    for _ in range(2):  # a branch point at 24
+        run(torch.cat([system, torch.randint(3, 128, (3,), generator=rng)])[None], HybridPrefixCache(store))
+    batch, mask = left_pad([torch.cat([system, torch.randint(3, 128, (n,), generator=rng)]) for n in (7, 8, 9)])
+    shapes = []
+    counter = model.register_forward_pre_hook(lambda _, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                              with_kwargs=True)
+    cache = HybridPrefixCache(store)
+    try:
+        got = run(batch, cache, attention_mask=mask)
+    finally:
+        counter.remove()
+    expected = run(batch, attention_mask=mask)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+    assert cache.rows_reused == [24, 24, 24]
+    # one prime for the three rows (to column 32, or 31 where decode steps may differ: 2 tokens left), then the batch
+    assert shapes[0] in ((3, 8), (3, 7)) and shapes[1] == (3, 33 - 24 - shapes[0][1])
+
+
 @pytest.mark.parametrize("family", sorted(STATE_DROPPING_MODEL_TYPES))
 def test_families_that_cannot_resume_unpatched_are_refused(family):
     model = build(family)
