@@ -214,8 +214,26 @@ def test_serve_runs_a_model_without_attention_exactly():
             {p.id: serve.generate_uncached(reference, p.tokens, 3) for p in prompts}
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba",
+                                    "granitemoehybrid", "jamba"])  # (every family of batching mode "rows")
+def test_hybrid_siblings_of_close_lengths_prefill_in_one_right_padded_forward(family, monkeypatch):
+    """Rows whose own tokens (8, 7, 9 after the prefix) pad each other little are prefilled together: one forward
+    over the batch, right-padded, each row's states captured at its own end by the patched layers; every row's
+    greedy tokens are the uncached model's."""
+    forwards, forward = [], siblings._forward
+    monkeypatch.setattr(siblings, "_forward", lambda model, cache, ids, *args: forwards.append(tuple(ids.shape))
+                        or forward(model, cache, ids, *args))
+    model, result, reference, before, after = _served(family, [9, 8, 10], [4, 3, 5])
+    assert siblings.batching_mode(model) == "rows"
+    assert forwards == [(3, 9)]  # (one by one before: (1, 8), (1, 7), (1, 9))
+    assert result.outputs == reference and result.reused_tokens == PREFIX
+    assert result.padding_tokens == 3 * 9 - (8 + 7 + 9)  # the right pads it computed
+    assert after == before
+
+
 @pytest.mark.parametrize("family", ["bamba", "qwen3_5"])
-def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family):
+@pytest.mark.parametrize("lengths", [(6, 3), (9, 8, 10)])  # prefilled one by one; together
+def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family, lengths):
     """Bamba's forward numbers its input from 0 when given no position_ids, even over a cache: each row's own
     tokens were prefilled at positions 0.. instead of after the shared prefix (other RoPE in their keys, while the
     tiny model's few greedy tokens happened to agree). Their keys now equal the plain model's."""
@@ -227,13 +245,13 @@ def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family):
     model.set_attn_implementation("hydragen")
     rng = np.random.default_rng(5)
     prefix = rng.integers(3, 128, PREFIX)
-    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (6, 3)]
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in lengths]
     store = PrefixStore(model, capacity="64MB")
     try:
         with torch.inference_mode():
             serve.prime(model, store, prefix)
             head = torch.as_tensor(rows[0][:PREFIX + store.min_prefill_tokens])[None]
-            joined = siblings._prefill_rows(model, store, head, rows)
+            joined, _ = siblings._prefill_rows(model, store, head, rows)
             for b, tokens in enumerate(rows):
                 plain = DynamicCache(config=model.config)
                 model(torch.as_tensor(tokens[:-1])[None], past_key_values=plain, use_cache=True)
@@ -242,5 +260,10 @@ def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family):
                         own = len(tokens) - 1 - PREFIX
                         torch.testing.assert_close(layer.keys[b, :, layer.keys.shape[2] - own:],
                                                    expected.keys[0, :, PREFIX:], atol=1e-5, rtol=0)
+                    else:  # and each row's states are its own tokens', without padding
+                        torch.testing.assert_close(layer.conv_states[0][b], expected.conv_states[0][0], atol=1e-5,
+                                                   rtol=0)
+                        torch.testing.assert_close(layer.recurrent_states[0][b], expected.recurrent_states[0][0],
+                                                   atol=1e-5, rtol=0)
     finally:
         store.close()

@@ -11,9 +11,12 @@ Exactness (greedy tokens of each row = the uncached model's, tested per family i
   own tokens and prefilled in one batch; the attention mask hides the padding and generate's position ids (the
   mask's cumsum) keep every real token at its own position.
 - hybrids of attention + linear-attention layers ("rows"): a recurrent or conv layer would run over padding and
-  carry it in its state, so rows of different lengths are each prefilled ALONE (all but their last token) over the
-  shared level, then joined (`HydragenCache.join_rows`: the level once, suffix KV left-padded with zeros and masked,
-  each row's own states) and decoded as one batch. Equal-length rows need no padding: one batched prefill.
+  carry it in its state, so rows of different lengths are prefilled apart from each other's padding (all but their
+  last token) over the shared level, then joined (`HydragenCache.join_rows`: the level once, suffix KV left-padded
+  with zeros and masked, each row's own states) and decoded as one batch. With patched layers the rows' prefills
+  run together, right-padded: each row's states are captured at its own end and its KV cut there (on a CPU in
+  buckets whose pads add at most 25 %); otherwise one by one. Equal-length rows need no padding: one batched
+  prefill.
 - other layer kinds ("equal"): only rows of equal length are batched; the rest are served one by one.
 Per-row `max_new_tokens` are exact: greedy decoding is prefix-consistent, so each row keeps its first
 `max_new_tokens` tokens, cut after its first EOS as `generate` of that row alone would stop.
@@ -165,10 +168,12 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     # the store serves the head but its last store.min_prefill_tokens: the prime's checkpoint at shared_length
     head = torch.as_tensor(rows[0][:shared_length + store.min_prefill_tokens], dtype=torch.long)[None]
     started = time.perf_counter()
-    if mode == "rows" and ragged:  # recurrent layers must not see padding: prefill each row alone, decode together
-        cache = _prefill_rows(model, store, head, rows)
-        if cache is None:
+    computed_pads = 0  # right pads the rows' prefills computed (joined rows: left pads are zeros, not computed)
+    if mode == "rows" and ragged:  # recurrent layers must not see padding: rows prefilled apart, decoded together
+        prefilled = _prefill_rows(model, store, head, rows)
+        if prefilled is None:
             return None
+        cache, computed_pads = prefilled
     else:  # one prefill of [served prefix | padding | each row's own tokens]
         cache = hydragen_cache_from_store(store, head, batch_size=len(rows))
     from prefixlab.attention.hf_cache import SharedPrefixLayer
@@ -182,7 +187,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
         gap = width - len(tokens)
         ids[b, :reused], ids[b, reused + gap:] = torch.as_tensor(tokens[:reused]), torch.as_tensor(tokens[reused:])
         mask[b, :reused], mask[b, reused + gap:] = 1, 1
-    padding = 0 if mode == "rows" and ragged else int((width - mask.sum(1)).sum())  # joined rows: zeros, not computed
+    padding = computed_pads if mode == "rows" and ragged else int((width - mask.sum(1)).sum())
     clock = FirstTokenClock()
     out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache,
                          max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=pad_id,
@@ -198,35 +203,94 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
 
 
 def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
-    """A joined HydragenCache of `rows`, each prefilled alone (all but its last token) over the store's prefix of
-    `head[:-1]`; None on a store miss (a row without own tokens would then have no recurrent state to join)."""
+    """(A joined HydragenCache of `rows`, the right pads computed): each row prefilled (all but its last token) over
+    the store's prefix of `head[:-1]` without padding reaching its states; None on a store miss (a row without own
+    tokens would then have no recurrent state to join). With patched layers rows are prefilled together,
+    right-padded, each row's states captured at its own end (as align.py primes a padded batch; on a CPU in buckets
+    of few pads); else one by one."""
     import torch
     from transformers.cache_utils import LinearAttentionLayer
 
     from prefixlab.attention.compose import hydragen_cache_from_store
     from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
-    from prefixlab.cache.hooks import forward_parameters
+    from prefixlab.cache.align import CPU_PRIME_PADDING, padded_buckets
 
     first = hydragen_cache_from_store(store, head, batch_size=1)
     reused = first.get_seq_length()
     if not reused:
         return None
-    attention = {i: layer.levels[0] for i, layer in enumerate(first.layers) if isinstance(layer, SharedPrefixLayer)}
-    recurrent = {i: layer for i, layer in enumerate(first.layers) if isinstance(layer, LinearAttentionLayer)}
-    # every row's cache is loaded (its states copied) BEFORE any forward, which updates `first`'s states in place
-    caches = [first]
-    for _ in rows[1:]:
-        cache = HydragenCache(model.config)
-        cache.load_shared_prefix({i: lv.keys for i, lv in attention.items()},
-                                 {i: lv.values for i, lv in attention.items()}, batch_size=1,
-                                 conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
-                                 recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()})
-        caches.append(cache)
+    levels = {i: layer.levels[0] for i, layer in enumerate(first.layers) if isinstance(layer, SharedPrefixLayer)}
+    recurrent = [i for i, layer in enumerate(first.layers) if isinstance(layer, LinearAttentionLayer)]
+    start = ({i: first.layers[i].conv_states[0].clone() for i in recurrent},  # (a forward over `first` would
+             {i: first.layers[i].recurrent_states[0].clone() for i in recurrent})  # change them in place)
+
+    def loaded(batch: int, states: tuple[dict, dict] = start) -> HydragenCache:  # the same level tensors: joinable
+        cache = HydragenCache(model.config, share_new_tokens=False)
+        cache.load_shared_prefix({i: lv.keys for i, lv in levels.items()}, {i: lv.values for i, lv in levels.items()},
+                                 batch_size=batch, conv_states=states[0], recurrent_states=states[1])
+        return cache
+
+    own = [len(tokens) - 1 - reused for tokens in rows]
+    todo = [b for b, n in enumerate(own) if n > 0]
+    padding = CPU_PRIME_PADDING if model.device.type == "cpu" else None
+    groups = padded_buckets(todo, [own[b] for b in todo], padding) if store.records_in_kernel else [[b] for b in todo]
+    caches: list = [None] * len(rows)
+    pads = 0
+    for group in groups:
+        together = len(group) > 1 and _prefill_together(model, [rows[b][reused:-1] for b in group], reused, loaded,
+                                                        recurrent, levels)
+        for b, cache in zip(group, together or [None] * len(group), strict=True):
+            if cache is None:
+                cache = loaded(1)
+                _forward(model, cache, torch.as_tensor(rows[b][reused:-1])[None], reused)
+            caches[b] = cache
+        if together:
+            pads += len(group) * max(own[b] for b in group) - sum(own[b] for b in group)
+    # a row without tokens of its own holds the prefix's state
+    return HydragenCache.join_rows(model.config, [cache or loaded(1) for cache in caches]), pads
+
+
+def _forward(model, cache, ids, start: int, lengths: list[int] | None = None) -> None:
+    """One prefill of `ids` [batch, n] over `cache` at positions start.. (given: some models (Bamba) number a
+    forward's tokens from 0 without them, even over a cache); `lengths`: each row's tokens, right pads after them
+    (masked, and at the row's last position, as Hydragen's position check asks of a row's last query)."""
+    import torch
+
+    from prefixlab.cache.hooks import forward_parameters
+
     keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
-    for cache, tokens in zip(caches, rows, strict=True):
-        if len(tokens) - 1 > reused:
-            own = torch.as_tensor(tokens[reused:-1], dtype=torch.long, device=model.device)[None]
-            # positions given: some models (Bamba) number a forward's tokens from 0 without them, even over a cache
-            positions = torch.arange(reused, len(tokens) - 1, device=model.device)[None]
-            model(input_ids=own, position_ids=positions, past_key_values=cache, use_cache=True, **keep)
-    return HydragenCache.join_rows(model.config, caches)
+    lengths = lengths or [ids.shape[1]] * ids.shape[0]
+    columns, ends = torch.arange(ids.shape[1])[None], torch.tensor(lengths)[:, None]
+    positions = start + torch.minimum(columns, ends - 1)
+    mask = torch.cat([torch.ones(len(lengths), start, dtype=torch.long), (columns < ends).long()], dim=1)
+    model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+          position_ids=positions.to(model.device), past_key_values=cache, use_cache=True, **keep)
+
+
+def _prefill_together(model, tokens: list[np.ndarray], start: int, loaded, recurrent: list[int],
+                      levels: dict) -> list | None:
+    """Batch-1 caches of rows `tokens` prefilled in one right-padded forward over a batch cache of the shared
+    level (`loaded(batch)`): each row's suffix KV cut at its end, its states those the patched layers captured
+    there by row; None where a recurrent layer reported none (not patched)."""
+    import torch
+
+    lengths = [len(t) for t in tokens]
+    width = max(lengths)
+    ids = torch.stack([torch.as_tensor(np.concatenate([t, np.repeat(t[-1:], width - len(t))])) for t in tokens])
+    captured: dict[tuple[int, int], tuple] = {}
+    cache = loaded(len(tokens))
+    cache.prefixlab_capture_positions = [[n] for n in lengths]
+    cache.prefixlab_record = lambda layer, offset, conv, state, row=None: captured.__setitem__((row, layer),
+                                                                                           (conv, state))
+    _forward(model, cache, ids, start, lengths)
+    if any((row, i) not in captured for row in range(len(tokens)) for i in recurrent):
+        return None
+    rows = []
+    for row, n in enumerate(lengths):
+        one = loaded(1, ({i: captured[row, i][0] for i in recurrent}, {i: captured[row, i][1] for i in recurrent}))
+        for i in levels:
+            keys, values = cache.layers[i].keys[row : row + 1, :, :n], cache.layers[i].values[row : row + 1, :, :n]
+            one.layers[i].lazy_initialization(keys, values)
+            one.layers[i].keys, one.layers[i].values = keys, values
+        rows.append(one)
+    return rows
