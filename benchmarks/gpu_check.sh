@@ -26,7 +26,8 @@
 #     STEPS="tests_cuda_fla" FLA_TESTS_LIMIT=420 bash benchmarks/gpu_check.sh  (a call of its own: the fla run whole)
 #   Session 34 (no GPU) added step decode (~60 s): run it with padded_batch, e.g. STEPS="decode padded_batch".
 #   Session 35 (no GPU) primes a batch's rows of one cached prompt in one right-padded forward (was 8): step
-#   padded_batch's primes_ms measures it on a GPU (a 0.5 B model's primes are launch-bound there).
+#   padded_batch's primes_ms measures it on a GPU (a 0.5 B model's primes are launch-bound there); and a hybrid
+#   sibling group's rows prefill in one forward too: step siblings (~40 s). Next: STEPS="padded_batch siblings decode".
 # mamba_ssm has no wheel (PyPI has a source tarball that compiles CUDA extensions): its pure-Python package travels
 #   in .whl/mamba/ (mamba_ssm/ from the 2.3.2.post1 tarball, plus a stub selective_scan_cuda.py, as its package
 #   __init__ imports that extension); prefixlab uses only its Triton kernels (step tests_cuda_mamba).
@@ -74,6 +75,9 @@ PYTHONPATH=$base step padded_batch 200 sh -c 'cd benchmarks && for d in fp32 bf1
 #    time per step is what a GPU waits on at this size (session 34 halved it on the CPU: 1.19-1.24x -> 1.07-1.11x)
 PYTHONPATH=$base step decode 120 sh -c 'cd benchmarks && for d in fp32 bf16; do for f in qwen3_5 bamba; do \
     python3 decode_overhead.py --size small --family $f --dtype $d --steps 200; done; done'
+# 0c. a hybrid sibling group's prefill (`run --hydragen`): session 35 runs its rows as one right-padded forward
+#    (was one forward per row); the ~0.5 B hybrid, 8 rows of a 4,096-token prefix plus 100-128-token questions
+PYTHONPATH=$base step siblings 90 sh -c 'cd benchmarks && python3 sibling_prefill.py --size small --prefix 4096'
 # 1+4 at once (correctness only, no timings: 16 cores hold both), for a session short of device time
 PYTHONPATH=$base step tests_both ${TESTS_BOTH_LIMIT:-260} sh -c "PREFIXLAB_TEST_DEVICE=cuda python3 -m pytest -p no:cacheprovider -q -n 5 \
     -rfs --tb=short $tests >$OUT/tests_cuda.log 2>&1 & PYTHONPATH=/tmp/fla:$base PREFIXLAB_TEST_DEVICE=cuda \

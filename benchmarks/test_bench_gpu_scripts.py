@@ -72,3 +72,11 @@ def test_padded_batch_primes_every_row_to_the_cached_prompt_and_matches_plain_ge
     assert row["tokens_identical"] and row["rows_reused_primed"] == [96, 96, 96]
     assert max(row["rows_reused_unprimed"]) < 96  # one column: no row holds the prompt's end there
     assert row["primed_vs_plain"] == row["plain_ms"] / row["primed_ms"]
+
+
+def test_sibling_prefill_checks_its_outputs_and_reports_each_round():
+    out = run("sibling_prefill.py", "--prefix", "64", "--rows", "3", "--question", "8", "10", "--rounds", "2")
+    record = json.loads(out.strip().splitlines()[-1])
+    assert record["outputs_identical"] is True and len(record["prefill_ms"]) == 2
+    assert record["padding_tokens"] >= 0 and record["median_ms"] in record["prefill_ms"]
+
