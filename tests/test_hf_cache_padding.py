@@ -283,15 +283,15 @@ def test_a_later_forward_without_the_mask_admits_nothing_of_a_pads_only_request(
     assert store.core.stats()["nodes"] == 0
 
 
-def test_a_prime_does_not_evict_the_state_an_earlier_prime_of_the_batch_left():
-    """A store with room for four states and 60 tokens of KV: priming the second row would evict the first row's
-    primed state (then neither row reuses anything); the primed states are held until the batch looked them up."""
+def primed_in_a_small_store(states: int, kv_tokens: int):
+    """(store, run, batch, mask): a store with room for `states` states and `kv_tokens` tokens of KV
+    holding a 40-token system prompt's branch point; `batch` two rows of it plus 3 and 9 tokens, left-padded."""
     from prefixlab.cache.costmodel import ModelSpec
 
     model = recurrent_patch_models.build("qwen3_5_text", seed=3)
     spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    store = PrefixStore(model, capacity=4 * spec.state_bytes + 60 * spec.kv_bytes_per_token, policy="marconi",
-                        block_size=4)
+    store = PrefixStore(model, capacity=states * spec.state_bytes + kv_tokens * spec.kv_bytes_per_token,
+                        policy="marconi", block_size=4)
 
     def run(input_ids, cache, **options):
         return model.generate(input_ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
@@ -301,6 +301,13 @@ def test_a_prime_does_not_evict_the_state_an_earlier_prime_of_the_batch_left():
     for seed in (91, 92):
         run(torch.cat([system, tokens(3, seed=seed) % 57 + 3])[None], HybridPrefixCache(store))
     batch, mask = left_pad([torch.cat([system, tokens(n, seed=93 + n) % 57 + 3]) for n in (3, 9)])
+    return store, run, batch, mask
+
+
+def test_a_prime_does_not_evict_the_state_an_earlier_prime_of_the_batch_left():
+    """A store with room for four states and 60 tokens of KV: priming the second row would evict the first row's
+    primed state (then neither row reuses anything); the primed states are held until the batch looked them up."""
+    store, run, batch, mask = primed_in_a_small_store(4, 60)
     cache = HybridPrefixCache(store)
     assert torch.equal(run(batch, cache, attention_mask=mask), run(batch, None, attention_mask=mask))
     assert cache.rows_reused == [40, 40] and store.stats()["evictions"] > 0
@@ -365,24 +372,11 @@ def test_a_row_whose_primed_state_a_later_row_evicted_is_primed_again_alone(monk
     """A store with room for two states: admitting the second row of a batched prime evicts the first row's state,
     so each row is primed again alone (and the batch, which still cannot hold both, runs exactly from what is left)."""
     import prefixlab.cache.align as align
-    from prefixlab.cache.costmodel import ModelSpec
 
     primes, prime = [], align._prime
     monkeypatch.setattr(align, "CPU_PRIME_PADDING", None)  # (2 and 8 tokens: a CPU would prime them apart)
     monkeypatch.setattr(align, "_prime", lambda *args: primes.append([len(row) for row in args[3]]) or prime(*args))
-    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
-    spec = ModelSpec.from_config(model.config, dtype=model.dtype)
-    store = PrefixStore(model, capacity=2 * spec.state_bytes + 44 * spec.kv_bytes_per_token, policy="marconi",
-                        block_size=4)
-
-    def run(input_ids, cache, **options):
-        return model.generate(input_ids, past_key_values=cache, max_new_tokens=2, do_sample=False, pad_token_id=0,
-                              **options)
-
-    system = tokens(40, seed=90) % 57 + 3
-    for seed in (91, 92):
-        run(torch.cat([system, tokens(3, seed=seed) % 57 + 3])[None], HybridPrefixCache(store))
-    batch, mask = left_pad([torch.cat([system, tokens(n, seed=93 + n) % 57 + 3]) for n in (3, 9)])
+    store, run, batch, mask = primed_in_a_small_store(2, 44)
     primes.clear()
     with pytest.warns(RuntimeWarning, match="does not fit"):
         assert torch.equal(run(batch, HybridPrefixCache(store), attention_mask=mask),
