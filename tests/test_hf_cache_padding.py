@@ -374,7 +374,7 @@ def test_a_row_whose_primed_state_a_later_row_evicted_is_primed_again_alone(monk
     import prefixlab.cache.align as align
 
     primes, prime = [], align._prime
-    monkeypatch.setattr(align, "CPU_PRIME_PADDING", None)  # (2 and 8 tokens: a CPU would prime them apart)
+    monkeypatch.setattr(align, "CPU_PRIME_PADDING", 1.0)  # (2 and 8 tokens: at 0.25 a CPU primes them apart)
     monkeypatch.setattr(align, "_prime", lambda *args: primes.append([len(row) for row in args[3]]) or prime(*args))
     store, run, batch, mask = primed_in_a_small_store(2, 44)
     primes.clear()

@@ -53,7 +53,7 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
         for b, (row, pad, depth) in enumerate(zip(rows, pads, own, strict=True)):
             if column - pad > depth:  # (else a checkpoint at the column already, or only pads before it)
                 todo.setdefault(tuple(row[: column - pad].tolist()), []).append(b)
-        groups = _prime_groups(store, todo, peek, CPU_PRIME_PADDING if input_ids.device.type == "cpu" else None)
+        groups = _prime_groups(store, todo, peek, prime_padding(input_ids.device))
     primed: list = [None] * batch
     cache.prime_locks = []  # a later prime must not evict an earlier one's state: held until begin (release_primes)
     try:
@@ -80,14 +80,22 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
     cache.primed = primed
 
 
-# On a CPU a forward costs about its tokens, pads included: rows are primed together only while the pads add at
-# most this share to their tokens. (A GPU's prime of a few hundred tokens costs its launches: one forward for all.)
+# Rows are primed together while their pads add at most this share to their tokens. On a CPU a forward costs about
+# its tokens, pads included (measured: one forward over 8 rows with 75 % pads was slower than 8 on a ~0.5 B model).
+# On a GPU a forward of a few hundred tokens costs its layers' launches more than its tokens: the rows of one cached
+# prompt go in one forward, while no bucket computes more than twice its tokens at any length (a bound, unmeasured).
 CPU_PRIME_PADDING = 0.25
+DEVICE_PRIME_PADDING = 1.0
 
 
-def _prime_groups(store, todo: dict[tuple, list[int]], peek, padding: float | None) -> list[list[tuple]]:
+def prime_padding(device: torch.device) -> float:
+    """The share of pads a batch of primes (or of sibling prefills) on `device` may add to its tokens."""
+    return CPU_PRIME_PADDING if device.type == "cpu" else DEVICE_PRIME_PADDING
+
+
+def _prime_groups(store, todo: dict[tuple, list[int]], peek, padding: float) -> list[list[tuple]]:
     """The primes to run together: those resuming at one depth (one column of a right-padded batch), where patched
-    layers capture each row's states apart, in buckets padded by at most `padding` (None: any); one by one
+    layers capture each row's states apart, in buckets padded by at most `padding` (prime_padding); one by one
     otherwise (transformers' layers capture by splitting the forward, at columns shared by every row)."""
     if not store.records_in_kernel:
         return [[key] for key in todo]

@@ -14,9 +14,9 @@ Exactness (greedy tokens of each row = the uncached model's, tested per family i
   carry it in its state, so rows of different lengths are prefilled apart from each other's padding (all but their
   last token) over the shared level, then joined (`HydragenCache.join_rows`: the level once, suffix KV left-padded
   with zeros and masked, each row's own states) and decoded as one batch. With patched layers the rows' prefills
-  run together, right-padded: each row's states are captured at its own end and its KV cut there (on a CPU in
-  buckets whose pads add at most 25 %); otherwise one by one. Equal-length rows need no padding: one batched
-  prefill.
+  run together, right-padded: each row's states are captured at its own end and its KV cut there (in buckets
+  whose pads add at most 25 % on a CPU, 100 % on a GPU); otherwise one by one. Equal-length rows need no padding:
+  one batched prefill.
 - other layer kinds ("equal"): only rows of equal length are batched; the rest are served one by one.
 Per-row `max_new_tokens` are exact: greedy decoding is prefix-consistent, so each row keeps its first
 `max_new_tokens` tokens, cut after its first EOS as `generate` of that row alone would stop.
@@ -213,7 +213,7 @@ def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
 
     from prefixlab.attention.compose import hydragen_cache_from_store
     from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
-    from prefixlab.cache.align import CPU_PRIME_PADDING, padded_buckets
+    from prefixlab.cache.align import padded_buckets, prime_padding
 
     first = hydragen_cache_from_store(store, head, batch_size=1)
     reused = first.get_seq_length()
@@ -232,7 +232,7 @@ def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
 
     own = [len(tokens) - 1 - reused for tokens in rows]
     todo = [b for b, n in enumerate(own) if n > 0]
-    padding = CPU_PRIME_PADDING if model.device.type == "cpu" else None
+    padding = prime_padding(model.device)
     groups = padded_buckets(todo, [own[b] for b in todo], padding) if store.records_in_kernel else [[b] for b in todo]
     caches: list = [None] * len(rows)
     pads = 0
