@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from prefixlab.cache.rows import left_pads, one_column, real_positions
+from prefixlab.cache.rows import left_pads, one_column, real_positions, right_pad
 
 
 def aligned_reuse(peek, rows: Sequence[torch.Tensor], pads: Sequence[int], column: int) -> list[int]:
@@ -129,13 +129,11 @@ def _prime(model, store, namespace: str, rows: list[torch.Tensor], device, cache
     from prefixlab.cache.hf import HybridPrefixCache
 
     prime = HybridPrefixCache(store, namespace)
-    lengths = [len(row) for row in rows]
-    # right pads repeat a row's last token (any valid id: nothing past a row's end is looked up or admitted)
-    input_ids = torch.stack([torch.cat([row, row[-1:].expand(max(lengths) - len(row))]) for row in rows])
+    input_ids, mask = right_pad(rows)
     inputs = {"input_ids": input_ids.to(device)}
     if len(rows) > 1:
-        prime.row_ends = lengths
-        inputs["attention_mask"] = (torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]).long().to(device)
+        prime.row_ends = [len(row) for row in rows]
+        inputs["attention_mask"] = mask.to(device)
     extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}  # only the states matter
     model(**inputs, use_cache=True, **{cache_keyword: prime}, **extra)
     return prime.report().rows

@@ -32,12 +32,24 @@ def left_pads(attention_mask: torch.Tensor | None, batch: int, length: int,
     return [PADS_ONLY if pad == length else pad for pad in pads.tolist()]
 
 
+def right_pad_mask(ends: list[int], length: int) -> torch.Tensor:
+    """[batch, length] long: ones on each row's first `ends[row]` columns, zeros after (right padding)."""
+    return (torch.arange(length)[None, :] < torch.tensor(ends)[:, None]).long()
+
+
+def right_pad(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-D token rows as one right-padded batch and its mask; a row's pads repeat its last token (a valid id, and
+    nothing past a row's end is read)."""
+    width = max(len(row) for row in rows)
+    ids = torch.stack([torch.cat([row, row[-1:].expand(width - len(row))]) for row in rows])
+    return ids, right_pad_mask([len(row) for row in rows], width)
+
+
 def right_padded(attention_mask: torch.Tensor | None, ends: list[int], length: int) -> bool:
     """Whether a [batch, length] mask is ones on each row's first `ends[row]` (>= 1) columns and zeros after."""
     if attention_mask is None or tuple(attention_mask.shape) != (len(ends), length) or not all(ends):
         return False
-    expected = torch.arange(length)[None, :] < torch.tensor(ends)[:, None]
-    return torch.equal(attention_mask.detach().cpu(), expected.to(attention_mask.dtype))
+    return torch.equal(attention_mask.detach().cpu(), right_pad_mask(ends, length).to(attention_mask.dtype))
 
 
 def real_positions(position_ids: torch.Tensor | None, pads: list[int], length: int, has_attention: bool,

@@ -257,12 +257,12 @@ def _forward(model, cache, ids, start: int, lengths: list[int] | None = None) ->
     import torch
 
     from prefixlab.cache.hooks import forward_parameters
+    from prefixlab.cache.rows import right_pad_mask
 
     keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}
     lengths = lengths or [ids.shape[1]] * ids.shape[0]
-    columns, ends = torch.arange(ids.shape[1])[None], torch.tensor(lengths)[:, None]
-    positions = start + torch.minimum(columns, ends - 1)
-    mask = torch.cat([torch.ones(len(lengths), start, dtype=torch.long), (columns < ends).long()], dim=1)
+    positions = start + torch.minimum(torch.arange(ids.shape[1])[None], torch.tensor(lengths)[:, None] - 1)
+    mask = torch.cat([torch.ones(len(lengths), start, dtype=torch.long), right_pad_mask(lengths, ids.shape[1])], dim=1)
     model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
           position_ids=positions.to(model.device), past_key_values=cache, use_cache=True, **keep)
 
@@ -274,9 +274,10 @@ def _prefill_together(model, tokens: list[np.ndarray], start: int, loaded, recur
     there by row; None where a recurrent layer reported none (not patched)."""
     import torch
 
+    from prefixlab.cache.rows import right_pad
+
     lengths = [len(t) for t in tokens]
-    width = max(lengths)
-    ids = torch.stack([torch.as_tensor(np.concatenate([t, np.repeat(t[-1:], width - len(t))])) for t in tokens])
+    ids, _ = right_pad([torch.as_tensor(t, dtype=torch.long) for t in tokens])
     captured: dict[tuple[int, int], tuple] = {}
     cache = loaded(len(tokens))
     cache.prefixlab_capture_positions = [[n] for n in lengths]
