@@ -98,7 +98,7 @@ def test_attention_only_siblings_of_different_lengths_batch_exactly():
     assert result.kv_bytes_held == (PREFIX + 4 * (9 + 5)) * per_token  # the prefix once, 4 padded suffixes
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba", "lfm2"])  # (LFM2: conv states only)
 def test_hybrid_siblings_prefill_alone_and_decode_as_one_batch(family):
     model, result, reference, before, after = _served(family, [7, 1, 12], [4, 6, 2])
     assert siblings.batching_mode(model) == "rows"
@@ -160,10 +160,16 @@ def test_join_rows_refuses_rows_that_do_not_share_their_levels():
         HydragenCache.join_rows(model.config, [])
 
 
-def test_serve_falls_back_to_one_by_one_where_the_cache_cannot_load_the_model(capsys):
-    """LFM2's conv layers have no recurrent state HydragenCache.load_shared_prefix could take: the first group
-    raises before any output, and every prompt is served one by one, exactly."""
-    model = build("lfm2")
+def test_serve_falls_back_to_one_by_one_where_the_cache_cannot_load_the_model(capsys, monkeypatch):
+    """A group whose shared prefix HydragenCache cannot load raises before any output, and every prompt is served
+    one by one, exactly (as LFM2's conv-only states did before load_shared_prefix took them)."""
+    from prefixlab.errors import UnsupportedModelError
+
+    def refuse(*args, **kwargs):
+        raise UnsupportedModelError("cannot load this model's states")
+
+    monkeypatch.setattr(HydragenCache, "load_shared_prefix", refuse)
+    model = build("qwen3_5")
     model.set_attn_implementation("hydragen")
     assert siblings.batching_mode(model) == "rows"
     rng = np.random.default_rng(3)
@@ -215,7 +221,7 @@ def test_serve_runs_a_model_without_attention_exactly():
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba",
-                                    "granitemoehybrid", "jamba"])  # (every family of batching mode "rows")
+                                    "granitemoehybrid", "jamba", "lfm2"])  # (every family of batching mode "rows")
 def test_hybrid_siblings_of_close_lengths_prefill_in_one_right_padded_forward(family, monkeypatch):
     """Rows whose own tokens (8, 7, 9 after the prefix) pad each other little are prefilled together: one forward
     over the batch, right-padded, each row's states captured at its own end by the patched layers; every row's

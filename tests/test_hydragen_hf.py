@@ -5,7 +5,15 @@ import pytest
 import torch
 from hydragen_helpers import assert_same as _assert_same
 from hydragen_helpers import generate_seeded
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (
+    DynamicCache,
+    Lfm2Config,
+    Lfm2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+)
 
 from prefixlab.attention import HydragenCache
 from prefixlab.errors import InvalidInputError
@@ -26,7 +34,14 @@ def _qwen35():
                              linear_value_head_dim=16, pad_token_id=0)
 
 
-MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _qwen35)}
+def _lfm2():  # short convolutions: a conv state, no recurrent state
+    return Lfm2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=KV_HEADS, conv_L_cache=3, pad_token_id=0,
+                      layer_types=["conv", "full_attention", "conv"])
+
+
+MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _qwen35),
+          "lfm2": (Lfm2ForCausalLM, _lfm2)}
 
 
 def _rows_share_bits(standard, ids, seed, groups, **kwargs) -> bool:
@@ -144,7 +159,8 @@ def _prefix_tensors(model, prefix):
         keys={i: layer.keys for i, layer in attention.items()},
         values={i: layer.values for i, layer in attention.items()},
         conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
-        recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()},
+        recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()
+                          if layer.is_recurrent_states_initialized[0]},  # (none in LFM2's conv layers)
     )
 
 
@@ -209,6 +225,10 @@ def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
     if tensors["conv_states"]:
         with pytest.raises(InvalidInputError, match="recurrent layers"):
             cache.load_shared_prefix(**{**tensors, "conv_states": {}}, batch_size=2)
+        # Qwen3.5's layers need their recurrent states too; LFM2's short convs keep none, so none may be given
+        wrong = {} if tensors["recurrent_states"] else dict(tensors["conv_states"])
+        with pytest.raises(InvalidInputError, match="recurrent layers"):
+            cache.load_shared_prefix(**{**tensors, "recurrent_states": wrong}, batch_size=2)
     assert cache.shared_bytes() == 0 and cache.get_seq_length() == 0
     cache.load_shared_prefix(**tensors, batch_size=2)
     with pytest.raises(InvalidInputError, match="empty cache"):

@@ -30,6 +30,7 @@ from transformers.cache_utils import (
 from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
 from prefixlab.attention.reference import materialize_rows
 from prefixlab.attention.tree import SharedLevel
+from prefixlab.cache.hfspec import keeps_recurrent_state
 from prefixlab.errors import InvalidInputError, is_int
 
 # transformers' own implementations expect (B, H, T, D) tensors, not a SharedBatchKV
@@ -240,6 +241,7 @@ class HydragenCache(Cache):
         ]
         super().__init__(layers=layers)
         self.expected_batch: int | None = None  # set by load_shared_prefix
+        self.keeps_recurrent_state = keeps_recurrent_state(text_config)  # else conv states only (LFM2)
 
     def reset(self) -> None:
         super().reset()
@@ -272,7 +274,8 @@ class HydragenCache(Cache):
             keys, values: per attention layer index, (1, kv_heads, P, D) or (kv_heads, P, D); stored once.
             batch_size: sequences that will continue from the prefix (the batch `generate` will run).
             conv_states, recurrent_states: per linear-attention layer, the state after the prefix for one sequence
-                (batch 1) or each (batch_size); copied per sequence because recurrent layers run per sequence.
+                (batch 1) or each (batch_size); copied per sequence because recurrent layers run per sequence. A model
+                whose linear-attention layers keep only a conv state (LFM2) takes no recurrent_states.
         Then call `generate` with input_ids that START with the prefix tokens: it feeds only the tokens after it.
         """
         keys, values = dict(_indexed(keys, "keys")), dict(_indexed(values, "values"))
@@ -288,9 +291,11 @@ class HydragenCache(Cache):
         if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):
             raise InvalidInputError("every layer's prefix keys and values must have one shape and one length")
         states = {"conv": conv_states or {}, "recurrent": recurrent_states or {}}
-        if lengths != {0} and recurrent and any(sorted(s) != recurrent for s in states.values()):
+        wanted = {"conv": recurrent, "recurrent": recurrent if self.keeps_recurrent_state else []}
+        if lengths != {0} and recurrent and any(sorted(states[kind]) != wanted[kind] for kind in states):
+            given = " and recurrent_states" if self.keeps_recurrent_state else " (no recurrent_states: it keeps none)"
             raise InvalidInputError(
-                f"this model has recurrent layers {recurrent}: give conv_states and recurrent_states for each, "
+                f"this model has recurrent layers {recurrent}: give conv_states{given} for each, "
                 "the state after the prefix (KV alone cannot resume them)"
             )
         if any(self.layers[i].is_initialized or self.layers[i].levels for i in attention):
@@ -299,8 +304,10 @@ class HydragenCache(Cache):
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
         for i in recurrent if lengths != {0} else []:
+            recurrent_state = states["recurrent"].get(i)
             _set_state(self.layers[i], _per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]"),
-                       _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]"))
+                       None if recurrent_state is None else
+                       _per_sequence(recurrent_state, batch_size, f"recurrent_states[{i}]"))
 
     @classmethod
     def join_rows(cls, config, rows: Sequence[HydragenCache]) -> HydragenCache:
@@ -318,7 +325,7 @@ class HydragenCache(Cache):
                 layer.join(parts)
             elif type(layer) is LinearAttentionLayer and all(p.has_previous_state[0] for p in parts):
                 _set_state(layer, torch.cat([p.conv_states[0] for p in parts]),
-                           torch.cat([p.recurrent_states[0] for p in parts]))
+                           torch.cat([p.recurrent_states[0] for p in parts]) if joined.keeps_recurrent_state else None)
             else:
                 raise InvalidInputError(f"join_rows: layer {i} ({type(layer).__name__}) has no state in every row or "
                                         "is a kind it cannot join")
@@ -326,11 +333,13 @@ class HydragenCache(Cache):
         return joined
 
 
-def _set_state(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-    """Give a linear-attention cache layer (batch, ...) conv and recurrent states, as after a prefill."""
+def _set_state(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
+    """Give a linear-attention cache layer (batch, ...) conv and recurrent states (None: it keeps none), as after a
+    prefill."""
     layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
     layer.conv_states[0].copy_(conv)
-    layer.update_recurrent_state(recurrent)
+    if recurrent is not None:
+        layer.update_recurrent_state(recurrent)
     layer.has_previous_state[0] = True
 
 

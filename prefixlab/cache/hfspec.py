@@ -271,6 +271,17 @@ READERS: dict[str, Callable] = {model_type: family.reader for model_type, family
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 
+def keeps_recurrent_state(config) -> bool:
+    """Whether the model's linear-attention cache layers hold a recurrent state besides the conv state (LFM2's
+    short convolutions hold only the conv state). True for a model type this table does not know."""
+    from prefixlab.recurrent.families import FAMILIES
+
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    family = MODEL_FAMILIES.get((getattr(text, "model_type", None) or "").removesuffix("_text"))
+    layer_family = next((f for f in FAMILIES if family is not None and type(f).__name__ == family.layer_family), None)
+    return layer_family is None or layer_family.has_recurrent_state
+
+
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:
     """ModelSpec of a transformers config (multimodal configs use their text config)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

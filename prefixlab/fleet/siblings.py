@@ -221,8 +221,9 @@ def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
         return None
     levels = {i: layer.levels[0] for i, layer in enumerate(first.layers) if isinstance(layer, SharedPrefixLayer)}
     recurrent = [i for i, layer in enumerate(first.layers) if isinstance(layer, LinearAttentionLayer)]
+    stateful = recurrent if first.keeps_recurrent_state else []  # (LFM2's conv layers keep no recurrent state)
     start = ({i: first.layers[i].conv_states[0].clone() for i in recurrent},  # (a forward over `first` would
-             {i: first.layers[i].recurrent_states[0].clone() for i in recurrent})  # change them in place)
+             {i: first.layers[i].recurrent_states[0].clone() for i in stateful})  # change them in place)
 
     def loaded(batch: int, states: tuple[dict, dict] = start) -> HydragenCache:  # the same level tensors: joinable
         cache = HydragenCache(model.config, share_new_tokens=False)
@@ -288,7 +289,8 @@ def _prefill_together(model, tokens: list[np.ndarray], start: int, loaded, recur
         return None
     rows = []
     for row, n in enumerate(lengths):
-        one = loaded(1, ({i: captured[row, i][0] for i in recurrent}, {i: captured[row, i][1] for i in recurrent}))
+        one = loaded(1, ({i: captured[row, i][0] for i in recurrent},
+                         {i: captured[row, i][1] for i in recurrent if captured[row, i][1] is not None}))
         for i in levels:
             keys, values = cache.layers[i].keys[row : row + 1, :, :n], cache.layers[i].values[row : row + 1, :, :n]
             one.layers[i].lazy_initialization(keys, values)
