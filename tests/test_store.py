@@ -1,5 +1,6 @@
 """PrefixStore and its tensor payloads: capacity strings, KV split/concat, save/load, model identity."""
 
+import numpy as np
 import pytest
 import torch
 from hf_models import build
@@ -17,7 +18,7 @@ from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedM
 @pytest.mark.parametrize(
     "text, nbytes",
     [("4GB", 4 * 10**9), ("512MiB", 512 * 2**20), ("1.5 GiB", 3 * 2**29), ("64kb", 64_000), ("100", 100),
-     (4096, 4096)],
+     (4096, 4096), (np.int64(4096), 4096)],  # (a size computed with numpy)
 )
 def test_capacity_strings_and_ints(text, nbytes):
     assert parse_capacity(text) == nbytes

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hf_models import build
 from prefix_helpers import node_paths
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.errors import InvalidInputError, StoreClosedError
@@ -111,6 +112,84 @@ def test_keyboard_interrupt_resets_the_cache_and_leaves_the_store_unchanged(mode
     assert cache.reused_tokens > 0
     store.close()
     assert "forward" not in vars(model) and not model._forward_hooks
+
+
+class InterruptBetweenForwards(LogitsProcessor):
+    """A logits processor raising KeyboardInterrupt on its `at`-th call: between two forwards, where the forward
+    guard does not see it (as a stopping criterion or a streamer could)."""
+
+    def __init__(self, at: int):
+        self.calls, self.at = 0, at
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return scores
+
+
+def test_an_interrupt_between_forwards_resets_the_cache_and_leaves_the_store_unchanged(model):
+    """Before, the cache stayed started (18 tokens) and the store admitted the interrupted request at its next use;
+    the same cache then refused the request as not continuing it."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    first = tokens(1, 12, seed=3)
+    second = torch.cat([first, tokens(1, 5, seed=4)], dim=1)
+    generate(model, first, HybridPrefixCache(store))
+    store.flush()
+    before, expected = entries(store), generate(model, second)
+    cache = HybridPrefixCache(store)
+    with pytest.raises(KeyboardInterrupt):
+        model.generate(second, past_key_values=cache, logits_processor=LogitsProcessorList(
+            [InterruptBetweenForwards(2)]), **GREEDY)
+    assert not cache.started and cache.get_seq_length() == 0
+    store.flush()
+    assert store.stats()["locked_matches"] == 0 and entries(store) == before
+    assert torch.equal(generate(model, second, cache), expected)  # the same object serves the request again
+    # generate refusing its arguments before any forward keeps what the cache held: the chat can go on
+    with pytest.raises(ValueError):
+        model.generate(torch.cat([expected, tokens(1, 3, seed=5)], dim=1), past_key_values=cache,
+                       max_new_tokens=-1)
+    assert cache.started
+    store.close()
+
+
+@pytest.mark.parametrize("bad_id", [-1, 128])
+def test_a_later_turn_with_a_bad_token_id_is_refused_before_the_store_is_asked(model, bad_id):
+    """A chat turn continued on the same cache: an id past the vocabulary raised torch's IndexError after the store
+    had been looked up (its request count and recency changed)."""
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 12, seed=6)
+    cache = HybridPrefixCache(store)
+    turn = generate(model, prompt, cache)
+    store.flush()
+    before, stats = entries(store), store.stats()
+    follow_up = torch.cat([turn, tokens(1, 4, seed=7)], dim=1)
+    follow_up[0, -2] = bad_id
+    with pytest.raises(InvalidInputError, match="not a token id"):
+        generate(model, follow_up, cache)
+    assert entries(store) == before and store.stats() == stats
+    store.close()
+
+
+def test_a_new_prompt_on_a_used_mamba2_cache_is_refused():
+    """Mamba2's generate feeds its whole input over cache_params, and no positions tell the hooks a new prompt from
+    a continued one: a new prompt ran on the old request's state (wrong logits, shorter prompts wrong tokens).
+    generate() now refuses an input that does not start with the held tokens, as for the other families."""
+    mamba = build("mamba2")
+    store = PrefixStore(mamba, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(1, 10, seed=8)
+    for other in (tokens(1, 6, seed=9), tokens(1, 10, seed=10), tokens(1, 20, seed=11)):
+        cache = HybridPrefixCache(store)
+        turn = mamba.generate(prompt, cache_params=cache, **GREEDY)
+        with pytest.raises(InvalidInputError, match="does not continue them"):
+            mamba.generate(other, cache_params=cache, **GREEDY)
+        assert not cache.started
+    # a continued chat is still served, exactly
+    cache = HybridPrefixCache(store)
+    turn = mamba.generate(prompt, cache_params=cache, **GREEDY)
+    follow_up = torch.cat([turn, tokens(1, 5, seed=12)], dim=1)
+    assert torch.equal(mamba.generate(follow_up, cache_params=cache, **GREEDY), mamba.generate(follow_up, **GREEDY))
+    store.close()
 
 
 def test_closing_one_of_two_stores_keeps_the_model_patched_for_the_other():

@@ -28,29 +28,44 @@ def checked_generate(generate, cache_type: type):
         cache, cut = kwargs.get("past_key_values"), True  # generate cuts only a past_key_values input by its length
         if cache is None:
             cache, cut = kwargs.get("cache_params"), False  # (Mamba2: its whole input continues the cache)
-        if isinstance(cache, cache_type) and cache.started and not cache.in_flight:
+        if not isinstance(cache, cache_type):
+            return generate(*args, **kwargs)
+        if cache.started and not cache.in_flight:
             input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
-        return generate(*args, **kwargs)
+        held_before = cache.get_seq_length() if cache.started else None
+        try:
+            return generate(*args, **kwargs)
+        except BaseException:
+            # Raised between forwards (a logits processor, a stopping criterion, a streamer, Ctrl-C there): the
+            # forward guard did not see it. What this call ran is forgotten, as for a failed forward; a cache this
+            # call did not advance (generate refused its arguments) keeps its earlier request.
+            if cache.started and not cache.in_flight and cache.get_seq_length() != held_before:
+                cache.forward_failed()
+            raise
 
     return checked
 
 
 def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
                     cut: bool = True) -> None:
-    """InvalidInputError (after resetting `cache`) if `input_ids` [batch, n] has other rows than the cache, or
-    (`cut`: generate takes the input for the held tokens followed by new ones where it is longer than them and a
-    mask, if any, is as long as the input) its first columns are not the tokens the cache holds. Multimodal content
-    keys stand for any placeholder."""
+    """InvalidInputError (after resetting `cache`) if `input_ids` [batch, n] has other rows than the cache, or its
+    first columns are not the tokens the cache holds followed by at least one new token. `cut` (past_key_values):
+    generate takes the input for the held tokens followed by new ones only where it is longer than them and a mask,
+    if any, is as long as the input (else the hooks check its positions). Without `cut` (Mamba2's cache_params, no
+    positions to check) every input must continue the held tokens so. Multimodal content keys stand for any
+    placeholder."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return
     seen, held = cache.get_seq_length(), cache.held_tokens()
     if held.shape[0] == input_ids.shape[0]:
-        if not cut or input_ids.shape[1] <= seen:
+        if cut and input_ids.shape[1] <= seen:
             return  # (no longer input: its positions are checked by the hooks)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]:
+        masked_apart = isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]
+        if cut and masked_apart:
             return  # only the new tokens were passed (the mask spans the held ones too): generate does not cut
-        if held.shape[1] == seen and bool(((input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)).all()):
+        if input_ids.shape[1] > seen and held.shape[1] == seen and bool(
+                ((input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)).all()):
             return
     cache.reset()
     raise InvalidInputError(

@@ -18,7 +18,7 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.cache.hfspec import MODEL_FAMILIES
-from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -28,10 +28,10 @@ _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 def parse_capacity(capacity: int | str, name: str = "capacity") -> int:
     """Bytes from an int or a string like "4GB" (10**9), "512MiB" (2**20), "1.5 GiB"."""
-    if isinstance(capacity, bool) or not isinstance(capacity, int | str):
+    if not is_int(capacity) and not isinstance(capacity, str):  # (numpy integers are ints too; bools are not)
         raise InvalidInputError(f"{name}={capacity!r} must be an int number of bytes or a string like '4GB'")
-    if isinstance(capacity, int):
-        nbytes = capacity
+    if is_int(capacity):
+        nbytes = int(capacity)
     else:
         found = _CAPACITY.match(capacity)
         unit = found.group(2).lower() if found else None
