@@ -31,3 +31,37 @@ def test_an_output_file_that_is_not_utf8_is_refused_and_a_bom_is_read(tmp_path):
         outputs.finished(out)
     out.write_bytes(b'\xef\xbb\xbf{"id": 1, "output_ids": [8]}\n{"id": 2, "output_ids": [9]}\n')  # saved by an editor
     assert list(outputs.finished(out)) == [1, 2]
+
+
+def test_a_prompt_file_is_not_an_output(tmp_path):
+    """A line with an id but no output_ids (a prompt file passed as --out) was taken as a finished record."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": 1, "input_ids": [5, 6]}\n')
+    with pytest.raises(InvalidInputError, match="not a prefixlab run output.*output_ids"):
+        outputs.finished(out)
+
+
+@pytest.mark.parametrize("name", ["out[1].jsonl", "o?.jsonl", "o*.jsonl", "shard"])
+def test_only_this_runs_own_part_files_are_read(tmp_path, name):
+    """OUT's part files were found by the glob OUT.part*: a name with [ ] never found its own, `?` and `*` took
+    another run's (and the merge deleted them), and `shard` took shard.part1.jsonl, a prompt file."""
+    out = tmp_path / name
+    own = [outputs.part_path(out, rank) for rank in (0, 1, 12)]
+    others = [tmp_path / "oa.jsonl.part0", tmp_path / "shard.part1.jsonl", tmp_path / f"{name}.part1x",
+              tmp_path / f"{name}.partial"]
+    for path in own + others:
+        path.write_text('{"id": 1, "output_ids": [8]}\n')
+    assert outputs.part_files(out) == sorted(own)
+    outputs.merge(out, [1])
+    assert not any(path.exists() for path in own) and all(path.exists() for path in others)
+
+
+def test_a_line_nested_too_deep_is_a_bad_line(tmp_path):
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('{"id": 1, "input_ids": [5, 6]}\n' + "[" * 100_000 + "\n")
+    with pytest.raises(InvalidInputError, match=rf"{prompts}:2: .*recursion"):
+        read_prompts(prompts)
+    assert [p.id for p in read_prompts(prompts, on_error="skip")] == [1]
+    out.write_text("[" * 100_000 + "\n")
+    with pytest.raises(InvalidInputError, match="not a prefixlab run output"):
+        outputs.finished(out)

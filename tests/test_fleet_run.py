@@ -211,6 +211,8 @@ def test_bad_input(capsys, files, tmp_path):
     foreign.write_text("my notes\n")
     assert main(["run", files / "prompts.jsonl", *args[:2], "--out", foreign]) == 2
     assert "not a prefixlab run output" in capsys.readouterr().err and foreign.read_text() == "my notes\n"
+    assert main(["run", bad, *args[:2], "--out", bad]) == 2  # its lines were taken as finished records
+    assert "is the prompt file" in capsys.readouterr().err and bad.read_bytes().startswith(b"\xef\xbb\xbf")
     assert main(["run", files / "prompts.jsonl", *args[:2], "--out", tmp_path]) == 2  # checked before any work
     assert "is a folder" in capsys.readouterr().err and not list(tmp_path.glob("*.part*"))
     busy = tmp_path / "busy.jsonl"
@@ -240,14 +242,14 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch(files, out, *launch_options, env: dict | None = None, run_options=()):
+def launch(files, out, *launch_options, env: dict | None = None, run_options=(), prompts=None):
     """`accelerate launch` 2 CPU processes of `prefixlab run --json` on the tiny file: (completed process, the last
     stdout line as JSON or None). On a CPU-only machine --multi_gpu starts the processes on gloo (accelerate's --cpu
     launch starts only one)."""
     command = [LAUNCHER, "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision",
                "no", "--dynamo_backend", "no", "--main_process_port", _free_port(), *launch_options, "-m", "prefixlab",
-               "run", files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu", "--json",
-               *run_options]
+               "run", prompts or files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--cpu",
+               "--json", *run_options]
     env = {**{key: value for key, value in os.environ.items() if key != TEST_EXIT_AFTER},
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "TMPDIR": str(out.parent), **(env or {})}  # torchrun's log folder (torchelastic_*) is never removed
@@ -269,6 +271,19 @@ def test_two_launched_processes(files, reference, tmp_path):
     assert [(r["id"], r["output_ids"]) for r in records] == list(reference.items())
     assert {r["process"] for r in records} == {0, 1} and not list(tmp_path.glob("out.jsonl.part*"))
     assert list(tmp_path.glob("torchelastic_*"))  # the launcher's leftover log folder went to tmp_path, not /tmp
+
+
+@needs_accelerate
+def test_fewer_prompts_than_processes(files, reference, tmp_path):
+    """One prompt for two processes: the other has nothing to do (it was refused outright before)."""
+    one, out = tmp_path / "one.jsonl", tmp_path / "out.jsonl"
+    one.write_text((files / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    done, summary = launch(files, out, prompts=one)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 prompts for 2 processes" in done.stderr
+    assert summary["processes"] == 2 and summary["requests"] == 1 and summary["lost"] == 0
+    first = next(iter(reference))
+    assert [(r["id"], r["output_ids"]) for r in read_out(out)] == [(first, reference[first])]
 
 
 @needs_accelerate

@@ -121,6 +121,8 @@ def test_mooncake_partial_last_block_is_prefix_of_full_block(tmp_path):
         (marconi_row(inputs=[1, -4]), "out of range"),
         (marconi_row(inputs=[1, 2**70]), "out of range"),  # numpy holds it as an object, not a non-int
         (marconi_row(inputs=[1, None]), "input_tokens must be a flat list of integer token ids, found None"),
+        (marconi_row(inputs=[True, 2]), "input_tokens holds a boolean"),  # (numpy read it as [1, 2])
+        ("[" * 100_000, "recursion"),  # nested too deep for json: a bad line, not a RecursionError
         ({**marconi_row(), "input_tokens": "1 2 3"}, "input_tokens must be a list of token ids"),
         (marconi_row(turn_id=-1), "turn_id must be a non-negative integer"),
         (marconi_row(ts="soon"), "ts must be a number"),
@@ -145,7 +147,9 @@ def test_marconi_malformed_line_names_file_and_line(tmp_path, bad_row, reason):
         (mooncake_row(0, 10, [True]), "hash_ids must be integers"),
         (mooncake_row(0, 10, [-1]), "hash_ids must be integers"),
         ({**mooncake_row(0, 10, [1]), "output_length": 1.5}, "output_length must be a non-negative integer"),
-        ({**mooncake_row(0, 10, [1]), "output_length": 10**13}, r"output_length must be below 2\*\*32"),
+        ({**mooncake_row(0, 10, [1]), "output_length": 10**13}, r"output_length must be at most 2\*\*24"),
+        # (the reader built 30 GiB of synthetic ids for it)
+        ({**mooncake_row(0, 10, [1]), "output_length": 4 * 10**9}, r"output_length must be at most 2\*\*24"),
         ({**mooncake_row(0, 10, [1]), "timestamp": -10**400}, "timestamp must be finite"),
         ({k: v for k, v in mooncake_row(0, 10, [1]).items() if k != "timestamp"}, "missing field 'timestamp'"),
     ],

@@ -79,6 +79,9 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
     assert_one_line_error(capsys, "trace", "build", "few-shot", "--num-requests", "0", "-o", mixed, match="0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "--sessions", "0", "-o", agent, match="> 0")
     assert_one_line_error(capsys, "trace", "build", "agentic", "-o", tmp_path, match="is a folder")
+    before = agent.read_bytes()
+    assert_one_line_error(capsys, "trace", "build", "mix", agent, shots, "-o", agent, match="one of the build's inputs")
+    assert agent.read_bytes() == before
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -23,7 +24,12 @@ def part_path(out: Path, rank: int) -> Path:
 
 
 def part_files(out: Path) -> list[Path]:
-    return sorted(out.parent.glob(f"{out.name}.part*"))
+    """This run's own part files, OUT.part<rank> (not a glob: OUT's name may hold `*`, `?` or `[`, and another
+    file may merely start with OUT's name)."""
+    own = re.compile(re.escape(out.name) + r"\.part\d+")
+    folder = out.parent if str(out.parent) else Path(".")
+    return sorted(path for path in folder.iterdir() if own.fullmatch(path.name) and path.is_file()) \
+        if folder.is_dir() else []
 
 
 def _records(path: Path) -> Iterable[dict]:
@@ -33,15 +39,16 @@ def _records(path: Path) -> Iterable[dict]:
                 continue
             try:
                 record = json.loads(line)
-            except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+            except (ValueError, RecursionError):  # json.JSONDecodeError, UnicodeDecodeError, nesting too deep
                 if line.endswith(b"\n"):
                     raise InvalidInputError(f"{path}:{number} is not a JSON line; it is not a prefixlab run output "
                                             "(move it away or pass another --out)") from None
                 continue  # a last line cut short by a process that died while writing it: redone
             prompt_id = record.get("id") if isinstance(record, dict) else None
-            if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int):
-                raise InvalidInputError(f"{path}:{number} has no string or int 'id'; it is not a prefixlab run output "
-                                        "(move it away or pass another --out)")
+            if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int) \
+                    or not isinstance(record.get("output_ids"), list):  # (a prompt file has ids too)
+                raise InvalidInputError(f"{path}:{number} is not a prefixlab run output (a record with a string or "
+                                        "int 'id' and a list 'output_ids'); move it away or pass another --out")
             yield record
 
 
@@ -71,7 +78,7 @@ def _complete_last_line(path: Path) -> None:
         cut = tail.rfind(b"\n") + 1
         try:
             whole = isinstance(json.loads(tail[cut:]), dict)
-        except ValueError:  # json.JSONDecodeError and UnicodeDecodeError
+        except (ValueError, RecursionError):  # json.JSONDecodeError, UnicodeDecodeError, nesting too deep
             whole = False
         if whole:
             file.seek(end)

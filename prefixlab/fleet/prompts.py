@@ -82,7 +82,7 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
         raise InvalidInputError(f"--on-error {on_error!r}: use one of {', '.join(ON_ERROR_CHOICES)}")
     path = Path(path)
     if not path.is_file():
-        raise InvalidInputError(f"{path}: no such prompt file")
+        raise InvalidInputError(f"{path}: {'a folder, not a' if path.is_dir() else 'no such'} prompt file")
     prompts: list[Prompt] = []
     first_line: dict[str | int, int] = {}
     with open(path, "rb") as lines:  # bytes: json.loads decodes them (a BOM too), so bad UTF-8 is a bad line
@@ -97,7 +97,7 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
                     raise ValueError(f"{len(tokens)} prompt tokens + {new_tokens} new tokens exceed the model's "
                                      f"context of {max_positions} (max_position_embeddings): shorten the prompt or "
                                      "lower max_new_tokens")
-            except (ValueError, TypeError) as err:  # json.JSONDecodeError is a ValueError
+            except (ValueError, TypeError, RecursionError) as err:  # (JSONDecodeError: a ValueError; nesting)
                 message = f"{path}:{number}: {err}"
                 if on_error == "stop":
                     raise InvalidInputError(message + " (fix the line, or pass --on-error skip)") from None

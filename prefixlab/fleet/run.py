@@ -101,6 +101,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
     if out.is_dir():
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
+    if out.exists() and Path(args.prompts).exists() and out.samefile(args.prompts):
+        raise InvalidInputError(f"--out {args.out!r} is the prompt file; pass another path for the outputs")
     if out.exists() and not out.is_file():
         raise InvalidInputError(f"--out {args.out!r} is not a regular file (a pipe or device): the run rewrites OUT "
                                 "at the end; pass the path of a file (OUT.jsonl)")
@@ -111,9 +113,9 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     prompts = read_prompts(args.prompts, encode, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
                            vocab_size=text_config.vocab_size,
                            max_positions=getattr(text_config, "max_position_embeddings", None))
-    if len(prompts) < processes:
-        raise InvalidInputError(f"{args.prompts}: {len(prompts)} prompts for {processes} processes; launch at most "
-                                f"{len(prompts)} processes")
+    if len(prompts) < processes and state.is_main_process:  # (a resumed run often has fewer left: the same)
+        print(f"prefixlab: note: {len(prompts)} prompts for {processes} processes; "
+              f"{processes - len(prompts)} of them will have nothing to do", file=sys.stderr)
     launch.share_cores(state, processes)
     digests = gather_object([serve.model_digest(model)])
     if len(set(digests)) > 1:

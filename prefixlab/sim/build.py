@@ -34,7 +34,8 @@ class TextEncoder:
 
         path = Path(tokenizer_path)
         if not path.is_file():
-            raise InvalidInputError(f"tokenizer_path {str(path)!r} does not exist; pass a tokenizers JSON file")
+            what = "is a folder" if path.is_dir() else "does not exist"
+            raise InvalidInputError(f"tokenizer_path {str(path)!r} {what}; pass a tokenizers JSON file")
         try:
             self.tokenizer = Tokenizer.from_file(str(path))
         except Exception as err:  # tokenizers raises a bare Exception on unreadable files
@@ -283,7 +284,7 @@ def detect_shared_prefix_kind(path: Path) -> str:
             if line.strip():
                 try:
                     first = json.loads(line)
-                except ValueError as err:
+                except (ValueError, RecursionError) as err:
                     raise TraceFormatError(f"{path}:{line_number}: {err}") from None
                 if isinstance(first, dict) and "article" in first:
                     return "document"

@@ -240,6 +240,9 @@ def run_trace_build(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
     if Path(args.output).is_dir():
         raise InvalidInputError(f"-o {args.output!r} is a folder; pass the path of the trace file to write")
+    inputs = [*(getattr(args, "traces", None) or ()), getattr(args, "input", None), getattr(args, "tokenizer", None)]
+    if Path(args.output).exists() and any(p and Path(p).exists() and Path(p).samefile(args.output) for p in inputs):
+        raise InvalidInputError(f"-o {args.output!r} is one of the build's inputs; write the trace to another path")
     if args.kind == "builtin":
         requests = build.builtin_trace(seed=parse_number(args.seed, "--seed", integer=True, strict=False))
     elif args.kind in ("agentic", "few-shot", "mix"):

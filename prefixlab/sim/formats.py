@@ -68,14 +68,25 @@ def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str
             if not line.strip():
                 continue
             try:
-                yield parse(json.loads(line))
-            except (ValueError, KeyError, TypeError) as err:
+                obj = json.loads(line)
+                parsed = parse(obj)  # (first: a parser counts the lines it is given)
+                if b"true" in line or b"false" in line:  # (rare: spares the token lists a scan per element)
+                    _refuse_bool_lists(obj)
+                yield parsed
+            except (ValueError, KeyError, TypeError, RecursionError) as err:  # (RecursionError: nesting too deep)
                 reason = f"missing field {err}" if isinstance(err, KeyError) else str(err)
                 message = f"{path}:{line_number}: {reason}"
                 if on_error == "stop":
                     hint = "use on_error='skip' (--on-error skip) to skip such lines"
                     raise TraceFormatError(f"{message} ({hint})") from None
                 warnings.warn(f"skipping {message}", stacklevel=2)
+
+
+def _refuse_bool_lists(obj: Any) -> None:
+    """LineError if a list field of the record holds a boolean: numpy would read [true, 2] as token ids [1, 2]."""
+    for key, value in obj.items() if isinstance(obj, dict) else ():
+        if isinstance(value, list) and any(isinstance(v, bool) for v in value):
+            raise LineError(f"{key} holds a boolean; token and hash ids are integers")
 
 
 def existing_file(path: str | Path, on_error: str = "stop") -> Path:
@@ -151,6 +162,9 @@ def parse_marconi(obj: Any) -> Request:
     )
 
 
+MAX_MOONCAKE_OUTPUT_TOKENS = 1 << 24  # 128 MiB of ids for one request; below the 2**32 output keys per request
+
+
 class MooncakeParser:
     """Mooncake JSONL objects -> Requests. Lines are counted (skipped ones too), so each request's synthetic
     output tokens depend only on its position in the file."""
@@ -162,8 +176,9 @@ class MooncakeParser:
         index, self.num_seen = self.num_seen, self.num_seen + 1
         input_length = _non_negative_int(obj, "input_length")
         output_length = _non_negative_int(obj, "output_length")
-        if output_length >= 1 << 32:  # output token j of a request is keyed j < 2**32 (_OUTPUT_KEY_STRIDE)
-            raise LineError(f"output_length must be below 2**32 tokens, got {output_length}")
+        if output_length > MAX_MOONCAKE_OUTPUT_TOKENS:  # (each is a synthetic token the reader builds)
+            raise LineError(f"output_length must be at most 2**24 tokens (a generation, not a corpus), got "
+                            f"{output_length}")
         timestamp_ms = _finite_number(obj, "timestamp")
         hash_ids = _field(obj, "hash_ids", (list,), "a list of block hash ids")
         num_blocks = -(-input_length // MOONCAKE_BLOCK_TOKENS)
@@ -201,7 +216,7 @@ def detect_format(path: str | Path) -> str:
         for line in lines:
             try:
                 obj = json.loads(line) if line.strip() else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if isinstance(obj, dict) and "hash_ids" in obj:
                 return "mooncake"
