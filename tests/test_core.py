@@ -292,3 +292,49 @@ def test_constructor_takes_numpy_integers_as_ints():
     by_numpy = PrefixCacheCore(np.int64(1000), "marconi", tiny_spec(), block_size=np.int64(4),
                                checkpoint_budget=np.int32(2), history_tokens=np.int64(64))
     assert by_numpy.options == by_int.options and type(by_numpy.options.block_size) is int
+
+
+@pytest.mark.parametrize("alpha", [float("nan"), float("inf"), -0.5, True, "1"])
+def test_an_alpha_that_is_not_a_finite_number_is_refused(alpha):
+    """NaN made every eviction score NaN: the cache never evicted and refused every admission past its budget."""
+    with pytest.raises(InvalidInputError, match="finite number"):
+        _core(alpha=alpha)
+    assert _core(alpha=np.float32(0.5)).alpha == 0.5  # (a number computed with numpy)
+
+
+def test_peek_limit_must_be_a_count_of_tokens():
+    core = _core(hybrid=False)
+    request(core, [1, 2, 3, 4, 5])
+    assert core.peek([1, 2, 3, 4, 5], limit=np.int64(2)) == (2, 5)
+    for limit in (-3, 2.5, True, "3"):  # -3 came back as a reusable length of -3
+        with pytest.raises(InvalidInputError, match="limit"):
+            core.peek([1, 2, 3, 4, 5], limit=limit)
+
+
+def test_numpy_state_positions_are_stored_as_ints():
+    """np.uint64(8) was kept in the tree: match().length - 9 wrapped to 2**64 - 1 and PrefixStore.save failed."""
+    core = _core(capacity_bytes=1 << 30)
+    core.admit(np.arange(1, 9), lambda a, b: SizedKV(b - a, 4), {np.uint64(8): SizedState(40)})
+    match = core.match(np.arange(1, 9))
+    assert type(match.length) is int and match.length - 9 == -1
+    core.release(match)
+    assert all(type(p) is int for node in core.tree.nodes() for p in node.ckpt_pos)
+
+
+def test_token_ids_beyond_int64_are_refused_not_wrapped():
+    core = _core()
+    before = snapshot(core)
+    for tokens in (np.array([1, 2**63], dtype=np.uint64), [2**64 - 1]):  # read as negative ids before
+        with pytest.raises(InvalidInputError, match="2\\*\\*63"):
+            core.match(tokens)
+    assert snapshot(core) == before
+
+
+def test_fork_with_a_live_match_is_refused():
+    core = _core()
+    request(core, [1, 2, 3, 4])
+    match = core.match([1, 2, 3, 4])
+    with pytest.raises(InvalidInputError, match="release them first"):
+        core.fork()
+    core.release(match)
+    assert core.fork().match([1, 2, 3, 4]).length == 4

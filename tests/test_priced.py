@@ -376,3 +376,27 @@ def test_replay_caches_change_no_decision(monkeypatch):
     uncached = replay()
     assert cached[3] and solved and any(reused_sums), "the trace must thin, solve tables and reuse sums"
     assert cached[:3] == uncached[:3]
+
+
+def test_a_plan_uses_its_own_input_length_when_other_requests_matched_since():
+    """dp kept the last match's input length on the admission shared by every request: a batch's rows (matched
+    together, then planned: hf_resume.py) or interleaved threads placed the input-end state at another request's
+    input length and none at their own."""
+    def warm_core():
+        core = PrefixCacheCore(1 << 40, "dp", tiny_spec(True), 4, alpha=0.0)
+        for _ in range(2):  # a repeated prompt: dp now keeps a state at each input's end
+            replay_request(core, np.arange(100, 130), np.array([7, 7]))
+        return core
+
+    a_input, a_output, b_input = np.arange(1000, 1040), np.arange(5000, 5005), np.arange(2000, 2010)
+    a_tokens = np.concatenate([a_input, a_output])
+    core = warm_core()
+    match = core.match(a_input)
+    alone = core.plan(a_tokens, match)
+    core.release(match)
+    assert 40 in alone
+    core = warm_core()
+    match, other = core.match(a_input), core.match(b_input)
+    assert core.plan(a_tokens, match) == alone  # (was 10, B's input length, in place of 40)
+    core.release(match)
+    core.release(other)

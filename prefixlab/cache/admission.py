@@ -30,7 +30,9 @@ class MarconiAdmission:
 
     refresh_path = False
 
-    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+    def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
+        """Positions in (reused, length] whose states a request should capture: `walk` is its tokens' walk of the
+        tree, `length` how many it stores (input + output), `input_length` its input's (0: unknown)."""
         shared = walk.shared_length
         positions = {length} if length > reused else set()
         if reused < shared < length and not _has_checkpoint_at(walk, shared):
@@ -39,6 +41,10 @@ class MarconiAdmission:
 
     def observe(self, walk: Walk, reused_length: int) -> None:
         """Called with every request's walk of the tree (its input) and the part of it a checkpoint let it reuse."""
+
+    def before_admit(self, walk: Walk) -> None:
+        """Called as an admission starts, with its tokens' walk of the tree as it is then (requests may interleave
+        between a plan and its admission: what the admission needs is taken here, not kept from the plan)."""
 
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
                     restore: bool = False) -> None:
@@ -65,7 +71,7 @@ class BlockAdmission(MarconiAdmission):
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
 
-    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+    def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
         first = (reused // self.block_size + 1) * self.block_size
         positions = list(range(first, length + 1, self.block_size))
         return positions + [length] if length > reused and length % self.block_size else positions
@@ -92,6 +98,6 @@ class PlacedAdmission(MarconiAdmission):
     def __init__(self, placement: Callable[[int, int], list[int]]) -> None:
         self.placement = placement
 
-    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+    def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
         placed = [p for p in self.placement(reused, length) if reused < p < length] if length > reused + 1 else []
         return sorted(set(super().plan(walk, length, reused)).union(placed))

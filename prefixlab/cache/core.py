@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -18,40 +17,12 @@ from prefixlab.cache.alpha import AlphaBootstrap, check_tuning_lag
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
+from prefixlab.cache.match import Admission, Match
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
-from prefixlab.errors import InvalidInputError, is_int
-
-
-@dataclass(eq=False)
-class Match:
-    """What a request can reuse: KV[:length] and the state at `length` (None at 0 or for KV-only models).
-
-    `shared_length` is how many tokens the tree shares with the request (>= length). The entries are locked
-    until `core.release(match)`."""
-
-    length: int
-    shared_length: int
-    state: Payload | None
-    kv: list[KVPayload]
-    namespace: str
-    input_length: int
-    node: Node = field(repr=False)
-    walk: Walk = field(repr=False)
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What `admit` stored: new tokens (KV) and new checkpoints; falsy when the budget refused the whole entry."""
-
-    tokens: int
-    states: int
-    refused: bool = False
-
-    def __bool__(self) -> bool:
-        return not self.refused
+from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 
 class PrefixCacheCore:
@@ -98,8 +69,8 @@ class PrefixCacheCore:
         check_policy_name(policy)
         if not isinstance(spec, ModelSpec):
             raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha < 0):
-            raise InvalidInputError(f"alpha must be None (tuned) or a number >= 0, got {alpha!r}")
+        if alpha is not None and (not is_finite_number(alpha) or alpha < 0):  # (NaN: every score NaN, no eviction)
+            raise InvalidInputError(f"alpha must be None (tuned) or a finite number >= 0, got {alpha!r}")
         self.capacity_bytes, self.policy, self.spec = capacity_bytes, policy, spec
         self.options = PolicyOptions(block_size=block_size, checkpoint_budget=checkpoint_budget,
                                      capacity_bytes=self.capacity_bytes, strict_budget=not overflow)
@@ -152,6 +123,8 @@ class PrefixCacheCore:
         """(length, shared_length) that `match` would return now, changing nothing (no lock, no timestamp, no
         observation): what a router asks a replica (prefixlab.fleet.router). `limit`: length as `match` of the
         first `limit` tokens would return it (one walk for both questions)."""
+        if limit is not None and (not is_int(limit) or limit < 0):
+            raise InvalidInputError(f"limit must be None or an int >= 0, got {limit!r}")
         walk = self.tree.walk(as_tokens(tokens), check_namespace(namespace))
         return self._resumable(walk, limit)[1], walk.shared_length
 
@@ -168,7 +141,7 @@ class PrefixCacheCore:
         tokens = as_tokens(tokens)
         self._check_match(match)
         walk = self._walk_extending(tokens, match)
-        return self.admission.plan(walk, len(tokens), match.length) if self.hybrid else []
+        return self.admission.plan(walk, len(tokens), match.length, match.input_length) if self.hybrid else []
 
     def admit(
         self,
@@ -194,6 +167,7 @@ class PrefixCacheCore:
                 raise InvalidInputError(f"states key {position!r} must be an int position in [1, {len(tokens)}]")
             if not isinstance(getattr(state, "nbytes", None), int | np.integer):
                 raise InvalidInputError(f"states[{position}] must be a payload with an int nbytes, got {state!r}")
+        states = {int(position): state for position, state in states.items()}  # (numpy ints would wrap, not JSON)
         if match is not None:
             self._check_match(match)
             if namespace not in ("default", match.namespace):
@@ -214,6 +188,7 @@ class PrefixCacheCore:
 
         if self.bootstrap is not None:
             self._record(tokens, match)
+        self.admission.before_admit(walk)
         self.clock += 1
         top, inside_edge = walk.path[-1], walk.ends_inside_edge  # the path's deepest node is kept while evicting
         fits = self._make_room(entry_bytes(new_kv, new_states), top)
@@ -355,7 +330,9 @@ class PrefixCacheCore:
 
     def fork(self) -> PrefixCacheCore:
         """An independent copy between requests (no live matches), sharing the immutable payloads (the tuner's)."""
-        assert not self._live, "fork only between requests"
+        if self._live:
+            raise InvalidInputError(f"fork() copies a cache between requests; {len(self._live)} matches are still "
+                                    "live: release them first")
         twin = copy.copy(self)
         twin.tree, nodes = self.tree.copy()
         twin.eviction = self.eviction.copy_for(twin.tree, nodes)
@@ -399,7 +376,7 @@ def _replay(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namesp
     spec = core.spec
     match = core._match(tokens[:input_length], namespace, with_kv=False)
     walk = core.tree.walk(tokens, namespace, resume=match.walk)
-    positions = core.admission.plan(walk, len(tokens), match.length) if core.hybrid else []
+    positions = core.admission.plan(walk, len(tokens), match.length, input_length) if core.hybrid else []
     state = SizedState(spec.state_bytes)
     core._admit(tokens, walk, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state),
                 match)

@@ -64,8 +64,7 @@ class PricedAdmission(MarconiAdmission):
         self._stint_shapes: dict[int, int] = {}
         self._resumed: set[int] = set()
         self._resumed_inside: set[int] = set()  # entries' leaves resumed from an in-edge state this stint
-        self._input_length = 0
-        self._planned_kind, self._leaf_pending = "branch", False  # the planned entry's leaf not yet added
+        self._planned_kind, self._leaf_pending = "branch", False  # the admitted entry's leaf not yet added
 
     def __deepcopy__(self, memo: dict) -> PricedAdmission:
         """A copy without the tree (`core.fork` links the copy to the forked tree through the eviction); within a
@@ -142,7 +141,6 @@ class PricedAdmission(MarconiAdmission):
         law.tick()
         for kind_law in (*self.laws.values(), *self.end_laws.values()):
             kind_law.tick()
-        self._input_length = walk.walked
         scale = law._scale  # law.add inlined (hot path): the same float expressions
         law.reused += reused_length * scale
         law.computed += (walk.walked - reused_length) * scale
@@ -171,11 +169,13 @@ class PricedAdmission(MarconiAdmission):
             self.laws[kind].add_interior(shared - node.start)
             self.end_laws[kind].add_interior(node.end - shared)
 
-    def plan(self, walk: Walk, length: int, reused: int) -> list[int]:
+    def before_admit(self, walk: Walk) -> None:
+        self._planned_kind, self._leaf_pending = _entry_kind(walk), True
+
+    def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
         positions = set(super().plan(walk, length, reused))
-        start, last = walk.shared_length, walk.path[-1]
-        kind = "extend" if start and start == last.end and not last.children else "branch"
-        self._planned_kind, self._leaf_pending = kind, True
+        start = walk.shared_length
+        kind = _entry_kind(walk)
         law = self.laws[kind]
         if length > start:
             for counted in (self.law, law, self.end_laws[kind]):
@@ -210,7 +210,7 @@ class PricedAdmission(MarconiAdmission):
         if saving > price and reused < length - distance:
             positions.add(length - distance)
             predicted += saving
-        end = self._input_length
+        end = input_length
         repeat_saving = self.law.repeat_rate * (end - reused)
         if reused < end < length and repeat_saving > price:
             positions.add(end)
@@ -247,3 +247,9 @@ class PricedAdmission(MarconiAdmission):
         if deepest.id not in self._kinds:  # no new leaf: an existing node (made by a split) ends the entry
             self._kinds[deepest.id] = self._planned_kind
             tree.on_change(deepest)
+
+
+def _entry_kind(walk: Walk) -> str:
+    """"extend": the entry goes on from the end of a stored leaf (a conversation's next turn); else "branch"."""
+    start, last = walk.shared_length, walk.path[-1]
+    return "extend" if start and start == last.end and not last.children else "branch"

@@ -20,6 +20,8 @@ def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
         )
     if array.size and array.min() < 0:
         raise InvalidInputError(f"{name} has a negative token id ({array.min()}); token ids are >= 0")
+    if array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:  # (astype would wrap it)
+        raise InvalidInputError(f"{name} has a token id of 2**63 or more ({array.max()}); token ids fit in int64")
     return array.astype(np.int64, copy=False)
 
 
