@@ -195,3 +195,28 @@ def test_scale_takes_numpy_scalars_as_floats():
         by_numpy = hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"),
                                       args.pop("suffix_values"), scale=np.float32(0.25), method=method, **args)
         assert torch.equal(by_float, by_numpy)
+
+
+@pytest.mark.parametrize("method", ["split", "auto", "sdpa"])
+def test_zero_queries_give_an_empty_output(method):
+    """ATen's fused CPU kernel, handed zero queries, killed the process (SIGFPE)."""
+    from prefixlab.attention import attention_with_lse
+
+    q, levels, sk, sv = _case(1, queries=0)
+    assert hydragen_attention(q, levels, sk, sv, method=method).shape == (3, 4, 0, 8)
+    out, lse = attention_with_lse(torch.randn(1, 2, 0, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
+    assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize("seq_levels", [[0.7, 1.9, 0], torch.tensor([0.5, 1.5, 0.0]), [True, False, 0],
+                                        ["0", "0", "0"]])
+def test_seq_levels_must_be_int_indices(seq_levels):
+    """0.7 was read as level 0 and True as level 1."""
+    args = _bad(seq_levels=seq_levels)
+    with pytest.raises(InvalidInputError, match="seq_levels must hold int level indices"):
+        hydragen_attention(args.pop("q"), args.pop("levels"), args.pop("suffix_keys"), args.pop("suffix_values"),
+                           **args)
+    q, levels, sk, sv = _case(2)
+    levels[2] = SharedLevel(levels[2].keys, levels[2].values, True)  # (parent 1, silently)
+    with pytest.raises(InvalidInputError, match="parent=True"):
+        hydragen_attention(q, levels, sk, sv)

@@ -251,3 +251,54 @@ def test_latent_attention_models_are_refused_with_what_to_use():
     with pytest.raises(InvalidInputError, match="multi-head latent attention.*HybridPrefixCache"):
         HydragenCache(model.config)
     assert batching_mode(model) is None
+
+
+def test_right_padded_candidates_scored_over_a_loaded_prefix(pair):
+    """Scoring candidates of different lengths after one shared prefix, right-padded in one forward, was refused:
+    the position check read each row's last column, a pad. It now reads each row's last real token."""
+    standard, hydragen = pair
+    g = torch.Generator().manual_seed(11)
+    prefix, candidates = torch.randint(3, VOCAB, (1, 10), generator=g), torch.randint(3, VOCAB, (3, 5), generator=g)
+    lengths = [5, 3, 4]
+    own = torch.zeros(3, 5, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        own[b, :n] = 1
+        candidates[b, n:] = 0
+    mask = torch.cat([torch.ones(3, 10, dtype=torch.long), own], dim=1)
+    cache = HydragenCache(hydragen.config)
+    cache.load_shared_prefix(**_prefix_tensors(standard, prefix), batch_size=3)
+    with torch.no_grad():
+        expected = standard(torch.cat([prefix.repeat(3, 1), candidates], dim=1), attention_mask=mask).logits[:, 10:]
+        logits = hydragen(candidates, attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    for b, n in enumerate(lengths):
+        torch.testing.assert_close(logits[b, :n], expected[b, :n], atol=1e-5, rtol=0)
+
+
+def test_a_refused_load_leaves_the_cache_empty_and_reset_takes_another_batch(pair):
+    """A conv state of the wrong batch was refused after the attention levels were loaded (the corrected call was
+    then refused as 'not empty'); after reset(), a batch of another size crashed in transformers' recurrent buffer."""
+    standard, hydragen = pair
+    prompt = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(12))
+    tensors = _prefix_tensors(standard, prompt[:, :10])
+    cache = HydragenCache(hydragen.config)
+    if tensors["conv_states"]:
+        wrong = {i: state.expand(2, *state.shape[1:]) for i, state in tensors["conv_states"].items()}
+        with pytest.raises(InvalidInputError, match="batch 1 or 3"):
+            cache.load_shared_prefix(**{**tensors, "conv_states": wrong}, batch_size=3)
+        assert cache.shared_bytes() == 0 and cache.get_seq_length() == 0 and cache.expected_batch is None
+    for batch in (3, 2):
+        cache.load_shared_prefix(**tensors, batch_size=batch)
+        _assert_same(_generate(standard, prompt.repeat(batch, 1), 0, do_sample=False),
+                     _generate(hydragen, prompt.repeat(batch, 1), 0, cache, do_sample=False))
+        cache.reset()
+
+
+def test_a_model_that_caps_its_attention_scores_is_refused():
+    """Gemma 2's attn_logit_softcapping was dropped over a loaded prefix (greedy tokens differed from eager)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, attn_logit_softcapping=1.0)
+    config._attn_implementation = "hydragen"
+    with pytest.raises(InvalidInputError, match="attn_logit_softcapping"):
+        HydragenCache(config)

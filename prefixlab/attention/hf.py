@@ -36,13 +36,23 @@ def _suffix_mask(attention_mask: torch.Tensor | None, kv: SharedBatchKV, queries
 
 
 def _check_positions(position_ids: object, kv: SharedBatchKV, suffix_mask: torch.Tensor | None) -> None:
-    """InvalidInputError unless each row's last query is the token right after the keys it sees: a multi-token
-    forward that feeds cached tokens again (assisted decoding's first one, over a loaded prefix) would attend to
-    them twice."""
+    """InvalidInputError unless each row's last query that sees its own slot (a right-padded row's last real token)
+    is the token right after the keys it sees: a multi-token forward that feeds cached tokens again (assisted
+    decoding's first one, over a loaded prefix) would attend to them twice."""
     if not isinstance(position_ids, torch.Tensor) or position_ids.ndim != 2:
         return  # M-RoPE models give (3, B, T) positions, not columns
-    seen = kv.suffix_keys.shape[2] if suffix_mask is None else suffix_mask[:, -1].sum(-1)
-    if bool((position_ids[:, -1] != kv.prefix_length + seen - 1).any()):
+    queries = position_ids.shape[1]
+    if suffix_mask is None:
+        last, seen, checked = position_ids[:, -1], kv.suffix_keys.shape[2], True
+    else:
+        own = suffix_mask[:, :, suffix_mask.shape[2] - queries :].diagonal(dim1=1, dim2=2)  # query i sees slot i
+        last_query = torch.where(own, torch.arange(queries, device=own.device), -1).amax(dim=1)
+        checked = last_query >= 0  # (a row of pads only sees nothing of its own)
+        rows = torch.arange(own.shape[0], device=own.device)
+        last_query = last_query.clamp(min=0)
+        last = position_ids.expand(own.shape[0], -1)[rows, last_query]
+        seen = suffix_mask[rows, last_query].sum(-1)
+    if bool((checked & (last != kv.prefix_length + seen - 1)).any()):
         raise InvalidInputError(
             f"the forward's positions do not continue the HydragenCache ({kv.prefix_length} shared tokens, then "
             "each row's own): it feeds tokens the cache already holds, or positions that restart. Assisted decoding "
@@ -68,6 +78,9 @@ def hydragen_attention_forward(
                                       **kwargs)
     if dropout:
         raise InvalidInputError("hydragen attention is for inference: put the model in eval() mode (dropout=0)")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:  # (Gemma 2's logit cap)
+        raise InvalidInputError("hydragen attention computes plain softmax attention: this model caps or biases its "
+                                "attention scores (softcap / position_bias); serve it without HydragenCache")
     suffix_mask = _suffix_mask(attention_mask, key, query.shape[2])
     if suffix_mask is False:  # a shared column is masked for some row: attend over the materialised rows instead
         keys, values = key.materialize()

@@ -228,6 +228,11 @@ class HydragenCache(Cache):
                 "model.set_attn_implementation('hydragen') (import prefixlab.attention) before building HydragenCache"
             )
         text_config = config.get_text_config(decoder=True)
+        if getattr(text_config, "attn_logit_softcapping", None) is not None:  # Gemma 2
+            raise InvalidInputError(
+                f"{text_config.model_type} caps its attention scores (attn_logit_softcapping), which hydragen "
+                "attention's plain softmax does not: use HybridPrefixCache (or DynamicCache) for this model"
+            )
         if getattr(text_config, "kv_lora_rank", None) is not None:  # Kimi Linear, DeepSeek V2/V3
             raise InvalidInputError(
                 f"{text_config.model_type} uses multi-head latent attention: its cache holds compressed latents that "
@@ -300,14 +305,16 @@ class HydragenCache(Cache):
             )
         if any(self.layers[i].is_initialized or self.layers[i].levels for i in attention):
             raise InvalidInputError("load_shared_prefix must be called on an empty cache, before generate/forward")
+        per_sequence = {  # (all checked before any layer changes: a refused load leaves the cache empty)
+            i: (_per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]"),
+                None if states["recurrent"].get(i) is None else
+                _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]"))
+            for i in (recurrent if lengths != {0} else [])}
         self.expected_batch = batch_size
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
-        for i in recurrent if lengths != {0} else []:
-            recurrent_state = states["recurrent"].get(i)
-            _set_state(self.layers[i], _per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]"),
-                       None if recurrent_state is None else
-                       _per_sequence(recurrent_state, batch_size, f"recurrent_states[{i}]"))
+        for i, (conv, recurrent_state) in per_sequence.items():
+            _set_state(self.layers[i], conv, recurrent_state)
 
     @classmethod
     def join_rows(cls, config, rows: Sequence[HydragenCache]) -> HydragenCache:
@@ -336,7 +343,8 @@ class HydragenCache(Cache):
 def _set_state(layer: LinearAttentionLayer, conv: torch.Tensor, recurrent: torch.Tensor | None) -> None:
     """Give a linear-attention cache layer (batch, ...) conv and recurrent states (None: it keeps none), as after a
     prefill."""
-    layer.lazy_initialization(conv_states=conv, conv_kernel_size=conv.shape[-1])
+    # both buffers allocated anew at this batch (after reset() transformers keeps the old recurrent one)
+    layer.lazy_initialization(conv_states=conv, recurrent_states=recurrent, conv_kernel_size=conv.shape[-1])
     layer.conv_states[0].copy_(conv)
     if recurrent is not None:
         layer.update_recurrent_state(recurrent)

@@ -218,6 +218,8 @@ def attention_with_lse(
     """Softmax attention returning (out, lse): q (N, H, M, D), k/v (N, Hkv, L, D), mask (N|1, 1, M, L) bool."""
     if k.shape[2] == 0:
         raise InvalidInputError("attention_with_lse needs at least one key; drop empty key sets before calling")
+    if q.shape[2] == 0:  # (ATen's fused CPU kernel divides by the query count: SIGFPE)
+        return q.new_empty(*q.shape[:3], v.shape[-1]), q.new_empty(q.shape[:3], dtype=accumulate_dtype(q.dtype))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     # the fused kernels read the head dim as unit-stride (ATen's CPU one without checking; SDPA checks before choosing
     # it): a transposed K cache gave silently wrong outputs

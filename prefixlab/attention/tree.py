@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def ancestors_of(parents: Sequence[int | None]) -> list[list[int]]:
     """For each level, its path from the root (root first); raises if the parent links do not form a forest."""
     n = len(parents)
     for i, parent in enumerate(parents):
-        if parent is not None and (not isinstance(parent, int) or not 0 <= parent < n or parent == i):
+        if parent is not None and (not is_int(parent) or not 0 <= parent < n or parent == i):  # (not a bool)
             raise InvalidInputError(
                 f"levels[{i}].parent={parent!r} must be None or the index of another level in [0, {n})"
             )
@@ -125,7 +125,10 @@ def level_visibility(
     paths = ancestors_of([level.parent for level in levels])
     if seq_levels is None:
         seq_levels = [len(levels) - 1] * batch
-    seq_levels = [int(x) for x in torch.as_tensor(seq_levels).reshape(-1).tolist()]
+    given = seq_levels.reshape(-1).tolist() if isinstance(seq_levels, torch.Tensor) else seq_levels
+    if isinstance(given, torch.Tensor | str) or not all(is_int(x) for x in given):  # (0.7 read as 0, True as 1)
+        raise InvalidInputError(f"seq_levels must hold int level indices (or -1: none), got {seq_levels!r}")
+    seq_levels = [int(x) for x in given]
     if len(seq_levels) != batch:
         raise InvalidInputError(
             f"seq_levels has {len(seq_levels)} entries for a batch of {batch}: give one per sequence"
