@@ -89,6 +89,8 @@ def test_conv_state_at_rejects_bad_input(kwargs, argument):
         ({"activation": "nope"}, "activation"),
         ({"capture": (3, 1)}, "capture"),
         ({"initial_conv_state": torch.zeros(1, 3, 4)}, "initial_conv_state"),
+        ({"x": torch.zeros(3, 5)}, "x has shape"),  # (the weight was blamed)
+        ({"bias": torch.zeros(3, dtype=torch.bfloat16)}, "bias has dtype"),  # (conv1d's own RuntimeError)
     ],
 )
 def test_causal_conv1d_rejects_bad_input(kwargs, argument):

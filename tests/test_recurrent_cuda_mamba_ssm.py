@@ -58,7 +58,10 @@ def test_mamba_ssm_backend_calls_mamba_ssm_as_published(monkeypatch, batch):
     initial = random_state(batch, 4, 8, 8)
     limit = (0.01, 0.05)  # Nemotron-H style: the kernel must get it
     positions = (0, 5, 20, 21, 40, 50)
-    y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, initial.clone(), positions, 16)
+    given = initial.clone()
+    y, final, states = ssd_mamba_ssm(*inputs.values(), True, limit, given, positions, 16)
+    # copies, as the torch backends give: the caller's state is a cache buffer a later step overwrites in place
+    assert states[0] is not given and states[50] is not final and states[0].data_ptr() != given.data_ptr()
     y_ref, final_ref, states_ref = ssd(**inputs, dt_limit=limit, initial_state=initial, capture=positions,
                                        backend="naive")  # fmt: skip
     # one sequence: the varlen ends, and once per process one more at the last token (checked against the final state)

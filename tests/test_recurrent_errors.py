@@ -76,6 +76,9 @@ SSD_CASES = [
     ({"initial_state": torch.zeros(1, 4, 16, 8)}, "initial_state"),
     ({"x": torch.zeros(1, LENGTH, 4, 8, device="meta")}, "on meta"),
     ({"dt_limit": (1.0, 0.0)}, "dt_limit"),
+    ({"dt_limit": None}, "dt_limit"),  # (a raw TypeError)
+    ({"dt_limit": (0.0, None)}, "dt_limit"),
+    ({"dt_limit": (0.0, float("nan"))}, "dt_limit"),
     ({"backend": "mamba_ssm"}, "backend"),
     ({"backend": "fla"}, "backend"),
 ]

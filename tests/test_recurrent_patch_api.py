@@ -181,3 +181,8 @@ def test_a_cache_recording_its_past_keeps_the_whole_conv_history(qwen):
         pieces = [forward(qwen, ids[:, a:b], cache, start=a) for a, b in [(0, 6), (6, 7), (7, 15)]]
     assert_close(torch.cat(pieces, dim=1), reference)
     assert [cache.layers[i].conv_states[0].shape[-1] for i in linear_layer_indices(cache)] == [15]
+    with patched(qwen):  # a first prefill shorter than the conv kernel: its recorded past is too (was refused)
+        cache = new_cache(qwen)
+        cache.activate_past_recording()
+        pieces = [forward(qwen, ids[:, a:b], cache, start=a) for a, b in [(0, 2), (2, 3), (3, 15)]]
+    assert_close(torch.cat(pieces, dim=1), reference)

@@ -61,10 +61,12 @@ def causal_conv1d(
     causal_conv1d_update. Computes in weight's dtype, returns y [B, C, T] in x's dtype, the final conv state and
     {p: conv state after p tokens} for the `capture` positions (all in x's dtype).
     """
-    _checks.check_tensor("weight", weight, (x.shape[1] if isinstance(x, torch.Tensor) else None, None))
+    _checks.check_tensor("x", x, (None, None, None))  # (first: a 2-D x must not be blamed on the weight)
+    _checks.check_tensor("weight", weight, (x.shape[1], None))
     _check_conv_inputs(x, weight.shape[1], initial_conv_state)
     if bias is not None:
         _checks.check_tensor("bias", bias, (x.shape[1],))
+        require(bias.dtype == weight.dtype, f"bias has dtype {bias.dtype} and weight {weight.dtype}: give both one")
     _checks.check_same_device({"x": x, "weight": weight, "bias": bias})
     require(activation is None or activation in ACT2FN, f"activation {activation!r} is not a transformers activation")
     positions = _checks.check_capture(capture, x.shape[-1])

@@ -235,13 +235,14 @@ def ssd_mamba_ssm(
         if checking:
             _mamba_varlen_trusted = chunk_states_agree(varlen[-1:], final, "mamba_ssm")
         if _mamba_varlen_trusted is not False:
-            known = {0: initial} | {p: varlen[i : i + 1].to(torch.float32) for i, p in enumerate(served)}
+            # (copies: `initial` may be the caller's fp32 tensor, the cache's buffer a later step overwrites)
+            known = {0: initial.clone()} | {p: varlen[i : i + 1].to(torch.float32) for i, p in enumerate(served)}
             captured = {p: known[p] for p in positions if p in known}
             for p in inside:
                 if p not in known:
                     known[p] = captured[p] = _roll_ssd(known, p, x, dt, A, B, C, dt_bias, dt_softplus, dt_limit)
             if length in positions:
-                captured[length] = final.to(torch.float32)
+                captured[length] = final.to(torch.float32, copy=True)
             return y.to(x.dtype), final.to(torch.float32), captured
     y, final, captured = run_in_segments(length, positions, initial_state.to(torch.float32), segment)
     return y.to(x.dtype), final.to(torch.float32), {p: s.to(torch.float32) for p, s in captured.items()}

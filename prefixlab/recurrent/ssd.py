@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -58,8 +59,10 @@ def ssd(
     positions = _checks.check_capture(capture, length)
     chunk_size = _checks.check_chunk_size(chunk_size)
     require(
-        len(dt_limit) == 2 and dt_limit[0] <= dt_limit[1],
-        f"dt_limit must be (low, high) with low <= high, got {dt_limit!r}",
+        isinstance(dt_limit, tuple | list) and len(dt_limit) == 2
+        and all(isinstance(v, Real) and not isinstance(v, bool) and v == v for v in dt_limit)  # (v == v: not NaN)
+        and dt_limit[0] <= dt_limit[1],
+        f"dt_limit must be (low, high) numbers with low <= high (high may be math.inf), got {dt_limit!r}",
     )
     backend = ssd_backend(backend, x.device, x.dtype, length)
     if length == 0:

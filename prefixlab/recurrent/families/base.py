@@ -208,6 +208,8 @@ def run_layer(
     kernel_size = conv.kernel_size[0]
     # While transformers records the past, the cached conv state is the whole history: the conv needs its last K.
     history = None if view.conv_state is None else view.conv_state[..., -kernel_size:]
+    if history is not None and history.shape[-1] < kernel_size:  # a recorded past shorter than K: zeros before it
+        history = torch.nn.functional.pad(history, (kernel_size - history.shape[-1], 0))
     if history is not None:  # the rest comes from the layer itself; the cache's state may not fit this batch
         check_tensor("initial_conv_state", history, (batch, projected.conv_input.shape[1], kernel_size))
     conv_output, _, conv_states = conv_with_history(
