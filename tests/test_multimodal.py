@@ -21,6 +21,7 @@ from multimodal_helpers import (
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.multimodal import placeholder_token_ids, reusable_columns
+from prefixlab.errors import InvalidInputError
 
 
 @pytest.fixture(scope="module")
@@ -285,4 +286,62 @@ def test_a_second_generate_call_continues_a_request_past_an_image(model):
         for reference, served in zip(*turns, strict=True):
             assert_same(reference, served)
     assert cache.reused_tokens > len(prompt)
+    store.close()
+
+
+def _generate_4(model, inputs, cache=None, **options):
+    extra = {} if cache is None else {"past_key_values": cache}
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                         output_scores=True, **extra, **options)
+    return out.sequences, torch.stack(out.scores)
+
+
+def test_generate_without_cache_use_over_an_image_is_exact(model):
+    """generate(use_cache=False) feeds the whole sequence every step; the held image columns are keys by content, so
+    the tokens fed again never matched them and the step was refused ("does not continue them")."""
+    store = PrefixStore(model, capacity="64MB")
+    inputs = image_inputs(TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30)), seed=1)
+    for _ in range(2):  # the second reuses the first's image
+        assert_same(_generate_4(model, inputs, use_cache=False),
+                    _generate_4(model, inputs, HybridPrefixCache(store), use_cache=False))
+    store.close()
+
+
+@pytest.mark.parametrize("placeholders", [3, 5])
+def test_placeholders_that_do_not_fit_the_image_are_refused_after_a_hit(model, placeholders):
+    """With the text before the image cached, the forward after the hit carried only its own placeholders' feature
+    rows: the model's mismatch error vanished (3 placeholders for a 4-token image: one feature row dropped, outputs
+    returned and admitted) or became an IndexError (5)."""
+    store = PrefixStore(model, capacity="64MB")
+    tail = [END] + list(range(20, 26))
+    _generate_4(model, image_inputs(TEXT + [START] + [IMAGE] * 4 + tail, seed=1), HybridPrefixCache(store))
+    store.flush()
+    before = store.core.used_bytes, store.stats()["sequences"]
+    bad = image_inputs(TEXT + [START] + [IMAGE] * placeholders + tail, seed=1)
+    bad.pop("mm_token_type_ids")  # (generate accepts it then; the model refuses it in its forward)
+    with pytest.raises(InvalidInputError, match=f"4 feature rows for {placeholders} image placeholder"):
+        _generate_4(model, bad, HybridPrefixCache(store))
+    store.flush()
+    assert (store.core.used_bytes, store.stats()["sequences"]) == before
+    store.close()
+
+
+def test_caller_positions_that_move_the_text_after_an_image_are_not_reused_past_it(model):
+    """A direct forward whose M-RoPE positions put the text after the image elsewhere reused that text's KV from a
+    request at the model's own positions (23 of 24 tokens, logits off by 8e-3): the keys cover an image's own
+    positions only. Such a forward now reuses only what comes before the image."""
+    store = PrefixStore(model, capacity="64MB")
+    ids = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    inputs = image_inputs(ids, seed=1)
+    with torch.no_grad():
+        own, _ = model.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], image_grid_thw=GRID_4)
+        shifted = own.clone()
+        shifted[:, :, ids.index(END):] += 7
+        for positions, most in ((own, 0), (own, len(ids) - 1), (shifted, ids.index(IMAGE))):
+            cache = HybridPrefixCache(store)
+            expected = model(**inputs, position_ids=positions).logits[:, -1]
+            served = model(**inputs, position_ids=positions, past_key_values=cache).logits[:, -1]
+            torch.testing.assert_close(served, expected, atol=1e-5, rtol=0)
+            assert cache.reused_tokens <= most and (most == 0 or cache.reused_tokens > 0)
+            store.flush()
     store.close()

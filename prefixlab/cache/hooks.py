@@ -34,7 +34,14 @@ from prefixlab.cache.align import prime_rows, release_primes
 from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
-from prefixlab.cache.multimodal import TOKEN_KEYS, MediaTokens, computes_positions, text_only, with_model_positions
+from prefixlab.cache.multimodal import (
+    KEY_BASE,
+    TOKEN_KEYS,
+    MediaTokens,
+    computes_positions,
+    text_only,
+    with_model_positions,
+)
 from prefixlab.cache.rows import continues_at
 from prefixlab.errors import InvalidInputError
 
@@ -251,9 +258,12 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
     length = input_ids.shape[1]
     # (not a decode step: those feed one token; with positions, a feed again starts where the held tokens did)
     if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads, mrope):
-        held = cache.held_tokens()
-        if held.shape == (input_ids.shape[0], seen) and torch.equal(input_ids[:, :seen].cpu(), held):
-            kwargs = _slice_inputs(kwargs, seen, length, length)
+        held, fed = cache.held_tokens(), input_ids
+        if bool((held >= KEY_BASE).any()):  # images held keyed by content: the tokens fed again must key the same
+            kwargs = media.keyed(module, kwargs, first=False)  # (generate(use_cache=False) re-feeds every step)
+            fed = kwargs.get(TOKEN_KEYS, input_ids)
+        if held.shape == (fed.shape[0], seen) and torch.equal(fed[:, :seen].cpu(), held):
+            kwargs = _slice_inputs(kwargs, seen, length, length, media=media)
     if not continues_at(kwargs.get("position_ids"), seen, cache.row_pads, mrope):
         raise InvalidInputError(
             f"this HybridPrefixCache holds {seen} tokens of a request and this forward does not "

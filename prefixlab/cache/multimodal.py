@@ -123,9 +123,12 @@ class MediaTokens:
             kwargs |= {"mm_encoder_outputs": outputs}
         keys = kwargs["input_ids"].detach().cpu()
         for modality, token in present.items():
+            _check_feature_rows(modality, outputs.get(modality), int((keys == token).sum()))
             keys = content_keys(keys, token, outputs.get(modality), kwargs["position_ids"], text)
-            if keys is None:  # features that do not fit: nothing keyed (the model raises its own error)
+            if keys is None:  # (positions of another width: nothing keyed)
                 return kwargs
+        if first and not _model_positions(module, kwargs):  # (the keys cover an image's own positions only)
+            return kwargs
         return kwargs | {TOKEN_KEYS: keys}
 
     def reusable(self, kwargs: dict) -> int | None:
@@ -153,6 +156,33 @@ class MediaTokens:
             if len(rows):
                 cut[modality] = _take_rows(output, rows)
         return kwargs | {"mm_encoder_outputs": cut}
+
+
+def _check_feature_rows(modality: str, output, placeholders: int) -> None:
+    """InvalidInputError if an encoder output's feature rows are not one per placeholder: the model would refuse
+    them, but a forward the store shortens carries only the placeholders after the reused columns (and their rows),
+    so the mismatch would go unseen."""
+    if output is None:
+        return  # (placeholder ids without pixels: text, as the model embeds them)
+    features = [_flat(output["pooler_output"])]
+    if (deepstack := output.get("deepstack_features")) is not None:
+        features += [_flat(layer) for layer in deepstack]
+    if any(len(f) != placeholders for f in features):
+        raise InvalidInputError(
+            f"the {modality} inputs give {len(features[0])} feature rows for {placeholders} {modality} placeholder "
+            "tokens in input_ids; pass input_ids, pixel values and their grid as the model's processor returns them. "
+            "Nothing was looked up or admitted"
+        )
+
+
+def _model_positions(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether a first forward's M-RoPE positions are the ones the model computes for its inputs (generate's, or
+    none given): positions a caller set otherwise move the text after an image, which no content key covers."""
+    given = kwargs["position_ids"]
+    own = with_model_positions(module, {k: v for k, v in kwargs.items() if k != "position_ids"}).get("position_ids")
+    if own is None:  # (generate keeps the grids to itself: its 4-row positions are the model's own)
+        return len(given) == 4
+    return own.shape[-2:] == given.shape[-2:] and torch.equal(own[-3:].to(given.device), given[-3:])
 
 
 def _config_id(config, modality: str):
