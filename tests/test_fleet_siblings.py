@@ -273,3 +273,57 @@ def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family, length
                                                    atol=1e-5, rtol=0)
     finally:
         store.close()
+
+
+def test_generation_options_that_read_each_prompt_are_not_batched(capsys):
+    """repetition_penalty (and the like) counted a padded row's pads as its prompt's tokens: other greedy tokens."""
+    model = build("llama")
+    model.set_attn_implementation("hydragen")
+    model.generation_config.repetition_penalty = 1.3
+    rng = np.random.default_rng(4)
+    prefix = rng.integers(3, 128, PREFIX)
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (2, 9)]
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.inference_mode():
+            serve.prime(model, store, prefix)
+            with pytest.raises(InvalidInputError, match="repetition_penalty=1.3"):
+                siblings.generate_group(model, store, rows, PREFIX, [3, 3])
+    finally:
+        store.close()
+
+
+def test_a_batch_that_would_move_a_dynamic_rope_is_served_one_by_one():
+    """A dynamic RoPE rescales its frequencies for the whole batch once the longest row passes the context: a row
+    decoding past it (the batch runs max(max_new_tokens) steps) changed the other rows' tokens."""
+    model = build("llama")
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    model.set_attn_implementation("hydragen")
+    limit = model.config.max_position_embeddings
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, 128, PREFIX)
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (2, 9)]
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.inference_mode():
+            serve.prime(model, store, prefix)
+            assert siblings.generate_group(model, store, rows, PREFIX, [2, limit - len(rows[0])]) is None
+            assert siblings.generate_group(model, store, rows, PREFIX, [2, 3]) is not None  # (within the context)
+    finally:
+        store.close()
+
+
+def test_a_prime_the_store_already_resumes_is_skipped():
+    """A prime at the depth an earlier prompt left cached recomputed its last token (the planner's work predicted
+    none)."""
+    model = build("llama")
+    rng = np.random.default_rng(6)
+    first = rng.integers(3, 128, PREFIX)
+    prompts = [Prompt(0, 0, first, 2), Prompt(1, 1, np.concatenate([first, [5]]), 2),
+               Prompt(2, 2, np.concatenate([first, [6]]), 2)]
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        stats = serve.serve(model, store, prompts, [(0, 0), (1, PREFIX), (1, 0), (2, 0)], lambda record: None)
+    finally:
+        store.close()
+    assert stats.prime_tokens == 0 and stats.prefilled_tokens == PREFIX + 1 + 1

@@ -201,6 +201,13 @@ def _hydragen_mode(model) -> str | None:
         mode = batching_mode(model)
     except (ValueError, NotImplementedError):  # e.g. a model with no attention implementation to set
         mode = None
+    from prefixlab.fleet.siblings import prompt_reading_options
+
+    if mode is not None and (options := prompt_reading_options(model)):
+        print(f"prefixlab: note: --hydragen: the model's generation config sets {', '.join(options)}, which read "
+              "each prompt's tokens or length (a padded batch would change them); serving prompts one by one",
+              file=sys.stderr)
+        return None
     if mode is None:
         print(f"prefixlab: note: --hydragen: {type(model).__name__} has no attention layer HydragenCache can share; "
               "serving prompts one by one", file=sys.stderr)

@@ -181,6 +181,13 @@ def prime(model, store, tokens) -> int:
     return len(tokens) - cache.reused_tokens
 
 
+def _resumable(store, tokens) -> int:
+    """How much of `tokens` the store can resume now (its pending admissions made first)."""
+    store.flush()
+    with store.lock:
+        return store.core.peek(tokens)[0]
+
+
 def _pad_id(model) -> int:
     pad = getattr(model.config, "pad_token_id", None)
     return pad if isinstance(pad, int) else 0
@@ -254,6 +261,8 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
                     finish(prompt, output_ids, result.reused_tokens)
                 continue
             prompt = prompts[index]
+            if length and _resumable(store, prompt.tokens[:length]) >= length:
+                continue  # (an earlier prompt left it: a prime would recompute its last token for nothing)
             if length:
                 prime_started = time.perf_counter()
                 computed = prime(model, store, prompt.tokens[:length])

@@ -77,6 +77,34 @@ def batching_mode(model) -> str | None:
     return "rows" if joinable and not decode_differs_from_prefill(model) else "equal"
 
 
+_PROMPT_READING = {  # generation options whose logits processors read a row's tokens or length (its padding too)
+    "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
+    "exponential_decay_length_penalty": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
+}
+
+
+def prompt_reading_options(model) -> list[str]:
+    """The options of `model.generation_config` under which a padded sibling batch would generate other tokens than
+    each prompt alone (`name=value`); empty when it may batch."""
+    config = getattr(model, "generation_config", None)
+    return [f"{name}={getattr(config, name)!r}" for name, set_ in _PROMPT_READING.items()
+            if config is not None and set_(getattr(config, name, None))]
+
+
+def _moves_rope_frequencies(model, positions: int) -> bool:
+    """Whether a batch reaching `positions` positions changes a position-dependent RoPE's frequencies ("dynamic",
+    "longrope": transformers rescales them for the whole batch once its longest row passes the original context)."""
+    text = model.config.get_text_config()
+    params = getattr(text, "rope_parameters", None) or {}
+    kinds = [params] if "rope_type" in params else [p for p in params.values() if isinstance(p, dict)]
+    if not any("dynamic" in str(p.get("rope_type")) or p.get("rope_type") == "longrope" for p in kinds):
+        return False
+    limit = min(p.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings", None)
+                or text.max_position_embeddings for p in kinds)
+    return positions > limit
+
+
 def group_siblings(prompts: Sequence[np.ndarray], steps: Sequence[tuple[int, int]], mode: str,
                    max_batch: int = 16) -> list[Step]:
     """`steps` with the serve steps under one prime merged into group steps ((indices...), prime length).
@@ -159,6 +187,11 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     if mode is None:
         raise InvalidInputError(f"{type(model).__name__} has no attention layer HydragenCache can share: serve its "
                                 "prompts one by one")
+    if options := prompt_reading_options(model):
+        raise InvalidInputError(f"the model's generation config sets {', '.join(options)}, which read each prompt's "
+                                "tokens or length, and a padded batch would change them: serve prompts one by one")
+    if _moves_rope_frequencies(model, max(len(r) for r in rows) + max(max_new_tokens)):
+        return None  # (each row alone may stay under the length where the frequencies change: one by one)
     ragged = len({len(r) for r in rows}) > 1
     if mode == "equal" and ragged:
         raise InvalidInputError(f"{type(model).__name__} has layers that would run over the padding of rows of "
