@@ -141,8 +141,9 @@ def assign(prompts: Sequence[np.ndarray], processes: int, routing: str, *, seed:
 
 def affinity_plan(prompts: Sequence[np.ndarray], processes: int, *, seed: int = 0, balance_eps: float = 0.15,
                   primed: bool = True, store: StoreModel | None = None) -> tuple[list[int], np.ndarray]:
-    """assign(..., "affinity") and the router's predicted prefill tokens per process (with `store`: what
-    served_work measures, as long as the stores evict nothing). The router balances against the batch's distinct
+    """assign(..., "affinity") and the router's predicted prefill tokens per process (with `store`: close to what
+    served_work measures while the stores evict nothing; a prime's own tokens are not counted, and a store may keep
+    its checkpoint elsewhere, e.g. vllm+ at a block boundary). The router balances against the batch's distinct
     prompt prefixes (a lower bound of the work: families stay together from the first prompt). Where that plan's
     work is over (1 + balance_eps) x the bound (stores that evict, input order), loads grew apart under the bound and
     families were moved once the running mean took over: a plan against the running mean alone is tried too, and
