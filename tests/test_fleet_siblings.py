@@ -275,42 +275,43 @@ def test_rows_prefilled_alone_get_the_keys_of_their_own_positions(family, length
         store.close()
 
 
-def test_generation_options_that_read_each_prompt_are_not_batched(capsys):
-    """repetition_penalty (and the like) counted a padded row's pads as its prompt's tokens: other greedy tokens."""
+def _group_over_a_primed_prefix(configure, seed, check) -> None:
+    """`check(model, store, rows)` on a llama (`configure(model)` first) whose store holds a primed PREFIX that two
+    rows of 2 and 9 own tokens share."""
     model = build("llama")
+    configure(model)
     model.set_attn_implementation("hydragen")
-    model.generation_config.repetition_penalty = 1.3
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 128, PREFIX)
     rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (2, 9)]
     store = PrefixStore(model, capacity="64MB")
     try:
         with torch.inference_mode():
             serve.prime(model, store, prefix)
-            with pytest.raises(InvalidInputError, match="repetition_penalty=1.3"):
-                siblings.generate_group(model, store, rows, PREFIX, [3, 3])
+            check(model, store, rows)
     finally:
         store.close()
+
+
+def test_generation_options_that_read_each_prompt_are_not_batched():
+    """repetition_penalty (and the like) counted a padded row's pads as its prompt's tokens: other greedy tokens."""
+    def check(model, store, rows):
+        with pytest.raises(InvalidInputError, match="repetition_penalty=1.3"):
+            siblings.generate_group(model, store, rows, PREFIX, [3, 3])
+
+    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, "repetition_penalty", 1.3), 4, check)
 
 
 def test_a_batch_that_would_move_a_dynamic_rope_is_served_one_by_one():
     """A dynamic RoPE rescales its frequencies for the whole batch once the longest row passes the context: a row
     decoding past it (the batch runs max(max_new_tokens) steps) changed the other rows' tokens."""
-    model = build("llama")
-    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
-    model.set_attn_implementation("hydragen")
-    limit = model.config.max_position_embeddings
-    rng = np.random.default_rng(5)
-    prefix = rng.integers(3, 128, PREFIX)
-    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (2, 9)]
-    store = PrefixStore(model, capacity="64MB")
-    try:
-        with torch.inference_mode():
-            serve.prime(model, store, prefix)
-            assert siblings.generate_group(model, store, rows, PREFIX, [2, limit - len(rows[0])]) is None
-            assert siblings.generate_group(model, store, rows, PREFIX, [2, 3]) is not None  # (within the context)
-    finally:
-        store.close()
+    def check(model, store, rows):
+        limit = model.config.max_position_embeddings
+        assert siblings.generate_group(model, store, rows, PREFIX, [2, limit - len(rows[0])]) is None
+        assert siblings.generate_group(model, store, rows, PREFIX, [2, 3]) is not None  # (within the context)
+
+    dynamic = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    _group_over_a_primed_prefix(lambda model: setattr(model.config, "rope_parameters", dynamic), 5, check)
 
 
 def test_a_prime_the_store_already_resumes_is_skipped():
