@@ -94,6 +94,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1, help="rows decoded together (one prompt each)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     torch.set_num_threads(args.threads)
     print(json.dumps(measure(args.family, args.size, args.dtype, args.steps, args.prompt, batch=args.batch)))
 

@@ -32,7 +32,7 @@ def max_state_diff(a: dict, b: dict) -> float:
 
 @torch.no_grad()
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--length", type=int, default=32768)
     parser.add_argument("--captures", type=int, default=8)
     parser.add_argument("--heads", type=int, default=16)
@@ -41,6 +41,8 @@ def main() -> None:
     parser.add_argument("--kernel", default="fla", choices=("fla", "mamba_ssm"))
     parser.add_argument("--state-size", type=int, default=128, help="mamba_ssm: SSM state size")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device (it times the CUDA packages' kernels)")
     positions = spread_positions(args.length, args.captures)
     if args.kernel == "fla":
         inputs = {name: t.cuda().to(torch.bfloat16) for name, t in

@@ -70,6 +70,8 @@ def main() -> int:
     args = parser.parse_args()
     if min(args.prefix, args.suffix, args.rounds) < 1:
         parser.error("--prefix, --suffix and --rounds must be at least 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: this machine has no CUDA device; use --device cpu")
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch.manual_seed(0)

@@ -5,8 +5,8 @@ same kind of batch, each checked token for token against plain generate() of the
   plain     generate() with transformers' own cache (prefills every row whole, batched)
   primed    through the store: the rows are prefilled from the cached prompt up to the batch's deepest column
             (together, right-padded, since session 35; one by one before), then the batch resumes there (the default)
-  unprimed  through the store with priming switched off: the batch resumes at one column, where no row holds
-            the prompt's checkpoint, so it reuses nothing
+  unprimed  through the store with priming switched off: the batch resumes at one column, where few rows hold
+            the prompt's checkpoint, so most rows drop to an earlier common checkpoint (rows_reused_unprimed)
 Each round serves fresh questions (a served batch is admitted, which would let the next one hit its rows), rounds
 interleaved, GPU work waited for. One JSON line.
 

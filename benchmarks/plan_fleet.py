@@ -31,6 +31,8 @@ def main() -> None:
     parser.add_argument("--order", default="radix,input", help="radix (primed, the default of run) and/or input")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if unknown := [v for v in args.order.split(",") if v not in ("radix", "input")]:
+        parser.error(f"--order: unknown {', '.join(unknown)}; use radix and/or input")
     prompts = [r.input_tokens for r in read_trace(args.trace)[: args.prompts]]
     total = sum(len(p) for p in prompts)
     spec = ModelSpec.from_name("marconi-7b")

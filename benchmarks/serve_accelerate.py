@@ -161,6 +161,12 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    from prefixlab.fleet.schedule import ASSIGNMENTS
+
+    for name, given, known in (("--routing", args.routing, ASSIGNMENTS), ("--order", args.order,
+                                                                          ("radix", "input", "hydragen"))):
+        if unknown := [v for v in given.split(",") if v not in known]:  # (before any model is built)
+            parser.error(f"{name}: unknown {', '.join(unknown)}; use {', '.join(known)}")
 
     state = PartialState(cpu=args.cpu)
     launch.share_cores(state, state.num_processes)  # as `prefixlab run` does, so both paths get the same threads
@@ -242,8 +248,8 @@ def main() -> int:
             tuple(((routing, "radix"), (routing, "hydragen"), key, what) for routing in args.routing.split(",")
                   for key, what in (("kv_bytes_read", "decode KV bytes read"), ("seconds", "wall time"))):
         if a in by and b in by:
-            print(f"{'/'.join(a)} vs {'/'.join(b)}: {what} x{by[a][key] / max(by[b][key], 1):.2f}",
-                  file=sys.stderr)
+            print(f"{'/'.join(a)} vs {'/'.join(b)}: {what} x{by[a][key] / (by[b][key] or 1):.2f}",
+                  file=sys.stderr)  # (not max(..., 1): runs under a second would be divided by 1)
     for (routing, order), row in by.items():  # how far each order is from the best any order could do
         print(f"{routing}/{order}: prefilled tokens x{row['prefilled_tokens'] / max(trie_tokens, 1):.2f} the prompt "
               f"trie's {trie_tokens} (no order prefills fewer)", file=sys.stderr)

@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds (after one checked round)")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
