@@ -283,3 +283,46 @@ def test_an_unknown_option_is_refused_before_the_model_is_touched(model, tmp_pat
     with pytest.raises(InvalidInputError, match="no option foo"):
         PrefixStore.load(tmp_path / "store.safetensors", model, foo=1)
     assert not getattr(model, "prefixlab_patched", False) and not model._forward_pre_hooks
+
+
+def test_admit_refuses_payloads_that_do_not_fit_the_model(model):
+    """PrefixStore.admit took an empty state (a later request then resumed from nothing: other tokens), KV of other
+    layers or dtype (a later request failed inside torch) and stored them."""
+    from prefixlab.cache.tensors import TensorKV, TensorState
+
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    generate(model, tokens(1, 20, seed=10), HybridPrefixCache(store))
+    store.flush()
+    before, layers = entries(store), store.layout.kv_layers
+    prompt = tokens(1, 30, seed=11)[0].numpy()
+
+    def kv(dtype=torch.float32, kv_layers=layers):
+        return lambda a, b: TensorKV(b - a, {i: torch.zeros(2, b - a, 16, dtype=dtype) for i in kv_layers},
+                                     {i: torch.zeros(2, b - a, 16, dtype=dtype) for i in kv_layers})
+
+    good_state = store.core.match(tokens(1, 20, seed=10)[0].numpy())
+    state = good_state.state
+    store.core.release(good_state)
+    for bad_kv, states, match in ((kv(), {29: TensorState({}, {})}, "a state for each recurrent layer"),
+                                  (kv(), {29: "state"}, "must be a TensorState"),
+                                  (kv(torch.float64), {29: state}, "dtype"),
+                                  (kv(kv_layers=(99,)), {29: state}, "attention layers")):
+        with pytest.raises(InvalidInputError, match=match):
+            store.admit(prompt, bad_kv, states)
+        assert entries(store) == before
+    store.close()
+
+
+def test_a_store_over_a_model_whose_needed_patch_was_taken_off_refuses_requests():
+    """A Jamba store built inside `with patched(model):` went on after the block unpatched the model: its hits ran
+    transformers' Mamba layers, which restart a multi-token scan from zeros (logits off by 2e-5, no error)."""
+    from prefixlab.errors import UnsupportedModelError
+    from prefixlab.recurrent import patched
+
+    jamba = build("jamba")
+    with patched(jamba):
+        store = PrefixStore(jamba, capacity="64MB", policy="marconi", block_size=4)
+    assert not is_patched(jamba)
+    with pytest.raises(UnsupportedModelError, match="patch was taken off"):
+        generate(jamba, tokens(1, 12, seed=12), HybridPrefixCache(store))
+    store.close()

@@ -42,7 +42,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
 )
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
-from prefixlab.cache.tensors import TensorKV, TensorState, path_kv
+from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
@@ -96,6 +96,7 @@ class PrefixStore:
                 "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
             )
         self.model = model
+        self._patched_only = STATE_DROPPING_MODEL_TYPES.get(model_type)  # why its layers must stay patched, if so
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
         self.dtype = model.dtype  # of every tensor the store holds (cache/defaults.py check_unconverted)
@@ -203,6 +204,12 @@ class PrefixStore:
     def check_weights(self) -> None:
         """Entries computed with other weights are stale: drop them all before anything is admitted or reused
         (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store)."""
+        if self._patched_only and not self.records_in_kernel:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was taken off while this store "
+                "was open (prefixlab.recurrent.unpatch, or the end of a `with patched(model):` block the store was "
+                "built in), so prefixes cannot be reused exactly: prefixlab.recurrent.patch(model) again, or close "
+                "the store and build a new one")
         if weights_version(self.model) != self._weights:
             if self._requests_running():
                 raise InvalidInputError(
@@ -324,7 +331,12 @@ class PrefixStore:
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
         Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request simply ran
         uncached) when the budget cannot hold it."""
-        admitted = self.core.admit(tokens, kv=kv, states=states, namespace=namespace)
+        if not callable(kv):
+            raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
+        for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
+            check_state(state, self.layout.state_layers, f"states[{position}]")
+        admitted = self.core.admit(tokens, kv=lambda a, b: check_kv(kv(a, b), self.layout.kv_layers, self.dtype),
+                                   states=states, namespace=namespace)
         if not admitted:
             warnings.warn(
                 f"PrefixStore: a {len(tokens)}-token entry does not fit in capacity={self.capacity_bytes} bytes "

@@ -182,3 +182,26 @@ def row_kv(layers: list, kv_layers: tuple[int, ...], row: int, pad: int) -> Call
                         {i: layers[i].values[row, :, cut].detach().clone() for i in kv_layers})
 
     return kv
+
+
+def check_kv(kv: object, kv_layers: tuple[int, ...], dtype: torch.dtype) -> TensorKV:
+    """`kv` if it is a TensorKV of exactly the attention layers `kv_layers` in `dtype`, else InvalidInputError: an
+    entry of other layers or dtype would fail (or mislead) every later request that loads it."""
+    if not isinstance(kv, TensorKV):
+        raise InvalidInputError(f"kv(start, end) must return a TensorKV, got {type(kv).__name__}")
+    if sorted(kv.keys) != sorted(kv_layers):
+        raise InvalidInputError(f"the KV must hold exactly the attention layers {list(kv_layers)}, got "
+                                f"{sorted(kv.keys)}")
+    if any(t.dtype != dtype for t in (*kv.keys.values(), *kv.values.values())):
+        raise InvalidInputError(f"the KV must be in the store's dtype {dtype} (the model's)")
+    return kv
+
+
+def check_state(state: object, state_layers: tuple[int, ...], name: str = "state") -> None:
+    """InvalidInputError unless `state` is a TensorState with a state for each recurrent layer in `state_layers`
+    (an empty one would let a request resume from nothing)."""
+    if not isinstance(state, TensorState):
+        raise InvalidInputError(f"{name} must be a TensorState, got {type(state).__name__}")
+    held = sorted({layer for layer, _ in (*state.conv, *state.recurrent)})
+    if held != sorted(state_layers):
+        raise InvalidInputError(f"{name} must hold a state for each recurrent layer {list(state_layers)}, got {held}")
