@@ -100,3 +100,17 @@ def test_the_alpha_tuners_time_is_reported_as_part_of_the_replays(policy):
     assert tuned.alpha is not None and 0 < tuned.tuning_seconds <= tuned.replay_seconds
     assert simulate(requests, policy, 700, spec, alpha=0.5).tuning_seconds == 0.0  # a fixed alpha is never tuned
     assert simulate(requests, policy, 10**9, spec).tuning_seconds == 0.0  # nothing evicted: no window, no tuning
+
+
+def test_a_fleet_reports_its_replicas_alpha_and_tuning_time():
+    """simulate_fleet left alpha None and tuning_seconds 0 although every replica tuned: one replica disagreed with
+    the single cache it is."""
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.sim.build import builtin_trace
+    from prefixlab.sim.replay import simulate_fleet
+
+    requests, spec = builtin_trace(), ModelSpec.from_name("marconi-7b")
+    one = simulate(requests, "dp", int(1e9), spec)
+    fleet, _ = simulate_fleet(requests, "dp", int(1e9), spec, 1, "round-robin")
+    assert one.alpha is not None and fleet.alpha == one.alpha and fleet.evictions == one.evictions
+    assert fleet.tuning_seconds > 0

@@ -96,8 +96,10 @@ def simulate_fleet(
             progress(1)
     elapsed = time.perf_counter() - started
     lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
+    alphas = {core.alpha for core in cores}  # (one α when every replica tuned the same, as one cache does)
     result = summarize(policy, capacity_bytes, lengths, hits, spec, evictions=sum(c.evictions for c in cores),
-                       replay_seconds=elapsed)
+                       replay_seconds=elapsed, alpha=alphas.pop() if len(alphas) == 1 else None,
+                       tuning_seconds=sum(core.tuning_seconds for core in cores))
     return result, router.loads.copy()
 
 
