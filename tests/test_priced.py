@@ -379,9 +379,8 @@ def test_replay_caches_change_no_decision(monkeypatch):
 
 
 def test_a_plan_uses_its_own_input_length_when_other_requests_matched_since():
-    """dp kept the last match's input length on the admission shared by every request: a batch's rows (matched
-    together, then planned: hf_resume.py) or interleaved threads placed the input-end state at another request's
-    input length and none at their own."""
+    """dp kept the last match's input length on the admission every request shares: a batch's rows (all matched,
+    then planned: hf_resume.py) or threads placed the input-end state at another request's input length."""
     def warm_core():
         core = PrefixCacheCore(1 << 40, "dp", tiny_spec(True), 4, alpha=0.0)
         for _ in range(2):  # a repeated prompt: dp now keeps a state at each input's end
@@ -391,8 +390,7 @@ def test_a_plan_uses_its_own_input_length_when_other_requests_matched_since():
     a_input, a_output, b_input = np.arange(1000, 1040), np.arange(5000, 5005), np.arange(2000, 2010)
     a_tokens = np.concatenate([a_input, a_output])
     core = warm_core()
-    match = core.match(a_input)
-    alone = core.plan(a_tokens, match)
+    alone = core.plan(a_tokens, match := core.match(a_input))
     core.release(match)
     assert 40 in alone
     core = warm_core()

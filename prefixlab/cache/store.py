@@ -203,13 +203,12 @@ class PrefixStore:
     @serialized
     def check_weights(self) -> None:
         """Entries computed with other weights are stale: drop them all before anything is admitted or reused
-        (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store)."""
+        (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store). A model that
+        resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):` block ended)."""
         if self._patched_only and not self.records_in_kernel:
-            raise UnsupportedModelError(
-                f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was taken off while this store "
-                "was open (prefixlab.recurrent.unpatch, or the end of a `with patched(model):` block the store was "
-                "built in), so prefixes cannot be reused exactly: prefixlab.recurrent.patch(model) again, or close "
-                "the store and build a new one")
+            raise UnsupportedModelError(f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was "
+                                        "taken off while this store was open: prefixlab.recurrent.patch(model) "
+                                        "again, or close the store and build a new one")
         if weights_version(self.model) != self._weights:
             if self._requests_running():
                 raise InvalidInputError(
