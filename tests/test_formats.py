@@ -196,7 +196,35 @@ def test_write_trace_converts_everything_before_writing(tmp_path):
         write_trace(path, [Request("a", 0, 0.0, np.arange(3), np.array([0.5]))])
     with pytest.raises(InvalidInputError, match=r"requests\[1\]\.ts=inf is not a finite"):  # JSON has no Infinity
         write_trace(path, [Request("a", 0, 0.0, np.arange(3)), Request("a", 1, float("inf"), np.arange(3))])
+    # what read_trace would refuse is not written either
+    for bad, match in ((Request("a", 0, 0.0, np.array([1, -2])), "out of range"),
+                       (Request("a", 0, 0.0, np.array([2**63], dtype=np.uint64)), "out of range"),
+                       (Request("a", -1, 0.0, np.arange(3)), "turn_id must be a non-negative"),
+                       (Request(None, 0, 0.0, np.arange(3)), "session_id"),
+                       (Request("a", 1.5, 0.0, np.arange(3)), r"turn_id=1\.5 must be an int")):
+        with pytest.raises(InvalidInputError, match=match):
+            write_trace(path, [Request("b", 0, 0.0, np.arange(2)), bad])
     assert path.read_text() == "previous contents\n"
+
+
+def test_booleans_in_other_list_fields_are_not_token_ids(tmp_path):
+    row = {**marconi_row(), "flags": [True, False]}
+    mooncake = {**mooncake_row(0, 10, [1]), "cached": [False]}
+    assert len(read_trace(write_lines(tmp_path / "m.jsonl", [row]))) == 1
+    assert len(read_trace(write_lines(tmp_path / "mc.jsonl", [mooncake]))) == 1
+    with pytest.raises(TraceFormatError, match="hash_ids"):  # (in the ids still refused)
+        read_trace(write_lines(tmp_path / "bad.jsonl", [{**mooncake, "hash_ids": [True]}]))
+
+
+def test_mooncake_files_read_with_other_salts_share_nothing(tmp_path):
+    path = write_lines(tmp_path / "mc.jsonl", [mooncake_row(0, 1100, [10, 11, 12]), mooncake_row(1, 900, [10, 13])])
+    plain, again, salted = read_trace(path), read_trace(path, salt=0), read_trace(path, salt=1)
+    assert same_requests(plain, again)
+    assert [len(r.input_tokens) for r in salted] == [len(r.input_tokens) for r in plain]
+    assert all(not np.isin(s.tokens, p.tokens).any() for s in salted for p in plain)
+    assert same_requests(salted, read_trace(path, salt=1))  # deterministic per salt
+    np.testing.assert_array_equal(salted[0].input_tokens[:MOONCAKE_BLOCK_TOKENS],  # sharing inside a file kept
+                                  salted[1].input_tokens[:MOONCAKE_BLOCK_TOKENS])
 
 
 def mooncake_request_strategy():

@@ -83,6 +83,16 @@ def test_bad_input(requests, policy, capacity, message):
         simulate(requests, policy, capacity, tiny_spec())
 
 
+@pytest.mark.parametrize("tokens", [np.array([1.0, 2.0]), np.array([3, -1])])
+def test_ceiling_checks_tokens_as_simulate_does(tokens):
+    from prefixlab.sim.trace import Request
+
+    requests = [Request("a", 0, 0.0, np.arange(4)), Request("b", 0, 1.0, tokens)]
+    for replay in (lambda: simulate(requests, "marconi", 10**9, tiny_spec()), lambda: ceiling(requests, tiny_spec())):
+        with pytest.raises(InvalidInputError, match=r"input_tokens"):
+            replay()
+
+
 @pytest.mark.parametrize("gb", [0.5, 2])
 def test_dp_is_within_half_a_point_of_marconi_on_a_chat_and_prompt_versions_mix(gb):
     from prefixlab.cache.costmodel import ModelSpec

@@ -117,6 +117,7 @@ def test_simulate_plot(capsys, tmp_path, stand_in_replay):
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 5000
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "no" / "x.png", match="does not exist")
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "x.txt", match=".png")
+    assert_one_line_error(capsys, "simulate", "builtin", "--plot", "", match=".png")  # (not "no plot")
     (tmp_path / "folder.png").mkdir()
     assert_one_line_error(capsys, "simulate", "builtin", "--plot", tmp_path / "folder.png", match="is a folder")
     assert len(stand_in_replay) == 6  # refused before any replay

@@ -96,3 +96,19 @@ def test_trace_build_mix_of_nothing_writes_no_file(capsys, tmp_path):
         assert_one_line_error(capsys, "trace", "build", "mix", bad, "--on-error", "skip", "-o", out,
                               match="no request")
     assert not out.exists()
+
+
+def test_trace_build_refuses_to_overwrite_a_default_shared_input(capsys, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    (data / "tokenizers").mkdir(parents=True)
+    (data / "traces").mkdir()
+    (data / "system_prompts").mkdir()
+    (data / "system_prompts" / "system_prompts.jsonl").write_text("{}\n")
+    tokenizer, chats = data / "tokenizers" / "gpt-neox-20b.json", data / "traces" / "lmsys_chat_1000.jsonl"
+    tokenizer.write_text("{}")
+    chats.write_text("{}\n")
+    monkeypatch.setenv("PREFIXLAB_SHARED_DATA", str(data))
+    for kind, target in (("conversations", chats), ("shared-prefix", tokenizer), ("conversations", tokenizer)):
+        before = target.read_bytes()
+        assert_one_line_error(capsys, "trace", "build", kind, "-o", target, match="one of the build's inputs")
+        assert target.read_bytes() == before

@@ -152,7 +152,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     capacities_gb = parse_capacities_gb(args.capacity_gb)
     options = core_options(args)
     spec = load_spec(args.model)
-    if args.plot:
+    if args.plot is not None:  # ('' too: refused there)
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
     note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
@@ -190,7 +190,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     routings = parse_routings("affinity" if args.routing is None else args.routing)
     balance_eps = parse_number("0.15" if args.balance_eps is None else args.balance_eps, "--balance-eps", strict=False)
     spec = load_spec(args.model)
-    if args.plot:
+    if args.plot is not None:  # ('' too: refused there)
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
     if max(replica_counts) > len(requests):
@@ -228,6 +228,12 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
+_DEFAULT_INPUTS = {  # per build kind: the shared data files read when --input / --tokenizer are not given
+    "conversations": {"input": "traces/lmsys_chat_1000.jsonl", "tokenizer": "tokenizers/gpt-neox-20b.json"},
+    "shared-prefix": {"input": "system_prompts/system_prompts.jsonl", "tokenizer": "tokenizers/gpt-neox-20b.json"},
+}
+
+
 def _input_path(given: str | None, shared: str, option: str) -> Path:
     path = Path(given) if given else shared_file(shared)
     if path is None:
@@ -240,6 +246,10 @@ def run_trace_build(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"-o {args.output!r}: folder {str(Path(args.output).parent)!r} does not exist")
     if Path(args.output).is_dir():
         raise InvalidInputError(f"-o {args.output!r} is a folder; pass the path of the trace file to write")
+    defaults = _DEFAULT_INPUTS.get(args.kind, {})
+    if defaults:  # the shared data files a build reads when not given: -o must not overwrite them either
+        args.input = _input_path(args.input, defaults["input"], "--input")
+        args.tokenizer = _input_path(args.tokenizer, defaults["tokenizer"], "--tokenizer")
     inputs = [*(getattr(args, "traces", None) or ()), getattr(args, "input", None), getattr(args, "tokenizer", None)]
     if Path(args.output).exists() and any(p and Path(p).exists() and Path(p).samefile(args.output) for p in inputs):
         raise InvalidInputError(f"-o {args.output!r} is one of the build's inputs; write the trace to another path")
@@ -249,16 +259,16 @@ def run_trace_build(args: argparse.Namespace) -> int:
         requests = _synthetic_trace(args)
     elif args.kind == "conversations":
         requests = build.build_conversation_trace(
-            _input_path(args.input, "traces/lmsys_chat_1000.jsonl", "--input"),
-            _input_path(args.tokenizer, "tokenizers/gpt-neox-20b.json", "--tokenizer"),
+            args.input,
+            args.tokenizer,
             sessions_per_second=parse_number(args.rate, "--rate"),
             max_sessions=parse_number(args.max_sessions, "--max-sessions", integer=True) if args.max_sessions else None,
             on_error=check_on_error(args.on_error),
         )
     else:
         requests = build.build_shared_prefix_trace(
-            _input_path(args.input, "system_prompts/system_prompts.jsonl", "--input"),
-            _input_path(args.tokenizer, "tokenizers/gpt-neox-20b.json", "--tokenizer"),
+            args.input,
+            args.tokenizer,
             num_requests=parse_number(args.num_requests, "--num-requests", integer=True),
             requests_per_second=parse_number(args.rate, "--rate"),
             popularity_skew=parse_number(args.skew, "--skew", strict=False),
@@ -283,7 +293,8 @@ def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
     from prefixlab.sim import workloads
 
     if args.kind == "mix":
-        traces = [formats.read_trace(path, check_on_error(args.on_error)) for path in args.traces]
+        traces = [formats.read_trace(path, check_on_error(args.on_error), salt=k)  # (Mooncake ids are per file)
+                  for k, path in enumerate(args.traces)]
         stems = [Path(path).stem for path in args.traces]  # a file named twice gets #2, #3, ...
         names = [f"{stem}#{stems[:k].count(stem) + 1}" if stem in stems[:k] else stem for k, stem in enumerate(stems)]
         return workloads.mix_traces(traces, names)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixlab.errors import InvalidInputError, TraceFormatError
+from prefixlab.errors import InvalidInputError, TraceFormatError, is_int
 from prefixlab.sim.trace import Request
 
 MOONCAKE_BLOCK_TOKENS = 512
@@ -36,6 +36,7 @@ _SYNTHETIC_ID_SHIFT = np.uint64(33)
 MAX_HASH_ID = (1 << 54) - 1
 _OUTPUT_KEY_BASE = np.uint64(1 << 63)
 _OUTPUT_KEY_STRIDE = np.uint64(1 << 32)
+_NO_SALT = np.uint64(0)
 
 
 class LineError(ValueError):
@@ -82,9 +83,13 @@ def read_json_lines(path: str | Path, parse: Callable[[Any], Any], on_error: str
                 warnings.warn(f"skipping {message}", stacklevel=2)
 
 
+ID_LIST_FIELDS = ("input_tokens", "output_tokens", "hash_ids")
+
+
 def _refuse_bool_lists(obj: Any) -> None:
     """LineError if a list field of the record holds a boolean: numpy would read [true, 2] as token ids [1, 2]."""
-    for key, value in obj.items() if isinstance(obj, dict) else ():
+    for key in ID_LIST_FIELDS:  # (other list fields are not read: any values there are the writer's business)
+        value = obj.get(key) if isinstance(obj, dict) else None
         if isinstance(value, list) and any(isinstance(v, bool) for v in value):
             raise LineError(f"{key} holds a boolean; token and hash ids are integers")
 
@@ -169,8 +174,9 @@ class MooncakeParser:
     """Mooncake JSONL objects -> Requests. Lines are counted (skipped ones too), so each request's synthetic
     output tokens depend only on its position in the file."""
 
-    def __init__(self) -> None:
+    def __init__(self, salt: int = 0) -> None:
         self.num_seen = 0
+        self.salt_key = _salt_key(salt)
 
     def __call__(self, obj: Any) -> Request:
         index, self.num_seen = self.num_seen, self.num_seen + 1
@@ -197,16 +203,25 @@ class MooncakeParser:
             session_id=f"mooncake-{index}",
             turn_id=0,
             ts=timestamp_ms / 1000.0,
-            input_tokens=mooncake_input_tokens(hash_ids, input_length),
-            output_tokens=synthetic_ids(output_keys),
+            input_tokens=mooncake_input_tokens(hash_ids, input_length, self.salt_key),
+            output_tokens=synthetic_ids(output_keys ^ self.salt_key),
         )
 
 
-def mooncake_input_tokens(hash_ids: list[int], input_length: int) -> np.ndarray:
-    """Concatenated synthetic blocks for `hash_ids`, the last one cut to `input_length`."""
+def mooncake_input_tokens(hash_ids: list[int], input_length: int, salt_key: np.uint64 = _NO_SALT) -> np.ndarray:
+    """Concatenated synthetic blocks for `hash_ids`, the last one cut to `input_length` (`salt_key`: _salt_key)."""
     blocks = np.asarray(hash_ids, dtype=np.uint64)[:, None]
     offsets = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.uint64)[None, :]
-    return synthetic_ids(blocks * np.uint64(MOONCAKE_BLOCK_TOKENS) + offsets).reshape(-1)[:input_length]
+    keys = (blocks * np.uint64(MOONCAKE_BLOCK_TOKENS) + offsets) ^ salt_key
+    return synthetic_ids(keys).reshape(-1)[:input_length]
+
+
+def _salt_key(salt: int) -> np.uint64:
+    """What a Mooncake file's keys are XORed with: its hash ids name blocks of that file only, so files read
+    together (a mix) must not share blocks by chance; salt 0 (one file alone) changes nothing."""
+    if not is_int(salt) or salt < 0:
+        raise InvalidInputError(f"salt must be an int >= 0, got {salt!r}")
+    return _NO_SALT if salt == 0 else splitmix64(np.array([salt], dtype=np.uint64))[0]
 
 
 def detect_format(path: str | Path) -> str:
@@ -228,10 +243,12 @@ def detect_format(path: str | Path) -> str:
     )
 
 
-def read_trace(path: str | Path, on_error: str = "stop") -> list[Request]:
-    """Requests of a Marconi or Mooncake JSONL trace (format auto-detected), in arrival order (stable by ts)."""
+def read_trace(path: str | Path, on_error: str = "stop", salt: int = 0) -> list[Request]:
+    """Requests of a Marconi or Mooncake JSONL trace (format auto-detected), in arrival order (stable by ts).
+    `salt`: a Mooncake trace's synthetic tokens for each distinct salt share no block with another salt's (give
+    each file of a mix its own); Marconi traces hold real token ids and ignore it."""
     existing_file(path, on_error)
-    parse = MooncakeParser() if detect_format(path) == "mooncake" else parse_marconi
+    parse = MooncakeParser(salt) if detect_format(path) == "mooncake" else parse_marconi
     requests = list(read_json_lines(path, parse, on_error))
     return sorted(requests, key=lambda r: r.ts)
 
@@ -265,7 +282,15 @@ def write_trace(path: str | Path, requests: list[Request]) -> None:
                     f"requests[{index}].{name} must be a 1-D integer array, got dtype {tokens.dtype} "
                     f"shape {tokens.shape}"
                 )
-    records = [marconi_record(r) for r in requests]  # all converted before the file is opened
+        if not is_int(request.turn_id):
+            raise InvalidInputError(f"requests[{index}].turn_id={request.turn_id!r} must be an int")
+    records = [marconi_record(r) for r in requests]  # all converted (and read back) before the file is opened
+    for index, record in enumerate(records):
+        try:
+            parse_marconi(record)
+        except (LineError, ValueError, TypeError, KeyError) as err:
+            raise InvalidInputError(f"requests[{index}]: {err}; read_trace would refuse that line, so nothing was "
+                                    "written") from None
     path = Path(path).resolve()  # a symlink's target: the rename must not replace the link itself
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:

@@ -14,6 +14,7 @@ import numpy as np
 from prefixlab.cache.alpha import check_tuning_lag
 from prefixlab.cache.core import PrefixCacheCore, replay_request
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import RadixTree
 from prefixlab.errors import InvalidInputError
 from prefixlab.sim.metrics import SimResult, summarize
@@ -123,8 +124,9 @@ def ceiling(requests: Sequence[Request], spec: ModelSpec) -> SimResult:
     tree = RadixTree()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
-        hits[i] = tree.walk(request.input_tokens, "default").shared_length
-        tokens = request.tokens
+        input_tokens = as_tokens(request.input_tokens, f"requests[{i}].input_tokens")  # (as simulate checks them)
+        tokens = np.concatenate([input_tokens, as_tokens(request.output_tokens, f"requests[{i}].output_tokens")])
+        hits[i] = tree.walk(input_tokens, "default").shared_length
         walk = tree.walk(tokens, "default")
         if walk.shared_length < len(tokens):
             parent = tree.split(walk.path[-1], walk.shared_length, 0) if walk.ends_inside_edge else walk.path[-1]
