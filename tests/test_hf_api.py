@@ -197,6 +197,30 @@ def test_a_model_with_active_dropout_is_refused_before_anything_is_looked_up_or_
     assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
 
 
+def test_training_mode_is_checked_on_every_forward_and_gradient_checkpointing_refused():
+    """A later turn continued on a started cache ran in training mode with dropout (only a request's first forward
+    was checked) and admitted its random KV and states; with gradient checkpointing on, transformers' layers drop the
+    cache, so the hooks loaded a prefix the forward then ignored (logits 0.24 off) and admitted an end state."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    prompt, cache = tokens(1, 16, seed=12), HybridPrefixCache(store)
+    first = generate(model, prompt, cache)
+    before = store.stats()
+    attention = next(m for m in model.modules() if hasattr(m, "attention_dropout"))
+    model.train()
+    attention.attention_dropout = 0.1
+    with pytest.raises(InvalidInputError, match="dropout active"):
+        generate(model, torch.cat([first, tokens(1, 6, seed=13)], 1), cache)  # the next turn, on the started cache
+    attention.attention_dropout = 0.0
+    model.gradient_checkpointing_enable()
+    with pytest.raises(InvalidInputError, match=r"gradient checkpointing on.*model.eval\(\)"):
+        generate(model, prompt, HybridPrefixCache(store))
+    after = store.stats()
+    assert all(after[key] == before[key] for key in ("hit_sequences", "used_bytes", "checkpoints", "nodes"))
+    model.eval()  # gradient checkpointing does nothing outside training mode
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
+
+
 def test_a_model_converted_after_its_store_was_built_is_refused_with_what_to_do():
     from prefixlab.attention import hydragen_cache_from_store
     from prefixlab.errors import ModelMismatchError

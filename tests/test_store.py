@@ -138,14 +138,19 @@ def test_store_rejects_what_is_not_a_model():
         PrefixStore(torch.nn.Linear(2, 2))
 
 
-@pytest.mark.parametrize("offload,change", [(None, "step"), ("64MB", "step"), (None, "data")])
+@pytest.mark.parametrize("offload,change", [(None, "step"), ("64MB", "step"), (None, "data"), (None, "buffer"),
+                                            (None, "inference")])
 def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offload, change):
     """An optimizer step between requests (RL rollouts, online fine-tuning), or new tensors assigned to `.data` (weight
     syncing code does): before, the next request resumed KV and states of the old weights. Now the store notices
     (version counters, storage addresses) and empties both tiers, with a warning."""
     import recurrent_patch_models  # unit-scale weights: a stale state shows in the tokens
 
-    model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    if change == "inference":  # parameters made under inference_mode have no version counter: their values count
+        with torch.inference_mode():
+            model = recurrent_patch_models.build("qwen3_5_text", seed=3)
+    else:
+        model = recurrent_patch_models.build("qwen3_5_text", seed=3)
     store = PrefixStore(model, capacity="64MB", offload_capacity=offload)
     prompt = torch.randint(3, 60, (1, 25), generator=torch.Generator().manual_seed(0))
 
@@ -158,6 +163,11 @@ def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offloa
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         model(input_ids=prompt, labels=prompt).loss.backward()
         optimizer.step()
+    elif change == "buffer":  # buffers were not looked at (RoPE frequencies, MoE score biases)
+        next(b for name, b in model.named_buffers() if name.endswith("inv_freq")).mul_(1.5)
+    elif change == "inference":
+        with torch.inference_mode():
+            model.load_state_dict(recurrent_patch_models.build("qwen3_5_text", seed=4).state_dict())
     else:
         noise = torch.Generator().manual_seed(1)
         for param in model.parameters():

@@ -199,7 +199,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         tokens so far deeper than this cache (generate's chunked prefill shows the prompt one chunk at a time), load
         it. The last `logits_tokens` columns are always computed, columns past `reusable` neither looked up nor
         admitted (as in `begin`); rows of pads only so far get theirs from the mask. Returns the columns now held."""
-        if not self._admit_rows or self._pending or self._generation != self.store.generation:
+        if not self._admit_rows or self._pending:
+            return 0
+        self.store.check_weights()  # (a later turn: the weights may have changed since the request began)
+        if self._generation != self.store.generation:  # the store was cleared since: this request admits nothing
             return 0
         if PADS_ONLY in self._pads:
             pads = resolve_pads(self._pads, attention_mask, position_ids, self._seen, self._seen + input_ids.shape[1],

@@ -112,28 +112,37 @@ def model_identity(model: torch.nn.Module) -> str:
 
 
 def weights_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
-    storage (`param.data = ...`, moved to another device): every parameter's identity, version counter (inference
-    tensors have none: they cannot be written in place) and storage address."""
-    def version(param: torch.Tensor) -> int:
+    """Changes whenever a parameter or buffer is written in place (an optimizer step, load_state_dict), replaced, or
+    given new storage (`param.data = ...`, moved to another device): every such tensor's identity, version counter
+    and storage address; a tensor without a version counter (made under torch.inference_mode) is read instead, a
+    sample of its values. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no version
+    there) and adapters switched without writing weights (PEFT's disable_adapter): call store.clear() after those."""
+    def version(tensor: torch.Tensor) -> int | tuple:
         try:
-            return param._version
+            return tensor._version
         except RuntimeError:  # an inference tensor
-            return 0
+            return _value_sample(tensor)
 
-    return tuple((id(param), version(param), param.data_ptr()) for param in _parameters(model))
+    return tuple((id(tensor), version(tensor), tensor.data_ptr()) for tensor in _tensors(model))
 
 
-def _parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter of `model` once, in a fixed order: `model.parameters()` without its nested generators, which
-    cost each request (weights_version runs once per request) several times this walk's time."""
+def _value_sample(tensor: torch.Tensor, count: int = 64) -> tuple[int, ...]:
+    """The bytes of `count` elements spread over `tensor` (bits: a NaN equals itself)."""
+    flat = tensor.detach().reshape(-1)
+    sample = flat[:: max(1, flat.numel() // count)][:count].contiguous()
+    return tuple(sample.cpu().view(torch.uint8).tolist()) if sample.dtype.itemsize else ()
+
+
+def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer of `model` once, in a fixed order: `model.parameters()` without its nested
+    generators, which cost each request (weights_version runs once per request) several times this walk's time."""
     found, seen, stack = [], set(), [model]
     while stack:
         module = stack.pop()
-        for param in module._parameters.values():
-            if param is not None and id(param) not in seen:
-                seen.add(id(param))
-                found.append(param)
+        for tensor in (*module._parameters.values(), *module._buffers.values()):
+            if tensor is not None and id(tensor) not in seen:
+                seen.add(id(tensor))
+                found.append(tensor)
         stack.extend(child for child in reversed(module._modules.values()) if child is not None)
     return found
 
@@ -164,10 +173,17 @@ _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.
 
 
 def check_deterministic(model: torch.nn.Module) -> None:
-    """InvalidInputError if `model` is in training mode with dropout active: its outputs are random then, so what it
-    computes can neither be stored as the prefix's KV and states nor stand in for them."""
+    """InvalidInputError if `model` is in training mode with dropout active (its outputs are random then, so what it
+    computes can neither be stored as the prefix's KV and states nor stand in for them) or gradient checkpointing on
+    (its layers then ignore the cache)."""
     if not model.training:
         return
+    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+        raise InvalidInputError(
+            "the model is in training mode with gradient checkpointing on: its layers then drop the cache "
+            "(transformers runs them with use_cache=False), so a reused prefix would be silently ignored; call "
+            "model.eval() (or model.gradient_checkpointing_disable()) before running it with a HybridPrefixCache"
+        )
     active = [name for name, module in model.named_modules() if module.training and (
         (isinstance(module, _DROPOUTS) and module.p > 0)
         or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))]
