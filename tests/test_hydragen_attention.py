@@ -197,13 +197,16 @@ def test_scale_takes_numpy_scalars_as_floats():
         assert torch.equal(by_float, by_numpy)
 
 
-@pytest.mark.parametrize("method", ["split", "auto", "sdpa"])
-def test_zero_queries_give_an_empty_output(method):
-    """ATen's fused CPU kernel, handed zero queries, killed the process (SIGFPE)."""
+@pytest.mark.parametrize("method", ["split", "auto", "sdpa", "packed"])
+@pytest.mark.parametrize("suffix", ["causal", "lengths", "mask", "none"])
+def test_zero_queries_give_an_empty_output(method, suffix):
+    """ATen's fused CPU kernel, handed zero queries, killed the process (SIGFPE); with suffix lengths or a mask, no
+    suffix slot, or the packed method, zero queries raised a reshape / index error."""
     from prefixlab.attention import attention_with_lse
 
-    q, levels, sk, sv = _case(1, queries=0)
-    assert hydragen_attention(q, levels, sk, sv, method=method).shape == (3, 4, 0, 8)
+    q, levels, sk, sv = _case(1, queries=0, slots=0 if suffix == "none" else 4)
+    options = {"lengths": {"suffix_lengths": [4, 2, 3]}, "mask": {"suffix_mask": torch.ones(3, 0, 4, dtype=bool)}}
+    assert hydragen_attention(q, levels, sk, sv, method=method, **options.get(suffix, {})).shape == (3, 4, 0, 8)
     out, lse = attention_with_lse(torch.randn(1, 2, 0, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8))
     assert out.shape == (1, 2, 0, 8) and lse.shape == (1, 2, 0) and lse.dtype == torch.float32
 
@@ -220,3 +223,24 @@ def test_seq_levels_must_be_int_indices(seq_levels):
     levels[2] = SharedLevel(levels[2].keys, levels[2].values, True)  # (parent 1, silently)
     with pytest.raises(InvalidInputError, match="parent=True"):
         hydragen_attention(q, levels, sk, sv)
+
+
+@pytest.mark.parametrize("shapes, match", [
+    (((1, 4, 2, 8), (1, 3, 6, 8), (1, 3, 6, 8)), "multiple of Hkv"),  # read past k (wrong numbers)
+    (((2, 4, 2, 8), (1, 2, 6, 8), (1, 2, 6, 8)), "same N"),
+    (((1, 4, 2, 8), (1, 2, 5, 8), (1, 2, 4, 8)), "as many keys"),
+    (((1, 2, 2, 8), (1, 4, 6, 8), (1, 4, 6, 8)), "multiple of Hkv"),  # (SIGFPE)
+    (((1, 2, 2, 8), (1, 2, 6, 4), (1, 2, 6, 8)), "head dim"),
+])
+def test_attention_with_lse_refuses_shapes_that_do_not_fit(shapes, match):
+    """ATen's fused CPU kernel checks none of these: it read memory past k / v, or divided by zero."""
+    from prefixlab.attention import attention_with_lse
+
+    q, k, v = (torch.randn(shape) for shape in shapes)
+    with pytest.raises(InvalidInputError, match=match):
+        attention_with_lse(q, k, v)
+    q, k, v = torch.randn(1, 2, 2, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+    with pytest.raises(InvalidInputError, match="mask must be bool"):
+        attention_with_lse(q, k, v, torch.ones(1, 1, 2, 6))
+    with pytest.raises(InvalidInputError, match="share a dtype"):
+        attention_with_lse(q, k.double(), v)

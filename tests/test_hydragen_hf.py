@@ -16,6 +16,7 @@ from transformers import (
 )
 
 from prefixlab.attention import HydragenCache
+from prefixlab.attention.hf_cache import SharedPrefixLayer
 from prefixlab.errors import InvalidInputError
 
 VOCAB, KV_HEADS, HEAD_DIM = 128, 2, 16
@@ -44,22 +45,29 @@ MODELS = {"llama": (LlamaForCausalLM, _llama), "qwen3_5": (Qwen3_5ForCausalLM, _
           "lfm2": (Lfm2ForCausalLM, _lfm2)}
 
 
-def _rows_share_bits(standard, ids, seed, groups, **kwargs) -> bool:
-    """Whether the standard model's own run of the same generate call (DynamicCache) gives the rows of each group
-    bit-identical keys and values over its columns in every attention layer. Sharing is found by bits, and whether
-    identical inputs come out bit-identical in different batch rows depends on the kernels (the BLAS, transformers'
-    CPU fallback for Gated DeltaNet), so the exact sharing is asserted only where the model's own run shows it;
-    exactness is asserted everywhere."""
-    cache = DynamicCache(config=standard.config)
-    _generate(standard, ids, seed, cache, **kwargs)
+def _rows_share_bits(hydragen, ids, seed, groups, **kwargs) -> bool:
+    """Whether the hydragen model's own run of the same generate call, not sharing (share_new_tokens=False), gives
+    the rows of each group bit-identical prefill keys and values over its columns in every attention layer. Sharing
+    is found by bits, and whether identical inputs come out bit-identical in different batch rows depends on the
+    kernels (the BLAS, transformers' CPU fallback for Gated DeltaNet) and even on the run (on an Intel CPU a
+    DynamicCache run gave a beam group identical rows where the same call under HydragenCache did not), so the exact
+    sharing is asserted only where the same computation shows it; exactness is asserted everywhere. (The prefill's
+    tensors: after beam search reorders rows, the cache's rows may all be copies of one.)"""
+    cache, prefill = HydragenCache(hydragen.config, share_new_tokens=False), []
     for layer in cache.layers:
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if tensor is None:
-                continue
-            for rows, columns in groups:
-                if len({tensor[row, :, columns].numpy().tobytes() for row in rows}) > 1:
-                    return False
-    return True
+        if isinstance(layer, SharedPrefixLayer):
+            layer.update = _recording(layer.update, prefill)
+    _generate(hydragen, ids, seed, cache, **kwargs)
+    return all(len({tensor[row, :, columns].numpy().tobytes() for row in rows}) == 1
+               for tensor in prefill for rows, columns in groups)
+
+
+def _recording(update, prefill: list):
+    def recorded(keys, values, *args, **kwargs):
+        if keys.shape[-2] > 1:  # the prefill's (decode steps add one column)
+            prefill.extend((keys.clone(), values.clone()))
+        return update(keys, values, *args, **kwargs)
+    return recorded
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
@@ -96,7 +104,7 @@ def test_sampled_completions_share_the_prompt_once(pair):
     cache = HydragenCache(hydragen.config)
     out = _generate(hydragen, prompt, 7, cache, do_sample=True, num_return_sequences=n)
     _assert_same(_generate(standard, prompt, 7, do_sample=True, num_return_sequences=n), out)
-    if _rows_share_bits(standard, prompt, 7, [(range(n), slice(0, 24))], do_sample=True, num_return_sequences=n):
+    if _rows_share_bits(hydragen, prompt, 7, [(range(n), slice(0, 24))], do_sample=True, num_return_sequences=n):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 24)  # the prompt, once (not n times)
         assert cache.per_sequence_bytes() == n * _kv_bytes(hydragen, MAX_NEW_TOKENS - 1)  # fed-back tokens
     standard_cache = DynamicCache(config=standard.config)
@@ -113,7 +121,7 @@ def test_greedy_batch_of_prompts_sharing_a_prefix(pair):
     ids = torch.cat([system.repeat(4, 1), torch.randint(1, VOCAB, (4, 6), generator=g)], dim=1)
     cache = HydragenCache(hydragen.config)
     _assert_same(_generate(standard, ids, 0, do_sample=False), _generate(hydragen, ids, 0, cache, do_sample=False))
-    if _rows_share_bits(standard, ids, 0, [(range(4), slice(0, 20))], do_sample=False):
+    if _rows_share_bits(hydragen, ids, 0, [(range(4), slice(0, 20))], do_sample=False):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 20)
         assert cache.per_sequence_bytes() == 4 * _kv_bytes(hydragen, 6 + MAX_NEW_TOKENS - 1)
 
@@ -128,9 +136,9 @@ def test_prompts_times_samples_make_a_two_level_tree(pair):
     _assert_same(_generate(standard, ids, 4, do_sample=True, num_return_sequences=3), out)
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
     groups = [(range(6), slice(0, 10)), (range(3), slice(10, 18)), (range(3, 6), slice(10, 18))]
-    if _rows_share_bits(standard, ids, 4, groups[:1], do_sample=True, num_return_sequences=3):
+    if _rows_share_bits(hydragen, ids, 4, groups[:1], do_sample=True, num_return_sequences=3):
         assert layer.levels[0].length == 10 and cache.shared_bytes() >= _kv_bytes(hydragen, 10)
-    if _rows_share_bits(standard, ids, 4, groups, do_sample=True, num_return_sequences=3):
+    if _rows_share_bits(hydragen, ids, 4, groups, do_sample=True, num_return_sequences=3):
         assert [(level.length, level.parent) for level in layer.levels] == [(10, None), (8, 0), (8, 0)]
         assert cache.shared_bytes() == _kv_bytes(hydragen, 10 + 8 + 8)
 
@@ -144,7 +152,7 @@ def test_left_padding_stays_exact(pair):
     out = _generate(hydragen, ids, 5, cache, attention_mask=mask, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 5, attention_mask=mask, do_sample=True, num_return_sequences=3), out)
     groups = [(range(3), slice(0, 12)), (range(3, 6), slice(0, 12))]
-    if _rows_share_bits(standard, ids, 5, groups, attention_mask=mask, do_sample=True, num_return_sequences=3):
+    if _rows_share_bits(hydragen, ids, 5, groups, attention_mask=mask, do_sample=True, num_return_sequences=3):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 12)  # each prompt once, its padding included
 
 
@@ -171,7 +179,7 @@ def test_prefix_fed_from_outside(pair):
     cache.load_shared_prefix(**_prefix_tensors(standard, prompt[:, :14]), batch_size=4)
     out = _generate(hydragen, prompt, 8, cache, do_sample=True, num_return_sequences=4)
     _assert_same(_generate(standard, prompt, 8, do_sample=True, num_return_sequences=4), out)
-    if _rows_share_bits(standard, prompt, 8, [(range(4), slice(0, 18))], do_sample=True, num_return_sequences=4):
+    if _rows_share_bits(hydragen, prompt, 8, [(range(4), slice(0, 18))], do_sample=True, num_return_sequences=4):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 18)  # fed 14 + the 4 prompt tokens generate ran, once
 
 
@@ -188,7 +196,7 @@ def test_prefix_fed_then_prompts_branch(pair):
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
     assert layer.levels[0].length == 12 and cache.shared_bytes() >= _kv_bytes(hydragen, 12)  # loaded: one copy
     groups = [(range(3), slice(12, 17)), (range(3, 6), slice(12, 17))]
-    if _rows_share_bits(standard, ids, 10, groups, do_sample=True, num_return_sequences=3):
+    if _rows_share_bits(hydragen, ids, 10, groups, do_sample=True, num_return_sequences=3):
         assert [(level.length, level.parent) for level in layer.levels] == [(12, None), (5, 0), (5, 0)]
         assert layer.seq_levels.tolist() == [1, 1, 1, 2, 2, 2]
 
@@ -201,7 +209,7 @@ def test_beam_search(pair):
     out = _generate(hydragen, ids, 0, cache, do_sample=False, num_beams=3)
     assert torch.equal(_generate(standard, ids, 0, do_sample=False, num_beams=3).sequences, out.sequences)
     groups = [(range(3), slice(0, 10)), (range(3, 6), slice(0, 10))]
-    if _rows_share_bits(standard, ids, 0, groups, do_sample=False, num_beams=3):
+    if _rows_share_bits(hydragen, ids, 0, groups, do_sample=False, num_beams=3):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 10)  # each prompt once for its 3 beams
 
 
@@ -302,3 +310,20 @@ def test_a_model_that_caps_its_attention_scores_is_refused():
     config._attn_implementation = "hydragen"
     with pytest.raises(InvalidInputError, match="attn_logit_softcapping"):
         HydragenCache(config)
+
+
+def test_attention_sinks_are_refused_not_dropped():
+    """gpt-oss' attention sinks (`s_aux`) were dropped by attn_implementation="hydragen", with or without a
+    HydragenCache (logits 0.26 off eager)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                          num_experts_per_tok=1, layer_types=["full_attention"] * 2, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM(config).eval()
+    model.set_attn_implementation("hydragen")
+    ids = torch.randint(1, VOCAB, (2, 6))
+    for cache in (None, HydragenCache(model.config)):
+        with pytest.raises(InvalidInputError, match="s_aux"), torch.no_grad():
+            model(ids, past_key_values=cache)

@@ -69,6 +69,8 @@ def hydragen_attention(
         raise InvalidInputError(f"scale={scale!r} must be a finite number (None: head_dim ** -0.5)")
     scale = None if scale is None else float(scale)
     plan = plan_tree(q, levels, suffix_keys, suffix_values, seq_levels, suffix_mask, suffix_lengths)
+    if q.shape[2] == 0:  # no query: nothing to attend (the kernels' shapes cannot hold zero queries)
+        return q.new_zeros(q.shape)
     chosen = choose_method(q, plan) if method == "auto" else method
     if not plan.shared_levels() and chosen != "packed":
         return suffix_sdpa(q, plan, suffix_keys, suffix_values, scale)

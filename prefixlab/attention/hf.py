@@ -73,14 +73,15 @@ def hydragen_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: returns (B, Tq, Hq, D) like `sdpa_attention_forward`."""
+    changed = [name for name in ("softcap", "position_bias", "s_aux") if kwargs.get(name) is not None]
+    if changed:  # (Gemma 2's logit cap, T5-style biases, gpt-oss' attention sinks: sdpa's fallback drops them too)
+        raise InvalidInputError(f"hydragen attention computes plain softmax attention: this model changes its "
+                                f"attention scores ({', '.join(changed)}); use another attn_implementation for it")
     if not isinstance(key, SharedBatchKV):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if dropout:
         raise InvalidInputError("hydragen attention is for inference: put the model in eval() mode (dropout=0)")
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:  # (Gemma 2's logit cap)
-        raise InvalidInputError("hydragen attention computes plain softmax attention: this model caps or biases its "
-                                "attention scores (softcap / position_bias); serve it without HydragenCache")
     suffix_mask = _suffix_mask(attention_mask, key, query.shape[2])
     if suffix_mask is False:  # a shared column is masked for some row: attend over the materialised rows instead
         keys, values = key.materialize()

@@ -216,6 +216,7 @@ def attention_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, scale: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning (out, lse): q (N, H, M, D), k/v (N, Hkv, L, D), mask (N|1, 1, M, L) bool."""
+    _check_lse_inputs(q, k, v, mask)
     if k.shape[2] == 0:
         raise InvalidInputError("attention_with_lse needs at least one key; drop empty key sets before calling")
     if q.shape[2] == 0:  # (ATen's fused CPU kernel divides by the query count: SIGFPE)
@@ -229,6 +230,24 @@ def attention_with_lse(
     if q.device.type == "cuda":
         return _attention_with_lse_cuda(q, k, v, mask, scale)
     return attention_with_lse_reference(q, k, v, mask, scale)
+
+
+def _check_lse_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """InvalidInputError unless the shapes fit (ATen's fused CPU kernel reads out of bounds, or divides by zero,
+    where they do not)."""
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in (q, k, v)):
+        raise InvalidInputError("attention_with_lse takes 4-D tensors: q (N, H, M, D), k and v (N, Hkv, L, D)")
+    (n, heads, queries, dim), (kn, kv_heads, keys, kdim) = q.shape, k.shape
+    if v.shape[:3] != k.shape[:3] or kn != n or kdim != dim or kv_heads == 0 or heads % kv_heads:
+        raise InvalidInputError(f"attention_with_lse: q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} do not "
+                                "fit: same N, k's and q's head dim equal, v as many keys as k, H a multiple of Hkv > 0")
+    if len({q.dtype, k.dtype, v.dtype}) > 1:
+        raise InvalidInputError(f"attention_with_lse: q, k and v must share a dtype, got {q.dtype}, {k.dtype}, "
+                                f"{v.dtype}")
+    if mask is not None and (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[0] not in (1, n)
+                             or tuple(mask.shape[1:]) != (1, queries, keys)):
+        raise InvalidInputError(f"attention_with_lse: mask must be bool (N|1, 1, M, L) = (.., 1, {queries}, {keys}), "
+                                f"got {mask.dtype} {list(mask.shape)}")
 
 
 def combine_partials(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,8 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
     if batch < 2 or store.closed or getattr(cache, "row_ends", None) is not None:  # (primes are not primed)
         return
     pads = left_pads(attention_mask, batch, length)
-    if pads is None or not real_positions(position_ids, pads, length, bool(store.layout.kv_layers)):
+    if pads is None or not real_positions(position_ids, pads, length, bool(store.layout.kv_layers)) or (
+            max(pads) > 0 and store.pads_change_states):
         return  # (the batch runs uncached: begin)
     column = length - max(store.min_prefill_tokens, min(logits_tokens, length))
     rows = [input_ids[b, pad:].detach().cpu() for b, pad in enumerate(pads)]

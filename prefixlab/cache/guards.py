@@ -33,6 +33,7 @@ def checked_generate(generate, cache_type: type):
         if cache.started and not cache.in_flight:
             input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
             check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
+            cache.commit()  # the request so far is stored now: a refusal or failure of this call loses none of it
         held_before = cache.get_seq_length() if cache.started else None
         try:
             return generate(*args, **kwargs)

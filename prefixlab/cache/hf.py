@@ -170,6 +170,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             if pads is not None and not real_positions(position_ids, pads, length,
                                                        bool(self.store.layout.kv_layers), served):
                 pads = None
+            if pads is not None and max(pads) > 0 and self.store.pads_change_states:  # (model_info: a bias)
+                pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
@@ -227,6 +229,15 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             self.rows_reused, self.reused_tokens = rows_reused, max(rows_reused)
             self._fed.append(ids[:, seen:common])
         return common - seen
+
+    @under_store_lock
+    def admit_nothing(self) -> None:
+        """A forward of this request whose positions or mask are not the plain continuation of what it holds (packed
+        documents restarting positions, pads among new tokens): it runs as given over the held tokens, and the
+        request is not admitted (the store would hold its KV as if at plain positions)."""
+        if self._admit_rows:
+            self._admit_rows, self._report.admission = [], "not admitted (refused input)"
+            self.store.drop(self)
 
     def _tail(self, logits_tokens: int, new: int, total: int) -> int:
         """The last columns of a forward over `new` columns (`total` so far) that must run: the store's minimum, the

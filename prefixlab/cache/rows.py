@@ -98,11 +98,13 @@ def one_column(depths: list[int], pads: list[int], deepest: Callable[[int, int],
     return depths
 
 
-def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None, mrope: bool = False) -> bool:
+def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] | None, mrope: bool = False,
+                 every_column: bool = False) -> bool:
     """Whether a forward over a cache holding `seen` columns starts each row at its real position `seen - pad`, as
-    a continuation of what the cache holds does (a later generate() call with another prompt starts elsewhere);
-    True where it cannot be told (no positions, rows not admitted, positions broadcast over rows padded apart, or on
-    a model offsetting positions past an image, `mrope`, any but generate's 4 rows, whose first counts text)."""
+    a continuation of what the cache holds does (a later generate() call with another prompt starts elsewhere), and
+    with `every_column` goes on from there one position a column; True where it cannot be told (no positions, rows
+    not admitted, positions broadcast over rows padded apart, or on a model offsetting positions past an image,
+    `mrope`, any but generate's 4 rows, whose first counts text)."""
     if position_ids is None or pads is None or position_ids.shape[-1] == 0:
         return True
     ids = position_ids.detach()
@@ -114,9 +116,21 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
     if ids.dim() != 3 or ids.shape[1] not in (1, len(pads)) or (ids.shape[1] == 1 and len(set(pads)) > 1):
         return True
     expected = [seen - pad for pad in pads[: ids.shape[1]]]
+    if every_column:
+        want = torch.tensor(expected, device=ids.device)[:, None] + torch.arange(ids.shape[-1], device=ids.device)
+        return bool(((ids == want) | (want < 0)).all())  # (columns a row still pads: any position)
     # (plain lists: at a decode step's size, building and comparing tensors costs more than the step's cache work)
     return all(position == want for row in ids[:, :, 0].tolist() for position, want in zip(row, expected, strict=True)
                if want >= 0)  # a row still in its left pads there has a pad's position (whatever the model fills in)
+
+
+def only_left_pads(attention_mask: torch.Tensor | None, width: int) -> bool:
+    """Whether a 2-D mask over `width` columns masks only each row's leading columns (True where it cannot be told):
+    pads between a row's held tokens and its new ones would be stored as tokens."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] != width:
+        return True
+    real = attention_mask.detach() != 0
+    return bool((real[:, 1:] >= real[:, :-1]).all())
 
 
 def pad_safe_splits(splits: list[int], start: int, stop: int, unsafe_below: int) -> list[int]:

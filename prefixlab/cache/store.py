@@ -37,6 +37,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     CacheLayout,
     decode_differs_from_prefill,
     model_identity,
+    pads_change_states,
     parse_capacity,
     weights_version,
 )
@@ -118,7 +119,7 @@ class PrefixStore:
                         **core_options}
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
         self._build_tiers()
-        self._weights = weights_version(model)  # what the entries were computed with (clear)
+        self._note_weights()
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, object] = {}
         self.generation = 0  # bumped by clear(): caches that began before it admit nothing (HybridPrefixCache.commit)
@@ -195,7 +196,10 @@ class PrefixStore:
         self._open, self._host_matches = {}, set()
         self.generation += 1
         self._build_tiers()
-        self._weights = weights_version(self.model)
+        self._note_weights()
+
+    def _note_weights(self) -> None:  # what the entries are computed with (and whether left pads change states)
+        self._weights, self.pads_change_states = weights_version(self.model), pads_change_states(self.model)
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
         return bool(self.core._live or (self.offload is not None and self.offload._live))

@@ -132,7 +132,7 @@ def linear_attention_layers(model: nn.Module) -> list[tuple[nn.Module, Family]]:
         raise InvalidInputError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     found = []
     for layer in model.modules():
-        if not _looks_linear_attention(layer):
+        if not looks_linear_attention(layer):
             continue
         family = family_of(layer)
         if family is None:
@@ -149,7 +149,7 @@ def linear_attention_layers(model: nn.Module) -> list[tuple[nn.Module, Family]]:
     return found
 
 
-def _looks_linear_attention(layer: nn.Module) -> bool:
+def looks_linear_attention(layer: nn.Module) -> bool:
     if family_of(layer) is not None:
         return True
     depthwise = any(

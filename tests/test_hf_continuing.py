@@ -1,0 +1,90 @@
+"""Forwards that continue a started HybridPrefixCache other than plainly, and left pads that change states."""
+
+import pytest
+import torch
+from hf_models import _COMMON, FAMILIES, build, cache_argument
+
+from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.errors import InvalidInputError
+
+
+def tokens(*shape, seed=0):
+    return torch.randint(3, 120, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, input_ids, cache=None, **kwargs):
+    extra = {} if cache is None else {cache_argument(model): cache}
+    return model.generate(input_ids, max_new_tokens=4, do_sample=False, pad_token_id=0, **extra, **kwargs)
+
+
+def logits_over_store(model, store, ids):
+    """(reused tokens, max |logits - the uncached model's|) of a plain request for `ids` over `store`."""
+    cache = HybridPrefixCache(store)
+    with torch.no_grad():
+        got = model(input_ids=ids, past_key_values=cache).logits
+        want = model(input_ids=ids).logits[:, cache.reused_tokens:]
+    return cache.reused_tokens, float((got - want).abs().max())
+
+
+@pytest.mark.parametrize("how", ["chunked", "turn"])
+def test_positions_restarting_inside_a_later_forward_are_not_stored(how):
+    """Only a continuing forward's first column was checked: tokens run at restarted positions (packed documents)
+    in a later prefill chunk or chat turn were stored as if at plain positions; a later plain request reused them
+    (logits 1e-2 off, other greedy tokens)."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    first = tokens(1, 16, seed=1)
+    if how == "chunked":
+        ids = torch.cat([first, tokens(1, 8, seed=2)], 1)
+        positions = torch.cat([torch.arange(20), torch.arange(4)])[None]
+        options = {"prefill_chunk_size": 8, "past_key_values": HybridPrefixCache(store)}
+    else:
+        cache = HybridPrefixCache(store)
+        ids = torch.cat([generate(model, first, cache), tokens(1, 8, seed=2)], 1)  # turn 1: 20 tokens
+        positions = torch.cat([torch.arange(24), torch.arange(4)])[None]
+        options = {"past_key_values": cache}
+    run = {"position_ids": positions, "max_new_tokens": 1, "do_sample": False, "pad_token_id": 0}
+    out = model.generate(ids, **run, **options)
+    assert torch.equal(out, model.generate(ids, **run, prefill_chunk_size=options.get("prefill_chunk_size")))
+    reused, diff = logits_over_store(model, store, torch.cat([out, tokens(1, 3, seed=3)], 1))
+    assert diff <= 1e-5 and reused == (19 if how == "turn" else 0)  # (turn 1, plain, is kept)
+
+
+def test_a_later_call_with_more_rows_is_refused_clearly_and_keeps_the_earlier_request():
+    """generate repeats the input's rows for num_beams, not a used cache's: a raw torch size error; and that failure
+    dropped the earlier, finished request before it was admitted."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    cache = HybridPrefixCache(store)
+    first = generate(model, tokens(1, 16, seed=5), cache)
+    with pytest.raises(InvalidInputError, match="holds a request of 1 rows and this forward has 3"):
+        generate(model, torch.cat([first, tokens(1, 3, seed=6)], 1), cache, num_beams=3)
+    reused, diff = logits_over_store(model, store, torch.cat([first, tokens(1, 2, seed=7)], 1))
+    assert reused == first.shape[1] - 1 and diff <= 1e-5
+
+
+@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias")])
+def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bias_flag):
+    """With a bias in a recurrent layer's input projection a left pad is not zero there: it enters the row's conv
+    window and states. A padded row's states were stored as the row's alone (a later unpadded request 4e-3 off) and
+    padded rows resumed the row's own states (5e-3 off the uncached batch)."""
+    config_class, model_class, overrides = FAMILIES[family]
+    torch.manual_seed(0)
+    model = model_class(config_class(**(_COMMON | overrides | {bias_flag: True}))).eval()
+    with torch.no_grad():  # (random init zeroes biases; a trained model's are not)
+        for name, param in model.named_parameters():
+            if name.endswith("in_proj.bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
+    store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
+    assert store.pads_change_states
+    short, long = tokens(24, seed=7), tokens(36, seed=8)
+    batch, mask = torch.zeros(2, 36, dtype=torch.long), torch.zeros(2, 36, dtype=torch.long)
+    batch[0, 12:], mask[0, 12:], batch[1], mask[1] = short, 1, long, 1
+    generate(model, short[None], HybridPrefixCache(store))  # the short row alone, unpadded: stored
+    cache = HybridPrefixCache(store)
+    out = generate(model, batch, cache, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    want = generate(model, batch, attention_mask=mask, output_logits=True, return_dict_in_generate=True)
+    assert cache.rows_reused == [0, 0] and torch.equal(out.sequences, want.sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(out.logits, want.logits, strict=True)) <= 1e-5
+    reused, diff = logits_over_store(model, store, torch.cat([short, tokens(5, seed=9)])[None])
+    assert reused == 24 and diff <= 1e-5  # the unpadded row's own entry, not the padded batch's
