@@ -328,3 +328,15 @@ def test_a_prime_the_store_already_resumes_is_skipped():
     finally:
         store.close()
     assert stats.prime_tokens == 0 and stats.prefilled_tokens == PREFIX + 1 + 1
+
+
+def test_a_generation_config_asking_for_beams_is_still_served_greedily():
+    """A model folder whose generation_config.json sets num_beams was served with beam search (the README says
+    `prefixlab run` decodes greedily)."""
+    model = build("llama")
+    rng = np.random.default_rng(6)
+    tokens = rng.integers(3, 60, 12)
+    greedy = model.generate(torch.as_tensor(tokens)[None], max_new_tokens=5, do_sample=False, num_beams=1,
+                            pad_token_id=0)[0, 12:].tolist()
+    model.generation_config.num_beams, model.generation_config.num_return_sequences = 3, 2
+    assert serve.generate_uncached(model, tokens, 5) == greedy

@@ -88,3 +88,23 @@ def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bia
     assert max(float((a - b).abs().max()) for a, b in zip(out.logits, want.logits, strict=True)) <= 1e-5
     reused, diff = logits_over_store(model, store, torch.cat([short, tokens(5, seed=9)])[None])
     assert reused == 24 and diff <= 1e-5  # the unpadded row's own entry, not the padded batch's
+
+
+def test_a_failed_forward_is_reported_as_not_admitted():
+    """After a forward raised inside the model, the cache's report still said "pending (admitted on the store's next
+    use)"."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    cache = HybridPrefixCache(store)
+
+    def fail(*_):
+        raise RuntimeError("a layer failed")
+
+    handle = model.model.layers[1].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            model(input_ids=tokens(1, 12, seed=4), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert cache.report().admission == "not admitted (a forward of the request failed)"
+    assert store.stats()["used_bytes"] == 0

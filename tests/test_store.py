@@ -1,5 +1,7 @@
 """PrefixStore and its tensor payloads: capacity strings, KV split/concat, save/load, model identity."""
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -222,3 +224,33 @@ def test_clear_empties_the_store_between_requests_only():
     match = store.match(prompt[0].tolist())
     assert match.length == 0
     store.release(match)
+
+
+def test_a_store_is_not_copied_or_pickled():
+    """copy.copy(store) shared the original's core; closing the copy gave back the original's kernel-patch share, so
+    a Jamba store then refused every request; pickle raised a TypeError about a lock."""
+    import copy
+    import pickle
+
+    store = PrefixStore(build("qwen3_5"), capacity="64MB")
+    for make in (copy.copy, copy.deepcopy, pickle.dumps):
+        for thing in (store, HybridPrefixCache(store)):
+            with pytest.raises(InvalidInputError, match="not copied"):
+                make(thing)
+
+
+def test_a_config_of_a_patched_only_family_without_recurrent_layers_serves_kv():
+    """A Jamba config whose every layer is attention: every request was refused because "its layers' patch was taken
+    off", a patch it never needed."""
+    import transformers
+    from hf_models import _COMMON
+
+    config = transformers.JambaConfig(**_COMMON, num_hidden_layers=2, attn_layer_period=1, attn_layer_offset=0,
+                                      num_experts=1, expert_layer_period=1, expert_layer_offset=0)
+    torch.manual_seed(0)
+    model = transformers.JambaForCausalLM(config).eval()
+    store, prompt = PrefixStore(model, capacity="64MB"), torch.randint(3, 100, (1, 12))
+    generate = functools.partial(model.generate, prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    generate(past_key_values=HybridPrefixCache(store))
+    cache = HybridPrefixCache(store)
+    assert torch.equal(generate(past_key_values=cache), generate()) and cache.reused_tokens == 11

@@ -299,6 +299,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         first forward failed (bad input the model refused)."""
         if not self._ran and not self.store.closed:
             self.store.record_request([], replacing=self._report.rows)
+        if self._report.admission.startswith("pending"):
+            self._report.admission = "not admitted (a forward of the request failed)"
         self._forget_request()
 
     def _forget_request(self) -> None:

@@ -23,6 +23,9 @@ class TensorEdits:
     def __copy__(self):
         return self.__deepcopy__({})
 
+    def __reduce__(self):  # pickle
+        return self.__deepcopy__({})
+
     @under_store_lock
     def reset(self) -> None:
         """Admit what this cache holds, then empty it: the object serves its next forward as a new request

@@ -97,11 +97,12 @@ class PrefixStore:
                 "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
             )
         self.model = model
-        self._patched_only = STATE_DROPPING_MODEL_TYPES.get(model_type)  # why its layers must stay patched, if so
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
         self.dtype = model.dtype  # of every tensor the store holds (cache/defaults.py check_unconverted)
         self.layout = CacheLayout.from_config(model.config)
+        # why its layers must stay patched, if so (a config of such a family may have no recurrent layer)
+        self._patched_only = STATE_DROPPING_MODEL_TYPES.get(model_type) if self.layout.state_layers else None
         # decode steps compute differently from prefills: only prefills are admitted (see decode_differs_from_prefill)
         self.decode_differs = decode_differs_from_prefill(model)
         # the fewest tokens of a prompt a lookup leaves to compute: 1 yields the logits; there, 1 over a cached state
@@ -197,6 +198,10 @@ class PrefixStore:
         self.generation += 1
         self._build_tiers()
         self._note_weights()
+
+    def __reduce__(self):  # copy.copy, copy.deepcopy and pickle: a copy would share the model's hooks and patch
+        raise InvalidInputError("a PrefixStore is not copied or pickled; store.save(path) writes its entries and "
+                                "PrefixStore.load(path, model) reads them back")
 
     def _note_weights(self) -> None:  # what the entries are computed with (and whether left pads change states)
         self._weights, self.pads_change_states = weights_version(self.model), pads_change_states(self.model)

@@ -125,11 +125,12 @@ def _greedy(model, tokens, max_new_tokens: int, cache=None) -> tuple[list[int], 
     from transformers import LogitsProcessorList
 
     from prefixlab.cache.hooks import cache_keyword
+    from prefixlab.fleet.siblings import GREEDY
 
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
     clock, started = FirstTokenClock(), time.perf_counter()
     out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
+                         **GREEDY, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
                          **({cache_keyword(model): cache} if cache is not None else {}))
     return out[0, input_ids.shape[1]:].tolist(), clock.at[0] - started
 

@@ -84,6 +84,11 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
 }
 
 
+# What `prefixlab run` decodes with, whatever the model's generation config says (its num_beams / num_return_sequences
+# would make a beam search of it, or return more rows than one per prompt).
+GREEDY = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1}
+
+
 def prompt_reading_options(model) -> list[str]:
     """The options of `model.generation_config` under which a padded sibling batch would generate other tokens than
     each prompt alone (`name=value`); empty when it may batch."""
@@ -223,7 +228,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     padding = computed_pads if mode == "rows" and ragged else int((width - mask.sum(1)).sum())
     clock = FirstTokenClock()
     out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache,
-                         max_new_tokens=max(max_new_tokens), do_sample=False, pad_token_id=pad_id,
+                         max_new_tokens=max(max_new_tokens), **GREEDY, pad_token_id=pad_id,
                          logits_processor=LogitsProcessorList([clock]))
     eos = _eos_ids(model)
     outputs = [keep_row(out[b, width:].tolist(), n, eos) for b, n in enumerate(max_new_tokens)]
