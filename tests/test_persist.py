@@ -365,3 +365,30 @@ def test_a_well_formed_file_with_an_inconsistent_header_raises_the_librarys_erro
         PrefixStore.load(copied, model)
     assert model_state(model) == untouched
 
+
+
+@pytest.mark.parametrize("edit", ["drop recurrent", "drop conv", "kv float16", "conv shape", "identity null"])
+def test_a_well_formed_file_with_payloads_that_do_not_fit_the_model_is_refused(saved, copied, edit):
+    """`load` admitted saved tensors without the checks `PrefixStore.admit` makes: a state missing one layer's
+    recurrent or conv state was loaded (logits 5e-3 / 3e-2 off), KV in another dtype too, a state of another shape
+    failed later requests."""
+    model = saved[0]
+    tensors, header = load_file(copied), json.loads(safetensors_header(copied)[1]["__metadata__"]["prefixlab"])
+    name = next(n for n in sorted(tensors) if n.startswith("device.") and ".recurrent.0." in n)
+    target = {"drop recurrent": name, "drop conv": name.replace("recurrent", "conv"), "kv float16": next(
+        n for n in sorted(tensors) if n.startswith("device.") and ".k." in n), "conv shape": name.replace(
+        "recurrent", "conv"), "identity null": None}[edit]
+    if edit.startswith("drop"):
+        del tensors[target], header["tensors"][target]
+    elif edit == "identity null":
+        header["identity"] = None
+    else:
+        tensors[target] = tensors[target].half() if edit == "kv float16" else tensors[target][..., 1:].contiguous()
+        header["tensors"][target] = [str(tensors[target].dtype), list(tensors[target].shape),
+                                     persist.tensor_digests({target: tensors[target]})[target]]
+    text = json.dumps(header)
+    save_file(tensors, copied, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
+    untouched = model_state(model)
+    with pytest.raises(CorruptStoreError, match=copied.name):
+        PrefixStore.load(copied, model)
+    assert model_state(model) == untouched

@@ -303,7 +303,8 @@ def test_admit_refuses_payloads_that_do_not_fit_the_model(model):
     good_state = store.core.match(tokens(1, 20, seed=10)[0].numpy())
     state = good_state.state
     store.core.release(good_state)
-    for bad_kv, states, match in ((kv(), {29: TensorState({}, {})}, "a state for each recurrent layer"),
+    for bad_kv, states, match in ((kv(), {29: TensorState({}, {})}, "a conv state for each recurrent layer"),
+                                  (kv(), {29: TensorState(state.conv, {})}, "a recurrent state for"),
                                   (kv(), {29: "state"}, "must be a TensorState"),
                                   (kv(torch.float64), {29: state}, "dtype"),
                                   (kv(kv_layers=(99,)), {29: state}, "attention layers")):

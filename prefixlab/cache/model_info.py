@@ -17,7 +17,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from prefixlab.cache.hfspec import MODEL_FAMILIES
+from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
@@ -51,6 +51,7 @@ class CacheLayout:
 
     kv_layers: tuple[int, ...]
     state_layers: tuple[int, ...]
+    recurrent_layers: tuple[int, ...] = ()  # those of state_layers whose states hold a recurrent state besides conv
 
     @classmethod
     def from_config(cls, config) -> CacheLayout:
@@ -63,11 +64,11 @@ class CacheLayout:
                 )
             if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
                 raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
+        state_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
         return cls(
             kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
-            state_layers=tuple(
-                i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)
-            ),
+            state_layers=state_layers,
+            recurrent_layers=state_layers if keeps_recurrent_state(config) else (),
         )
 
 

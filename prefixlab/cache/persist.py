@@ -23,7 +23,8 @@ it for the model it is given. Weights on the meta device (accelerate disk offloa
 only. Per-tensor checksums cost the same per byte of cached entries, at save and at load.
 
 Atomic writes. `save` writes a temporary file in the target's directory, fsyncs it and renames it over the target
-(os.replace), so a failure or crash mid-write leaves the previous file intact and no temporary file behind.
+(os.replace), so a failure or crash mid-write leaves the previous file intact; a failure leaves no temporary file
+behind, a process killed mid-write its `.NAME.*.tmp` beside the file (delete it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,16 @@ from safetensors.torch import save_file
 
 from prefixlab.cache.model_info import model_identity
 from prefixlab.cache.policies import POLICY_NAMES
-from prefixlab.cache.tensors import kv_from_flat, kv_to_flat, path_kv, state_from_flat, state_to_flat
+from prefixlab.cache.tensors import (
+    TensorKV,
+    check_kv,
+    check_state,
+    kv_from_flat,
+    kv_to_flat,
+    path_kv,
+    state_from_flat,
+    state_to_flat,
+)
 from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError
 
 if TYPE_CHECKING:
@@ -180,8 +190,8 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
             dropped = _admit(store, entries)
     except BaseException as err:
         store.close()  # take the hooks and patches off the model: nothing half-built stays behind
-        if isinstance(err, Exception) and not isinstance(err, PrefixlabError):
-            raise CorruptStoreError(f"{path} holds inconsistent entries ({err!r}); save the store again") from err
+        if isinstance(err, Exception) and (isinstance(err, InvalidInputError) or not isinstance(err, PrefixlabError)):
+            raise CorruptStoreError(f"{path} holds inconsistent entries ({err}); save the store again") from err
         raise
     if dropped:
         warnings.warn(f"PrefixStore.load: {path} holds more than the loaded store's capacity: {dropped} of its "
@@ -224,6 +234,8 @@ def _read_header(path: Path) -> dict:
             raise KeyError(missing)
         if not isinstance(header["weights"], dict) or not isinstance(header["tiers"], dict):
             raise TypeError("weights and tiers must be JSON objects")
+        if not isinstance(header["identity"], str):
+            raise TypeError("identity must be a string")
         if not set(header["tiers"]) <= set(TIERS):
             raise ValueError(f"tiers {sorted(header['tiers'])}")
         if not all(isinstance(v, list) and len(v) == 3 for v in header["tensors"].values()):
@@ -327,15 +339,35 @@ def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
         last = store.offload if store.offload is not None else store.core
         return last.evictions + last.rejected + (store.core.rejected if last is not store.core else 0)
 
-    before = lost()
+    before, shapes = lost(), {}
     for tier, tier_entries in entries.items():
         core = store.offload if tier == "host" and store.offload is not None else store.core
         device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
         for tokens, kv, states, namespace in tier_entries:
-            core.admit(tokens, kv=_moved(kv, device, pin), states={p: s.to(device, pin) for p, s in states.items()},
-                       namespace=namespace, restore=True)
+            for position, state in states.items():  # what PrefixStore.admit checks, and one shape per tensor kind
+                check_state(state, store.layout, f"the state at {position}")
+                _same_shapes(shapes, "conv", state.conv)
+                _same_shapes(shapes, "recurrent", state.recurrent)
+            core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
+                       states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
     return lost() - before
 
 
-def _moved(kv, device: torch.device | str, pin: bool):
-    return lambda start, stop: kv(start, stop).to(device, pin)
+def _moved(kv, device: torch.device | str, pin: bool, store: PrefixStore, shapes: dict):
+    def moved(start: int, stop: int) -> TensorKV:
+        run = check_kv(kv(start, stop), store.layout.kv_layers, store.dtype)
+        _same_shapes(shapes, "keys", run.keys, 1)
+        _same_shapes(shapes, "values", run.values, 1)
+        return run.to(device, pin)
+
+    return moved
+
+
+def _same_shapes(shapes: dict, kind: str, tensors: dict, tokens_axis: int | None = None) -> None:
+    """InvalidInputError unless each of `tensors` has the shape (less its token axis, where it has one) every tensor
+    of the same kind and key loaded before had: a layer's heads and sizes are the model's, not the entry's."""
+    for key, tensor in tensors.items():
+        shape = tuple(tensor.shape) if tokens_axis is None else (*tensor.shape[:tokens_axis],
+                                                                  *tensor.shape[tokens_axis + 1:])
+        if shapes.setdefault((kind, key), shape) != shape:
+            raise InvalidInputError(f"{kind} of layer {key} have shapes {list(shapes[(kind, key)])} and {list(shape)}")

@@ -342,7 +342,7 @@ class PrefixStore:
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
         for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
-            check_state(state, self.layout.state_layers, f"states[{position}]")
+            check_state(state, self.layout, f"states[{position}]")
         admitted = self.core.admit(tokens, kv=lambda a, b: check_kv(kv(a, b), self.layout.kv_layers, self.dtype),
                                    states=states, namespace=namespace)
         if not admitted:

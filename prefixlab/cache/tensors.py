@@ -197,11 +197,14 @@ def check_kv(kv: object, kv_layers: tuple[int, ...], dtype: torch.dtype) -> Tens
     return kv
 
 
-def check_state(state: object, state_layers: tuple[int, ...], name: str = "state") -> None:
-    """InvalidInputError unless `state` is a TensorState with a state for each recurrent layer in `state_layers`
-    (an empty one would let a request resume from nothing)."""
+def check_state(state: object, layout, name: str = "state") -> None:
+    """InvalidInputError unless `state` is a TensorState with a conv state for each recurrent layer of `layout` (a
+    CacheLayout) and a recurrent state for each of its `recurrent_layers`, no other (an empty one would let a request
+    resume from nothing, a missing one from zeros)."""
     if not isinstance(state, TensorState):
         raise InvalidInputError(f"{name} must be a TensorState, got {type(state).__name__}")
-    held = sorted({layer for layer, _ in (*state.conv, *state.recurrent)})
-    if held != sorted(state_layers):
-        raise InvalidInputError(f"{name} must hold a state for each recurrent layer {list(state_layers)}, got {held}")
+    conv, recurrent = (sorted({layer for layer, _ in part}) for part in (state.conv, state.recurrent))
+    if conv != sorted(layout.state_layers) or recurrent != sorted(layout.recurrent_layers):
+        raise InvalidInputError(f"{name} must hold a conv state for each recurrent layer {list(layout.state_layers)} "
+                                f"and a recurrent state for {list(layout.recurrent_layers)}; got conv {conv}, "
+                                f"recurrent {recurrent}")

@@ -28,7 +28,37 @@ def start(cpu: bool):
         _join_attempt_group(restart, cpu)
     state = PartialState(cpu=cpu)
     _check_launch(state)
+    global _patient_group
+    _patient_group = _new_patient_group()
     return state
+
+
+_patient_group = None
+PATIENT_TIMEOUT_DAYS = 30
+
+
+def _new_patient_group():
+    """A gloo group over every process with no practical timeout (created by all of them at once, here)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(days=PATIENT_TIMEOUT_DAYS))
+
+
+def gather_patiently(value) -> list:
+    """Every process's `value`, in rank order, on the patient group: a process done long before another (routing
+    balances prefill, not decoding) waits for it, where the default group's timeout (gloo 30 min, NCCL 10) took the
+    wait for a dead process; a process that died still fails it at once (its connections close: RuntimeError)."""
+    import torch.distributed as dist
+
+    if _patient_group is None:
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=_patient_group)
+    return gathered
 
 
 def finish() -> None:

@@ -168,7 +168,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
                             decode=decode, progress=bar.update, stats=stats, model_digest=digest)
         try:
-            gathered = gather_object([stats.as_dict()])
+            gathered = launch.gather_patiently(stats.as_dict())
         except RuntimeError:  # a peer died while this process waited (torch.distributed's error)
             stopped = "terminated"
     except (Stopped, KeyboardInterrupt) as err:
