@@ -327,3 +327,19 @@ def test_a_store_over_a_model_whose_needed_patch_was_taken_off_refuses_requests(
     with pytest.raises(UnsupportedModelError, match="patch was taken off"):
         generate(jamba, tokens(1, 12, seed=12), HybridPrefixCache(store))
     store.close()
+
+
+def test_a_store_collected_without_close_gives_its_hooks_and_patch_back(model):
+    """A store dropped without close() left the model hooked and patched for good (copy.deepcopy(model) then failed,
+    naming stores that no longer existed)."""
+    import copy
+    import gc
+
+    from prefixlab.cache.hooks import is_attached
+
+    first, second = PrefixStore(model, capacity="1MB"), PrefixStore(model, capacity="1MB")
+    del second
+    gc.collect()
+    first.close()
+    assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
+    copy.deepcopy(model)

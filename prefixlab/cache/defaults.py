@@ -2,7 +2,8 @@
 what a cache is bound to.
 
 The model holds it as `model._prefixlab_default_store` (a cycle the GC collects; a global registry would keep models
-alive): the first open store of the model, registered when it is built and cleared by its `close()`. One re-entrant
+alive): the first open store of the model, registered when it is built; its `close()` hands the role to the next
+open store of the model, if any. One re-entrant
 lock guards lookup-or-create, so threads binding unbound caches at once on one model share one default store.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from prefixlab.cache.store import PrefixStore
 
 _ATTR = "_prefixlab_default_store"
+_OPEN = "_prefixlab_open_stores"  # weak references to the model's open stores, in the order they were built
 _LOCK = threading.RLock()  # re-entrant: creating the default store registers it under the same lock
 
 
@@ -33,14 +36,19 @@ def default_store(model: torch.nn.Module) -> PrefixStore | None:
 def register(store: PrefixStore) -> None:
     """Make `store` its model's default store unless the model has one."""
     with _LOCK:
+        store.model.__dict__.setdefault(_OPEN, []).append(weakref.ref(store))
         store.model.__dict__.setdefault(_ATTR, store)
 
 
 def unregister(store: PrefixStore) -> None:
-    """`store` closes: the model's next default store is the next one asked for."""
+    """`store` closes: the model's next open store (in the order they were built), if any, becomes its default."""
     with _LOCK:
+        model = store.model.__dict__
+        model[_OPEN] = [ref for ref in model.get(_OPEN, ()) if ref() is not None and ref() is not store]
         if default_store(store.model) is store:
-            del store.model.__dict__[_ATTR]
+            del model[_ATTR]
+            if model[_OPEN]:
+                model[_ATTR] = model[_OPEN][0]()
 
 
 def default_for(cls: type[PrefixStore], model: torch.nn.Module, options: dict) -> PrefixStore:

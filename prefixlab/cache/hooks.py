@@ -231,13 +231,14 @@ def attach(model: torch.nn.Module, owner: object, media_cache_bytes: int = 0) ->
         hooks.memo.resize(max(hooks.owners.values()))
 
 
-def detach(model: torch.nn.Module, owner: object) -> None:
-    """`owner` no longer needs the hooks; the last one out removes them (and the forward guard)."""
+def detach(model: torch.nn.Module, owner: object, owner_id: int | None = None) -> None:
+    """`owner` (or the owner that had `owner_id`, once collected) no longer needs the hooks; the last one out
+    removes them (and the forward guard)."""
     with _HOOKS_LOCK:
         hooks = _HOOKS.get(model)
         if hooks is None:
             return
-        hooks.owners.pop(id(owner), None)
+        hooks.owners.pop(id(owner) if owner_id is None else owner_id, None)
         if not hooks.owners:
             hooks.remove(model)
             del _HOOKS[model]

@@ -32,7 +32,7 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
     CacheLayout.from_config(model.config)  # UnsupportedModelError now rather than on the first request
     with _LOCK:
         if kernels and model not in _HOLDS_KERNELS:
-            from prefixlab.cache.store import hold_patch
+            from prefixlab.cache.ownership import hold_patch
 
             if hold_patch(model, True):
                 _HOLDS_KERNELS.add(model)

@@ -30,7 +30,7 @@ from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import default_for, normalize_option, register, unregister
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
-from prefixlab.cache.hooks import attach, detach
+from prefixlab.cache.hooks import attach
 from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
@@ -41,6 +41,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     parse_capacity,
     weights_version,
 )
+from prefixlab.cache.ownership import hold_patch, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
@@ -128,9 +129,11 @@ class PrefixStore:
                           "offload_hits": 0, "decoded_tokens_left_out": 0}
         self._reasons = dict.fromkeys(REASONS, 0)
         self.closed = False
-        # last, so that a store refused above leaves the model as it was
-        self._holds_patch = hold_patch(model, patch)
+        # last, so that a store refused above leaves the model as it was: its share of the kernel patch and of the
+        # hooks, given back by close() or when the store is collected
+        holds_patch = hold_patch(model, patch)
         attach(model, self, self.options["media_cache"])
+        self._release = release_when_collected(self, model, holds_patch)
         register(self)  # the model's default store if it has none (cache/defaults.py)
 
     @classmethod
@@ -165,13 +168,8 @@ class PrefixStore:
                 self.flush()
             finally:
                 self.closed = True
-                detach(self.model, self)
                 unregister(self)
-                if self._holds_patch:
-                    from prefixlab.recurrent.patch import let_go
-
-                    let_go(self.model)
-                    self._holds_patch = False
+                self._release()  # hooks and patch share back (once: a weakref.finalize)
 
     def _build_tiers(self) -> None:
         """Empty device (and host) tiers from `options`."""
@@ -392,19 +390,3 @@ class PrefixStore:
         saved capacity / offload_capacity / policy / block_size. The whole file is verified first:
         ModelMismatchError if it is for another config, dtype or weights, CorruptStoreError if it is damaged."""
         return load_store(cls, path, model, options)
-
-
-def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
-    """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
-    states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py); shared with
-    the other owners on the model (recurrent/patch.py `hold`). Returns whether the caller holds a share (then it
-    calls `recurrent.patch.let_go` once)."""
-    from prefixlab.recurrent.patch import hold
-
-    try:
-        return hold(model, apply)
-    except UnsupportedModelError as err:
-        raise UnsupportedModelError(
-            f"{err}. Build the store with patch=False to keep transformers' own layers (planned states are then "
-            "captured by splitting the prefill at them)"
-        ) from err

@@ -1,0 +1,45 @@
+"""What a PrefixStore takes from its model and gives back: its share of the kernel patch and of the forward hooks,
+given back by close() or, for a store collected without it, by the garbage collector (weakref.finalize)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from prefixlab.cache.hooks import detach
+from prefixlab.errors import UnsupportedModelError
+
+
+def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
+    """Route the model's linear-attention layers through prefixlab kernels, which resume any forward from the cached
+    states and record planned states inside the one prefill pass (exact: tests/test_recurrent_patch*.py); shared with
+    the other owners on the model (recurrent/patch.py `hold`). Returns whether the caller holds a share (then it
+    calls `recurrent.patch.let_go` once)."""
+    from prefixlab.recurrent.patch import hold
+
+    try:
+        return hold(model, apply)
+    except UnsupportedModelError as err:
+        raise UnsupportedModelError(
+            f"{err}. Build the store with patch=False to keep transformers' own layers (planned states are then "
+            "captured by splitting the prefill at them)"
+        ) from err
+
+
+def release_when_collected(store: object, model: torch.nn.Module, holds_patch: bool) -> weakref.finalize:
+    """A callable giving `store`'s hooks (and patch share, if it `holds_patch`) on `model` back, once: when called
+    (close) or when `store` is collected without it. It holds neither the store nor the model."""
+    release = weakref.finalize(store, _release, weakref.ref(model), id(store), holds_patch)
+    release.atexit = False  # (at interpreter exit there is nothing to give back to)
+    return release
+
+
+def _release(model_ref: weakref.ref, store_id: int, holds_patch: bool) -> None:
+    model = model_ref()
+    if model is not None:
+        detach(model, None, store_id)
+        if holds_patch:
+            from prefixlab.recurrent.patch import let_go
+
+            let_go(model)
