@@ -126,3 +126,33 @@ def test_threads_binding_unbound_caches_at_once_share_one_default_store(monkeypa
     assert all(torch.equal(out, ref) for out, ref in zip(outputs, expected, strict=True))
     prefixlab.unpatch(model)
     assert caches[0].store.closed and not model._forward_hooks and not is_patched(model)
+
+
+def test_one_cache_in_two_threads_refuses_the_second_generate():
+    """Two threads generating over one cache (the README says not to) could give a silently wrong output: one
+    thread's failure reset the cache under the other's request, whose next decode step then began a new one."""
+    from prefixlab.errors import InvalidInputError
+
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    cache, inside, refused = HybridPrefixCache(store), threading.Event(), threading.Event()
+    prompt = tokens(16, 3)
+
+    def wait_for_the_other(input_ids, scores):  # (a logits processor: runs inside the first thread's generate)
+        inside.set()
+        refused.wait(timeout=60)
+        return scores
+
+    outputs = {}
+    first = threading.Thread(target=lambda: outputs.setdefault("first", model.generate(
+        prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0,
+        logits_processor=[wait_for_the_other])))
+    first.start()
+    assert inside.wait(timeout=60)
+    try:
+        with pytest.raises(InvalidInputError, match="in use by a generate"):
+            model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    finally:
+        refused.set()
+        first.join()
+    assert torch.equal(outputs["first"], model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0))

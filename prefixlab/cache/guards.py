@@ -11,6 +11,7 @@ first columns with the tokens the cache holds before anything runs.
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -30,22 +31,42 @@ def checked_generate(generate, cache_type: type):
             cache, cut = kwargs.get("cache_params"), False  # (Mamba2: its whole input continues the cache)
         if not isinstance(cache, cache_type):
             return generate(*args, **kwargs)
-        if cache.started and not cache.in_flight:
-            input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-            check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
-            cache.commit()  # the request so far is stored now: a refusal or failure of this call loses none of it
-        held_before = cache.get_seq_length() if cache.started else None
+        with _IN_USE_LOCK:  # one generate call per cache at a time: another's reset would cut this one's request
+            owner, me = _IN_USE.get(cache), threading.get_ident()
+            if owner not in (None, me):
+                raise InvalidInputError(
+                    "this HybridPrefixCache is in use by a generate() call in another thread; give each request "
+                    "its own HybridPrefixCache(store) (the store is shared safely)")
+            _IN_USE[cache] = me
         try:
-            return generate(*args, **kwargs)
-        except BaseException:
-            # Raised between forwards (a logits processor, a stopping criterion, a streamer, Ctrl-C there): the
-            # forward guard did not see it. What this call ran is forgotten, as for a failed forward; a cache this
-            # call did not advance (generate refused its arguments) keeps its earlier request.
-            if cache.started and not cache.in_flight and cache.get_seq_length() != held_before:
-                cache.forward_failed()
-            raise
+            return _checked_call(generate, cache, cut, args, kwargs)
+        finally:
+            if owner is None:  # (the outermost call of this thread)
+                with _IN_USE_LOCK:
+                    _IN_USE.pop(cache, None)
 
     return checked
+
+
+_IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> the thread running generate over it
+_IN_USE_LOCK = threading.Lock()
+
+
+def _checked_call(generate, cache, cut: bool, args: tuple, kwargs: dict):
+    if cache.started and not cache.in_flight:
+        input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
+        cache.commit()  # the request so far is stored now: a refusal or failure of this call loses none of it
+    held_before = cache.get_seq_length() if cache.started else None
+    try:
+        return generate(*args, **kwargs)
+    except BaseException:
+        # Raised between forwards (a logits processor, a stopping criterion, a streamer, Ctrl-C there): the forward
+        # guard did not see it. What this call ran is forgotten, as for a failed forward; a cache this call did not
+        # advance (generate refused its arguments) keeps its earlier request.
+        if cache.started and not cache.in_flight and cache.get_seq_length() != held_before:
+            cache.forward_failed()
+        raise
 
 
 def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
