@@ -128,7 +128,7 @@ def test_host_entries_go_to_the_device_tier_of_a_store_without_one(saved):
 
 def test_entries_that_do_not_fit_are_dropped_with_one_warning(saved):
     model, path, _, tiers = saved
-    with pytest.warns(RuntimeWarning, match=r"more than the loaded store's capacity: [12] of its 3 entries") as caught:
+    with pytest.warns(RuntimeWarning, match=r"more than the loaded store's capacity: 2 of its 3 entries") as caught:
         loaded = PrefixStore.load(path, model, offload_capacity=None)
     assert len(caught) == 1
     assert contents(loaded.core) == tiers[0]  # device entries are admitted last: they win the device budget
@@ -392,3 +392,19 @@ def test_a_well_formed_file_with_payloads_that_do_not_fit_the_model_is_refused(s
     with pytest.raises(CorruptStoreError, match=copied.name):
         PrefixStore.load(copied, model)
     assert model_state(model) == untouched
+
+
+def test_a_store_too_big_for_one_file_is_refused_clearly(saved, copied, monkeypatch):
+    """safetensors caps a file's header at 100 MB (about 20k entries): save raised its raw "header too large"."""
+    from safetensors import SafetensorError
+
+    def too_large(*_, **__):
+        raise SafetensorError("Error while serializing: header too large")
+
+    model, before = saved[0], copied.read_bytes()
+    store = PrefixStore.load(copied, model)
+    monkeypatch.setattr(persist, "save_file", too_large)
+    with pytest.raises(InvalidInputError, match="do not fit one safetensors file.*header too large.*smaller store"):
+        store.save(copied)
+    assert copied.read_bytes() == before and [p.name for p in copied.parent.iterdir()] == [copied.name]
+    store.close()

@@ -132,7 +132,13 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
                     for name, hexdigest in tensor_digests(tensors).items()},
     }
     text = json.dumps(header)
-    _write_atomically(path, tensors, {HEADER_KEY: text, HEADER_DIGEST_KEY: digest(text.encode())})
+    try:
+        _write_atomically(path, tensors, {HEADER_KEY: text, HEADER_DIGEST_KEY: digest(text.encode())})
+    except SafetensorError as err:  # (safetensors caps a file's header, which lists every tensor, at 100 MB)
+        raise InvalidInputError(
+            f"PrefixStore.save: {len(tensors)} tensors of {sum(len(n) for n in tiers.values())} entries do not fit "
+            f"one safetensors file ({err}); save a smaller store (a lower capacity, or clear() part of the work). "
+            f"{path} was left as it was") from None
 
 
 def _tier_to_flat(core: PrefixCacheCore, tier: str, tensors: dict[str, torch.Tensor]) -> list[dict]:
@@ -176,9 +182,10 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
     path = Path(path)
     if not path.is_file():
         raise InvalidInputError(f"path={str(path)!r} is not a file written by PrefixStore.save")
-    header = _read_header(path)
-    fingerprint = _check_model(path, header, model)
-    tensors = _read_tensors(path, header)
+    with _opened(path) as file:  # opened once: a save replacing the file meanwhile (os.replace) leaves this one whole
+        header = _read_header(path, file)
+        fingerprint = _check_model(path, header, model)
+        tensors = _read_tensors(path, header, file)
     entries = {tier: _entries(path, nodes, tensors, tier) for tier, nodes in header["tiers"].items()}
     saved = {"capacity": header["capacity_bytes"], "policy": header["policy"], "block_size": header["block_size"]}
     if header["offload_capacity_bytes"] is not None:
@@ -212,9 +219,8 @@ def _opened(path: Path):
         ) from None
 
 
-def _read_header(path: Path) -> dict:
-    with _opened(path) as file:
-        metadata = file.metadata() or {}
+def _read_header(path: Path, file) -> dict:
+    metadata = file.metadata() or {}
     text, want = metadata.get(HEADER_KEY), metadata.get(HEADER_DIGEST_KEY)
     if text is None:
         raise InvalidInputError(f"{path} has no prefixlab header: it was not written by PrefixStore.save")
@@ -286,16 +292,15 @@ def _check_model(path: Path, header: dict, model: torch.nn.Module) -> dict[str, 
     return fingerprint
 
 
-def _read_tensors(path: Path, header: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of the file (on the host), each checked against its recorded dtype, shape and digest."""
+def _read_tensors(path: Path, header: dict, file) -> dict[str, torch.Tensor]:
+    """Every tensor of the open `file` (on the host), each checked against its recorded dtype, shape and digest."""
     expected = header["tensors"]
-    with _opened(path) as file:
-        names = set(file.keys())
-        if names != expected.keys():
-            odd = sorted(names ^ expected.keys())
-            raise CorruptStoreError(f"{path} holds other tensors than its header lists ({', '.join(odd[:3])}); "
-                                    "the file is corrupted. Delete it and save the store again")
-        tensors = {name: file.get_tensor(name) for name in names}
+    names = set(file.keys())
+    if names != expected.keys():
+        odd = sorted(names ^ expected.keys())
+        raise CorruptStoreError(f"{path} holds other tensors than its header lists ({', '.join(odd[:3])}); "
+                                "the file is corrupted. Delete it and save the store again")
+    tensors = {name: file.get_tensor(name) for name in names}
     for name, hexdigest in tensor_digests(tensors).items():
         if [str(tensors[name].dtype), list(tensors[name].shape), hexdigest] != expected[name]:
             raise CorruptStoreError(
@@ -333,13 +338,8 @@ def _entries(path: Path, nodes: list[dict], tensors: dict[str, torch.Tensor], ti
 
 def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
     """Admit the saved entries, host tier first (into the offload tier, or the device one when the store has none);
-    returns how many times an entry was refused or evicted out of the store meanwhile (it did not fit)."""
-
-    def lost() -> int:  # device evictions move to the host tier when there is one: not lost
-        last = store.offload if store.offload is not None else store.core
-        return last.evictions + last.rejected + (store.core.rejected if last is not store.core else 0)
-
-    before, shapes = lost(), {}
+    returns how many of them neither tier holds whole afterwards (refused or evicted: they did not fit)."""
+    shapes: dict = {}
     for tier, tier_entries in entries.items():
         core = store.offload if tier == "host" and store.offload is not None else store.core
         device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
@@ -350,7 +350,9 @@ def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
                 _same_shapes(shapes, "recurrent", state.recurrent)
             core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
                        states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
-    return lost() - before
+    tiers = [core for core in (store.core, store.offload) if core is not None]
+    return sum(not any(core.peek(tokens, namespace)[1] == len(tokens) for core in tiers)
+               for tier_entries in entries.values() for tokens, _, _, namespace in tier_entries)
 
 
 def _moved(kv, device: torch.device | str, pin: bool, store: PrefixStore, shapes: dict):
