@@ -108,3 +108,26 @@ def test_a_failed_forward_is_reported_as_not_admitted():
         handle.remove()
     assert cache.report().admission == "not admitted (a forward of the request failed)"
     assert store.stats()["used_bytes"] == 0
+
+
+def test_a_later_turn_after_the_weights_changed_loads_nothing_of_the_old_weights():
+    """A chat turn continued on the same cache after the weights changed loaded a deeper checkpoint of the old
+    weights (only a request's first forward checked them): other tokens than a DynamicCache gives."""
+    from transformers import DynamicCache
+
+    model = build("qwen3_5")
+    old, new = ({k: v.clone() for k, v in build("qwen3_5", seed=s).state_dict().items()} for s in (0, 1))
+
+    def two_turns(cache, store=None):
+        model.load_state_dict(old)
+        first = generate(model, tokens(1, 20, seed=1), cache)
+        turn = torch.cat([first, tokens(1, 15, seed=4)], 1)
+        if store is not None:  # the whole conversation stored under the old weights, deeper than the cache holds
+            generate(model, turn, HybridPrefixCache(store))
+        model.load_state_dict(new)
+        return generate(model, turn, cache)
+
+    want = two_turns(DynamicCache(config=model.config))
+    store = PrefixStore(model, capacity="64MB")
+    with pytest.warns(RuntimeWarning, match="weights changed"):
+        assert torch.equal(two_turns(HybridPrefixCache(store), store), want)
