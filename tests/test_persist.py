@@ -340,6 +340,16 @@ def test_bf16_entries_round_trip_bit_for_bit(tmp_path):
     loaded.close()
 
 
+def assert_refused_untouched(model, path, tensors: dict, header: dict) -> None:
+    """Write `tensors` and `header` to `path` with a matching checksum: load refuses it, the model untouched."""
+    text = json.dumps(header)
+    save_file(tensors, path, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
+    untouched = model_state(model)
+    with pytest.raises(CorruptStoreError, match=path.name):
+        PrefixStore.load(path, model)
+    assert model_state(model) == untouched
+
+
 @pytest.mark.parametrize("edit", [
     lambda h: h.pop("weights"),
     lambda h: h.update(weights=[]),
@@ -358,13 +368,7 @@ def test_a_well_formed_file_with_an_inconsistent_header_raises_the_librarys_erro
     model = saved[0]
     tensors, header = load_file(copied), json.loads(safetensors_header(copied)[1]["__metadata__"]["prefixlab"])
     edit(header)
-    text = json.dumps(header)
-    save_file(tensors, copied, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
-    untouched = model_state(model)
-    with pytest.raises(CorruptStoreError, match=copied.name):
-        PrefixStore.load(copied, model)
-    assert model_state(model) == untouched
-
+    assert_refused_untouched(model, copied, tensors, header)
 
 
 @pytest.mark.parametrize("edit", ["drop recurrent", "drop conv", "kv float16", "conv shape", "identity null"])
@@ -386,12 +390,7 @@ def test_a_well_formed_file_with_payloads_that_do_not_fit_the_model_is_refused(s
         tensors[target] = tensors[target].half() if edit == "kv float16" else tensors[target][..., 1:].contiguous()
         header["tensors"][target] = [str(tensors[target].dtype), list(tensors[target].shape),
                                      persist.tensor_digests({target: tensors[target]})[target]]
-    text = json.dumps(header)
-    save_file(tensors, copied, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
-    untouched = model_state(model)
-    with pytest.raises(CorruptStoreError, match=copied.name):
-        PrefixStore.load(copied, model)
-    assert model_state(model) == untouched
+    assert_refused_untouched(model, copied, tensors, header)
 
 
 def test_a_store_too_big_for_one_file_is_refused_clearly(saved, copied, monkeypatch):
