@@ -1,6 +1,8 @@
 """`prefixlab run`'s files read line by line: a prompt file's bad lines and an OUT file that is not one of its
 outputs (no model runs here; tests/test_fleet_run.py runs it)."""
 
+import json
+
 import pytest
 
 from prefixlab.errors import InvalidInputError
@@ -65,3 +67,13 @@ def test_a_line_nested_too_deep_is_a_bad_line(tmp_path):
     out.write_text("[" * 100_000 + "\n")
     with pytest.raises(InvalidInputError, match="not a prefixlab run output"):
         outputs.finished(out)
+
+
+def test_records_of_another_prompt_files_ids_are_kept_with_a_note(tmp_path, capsys):
+    """An OUT written from another prompt file was merged without a word, its records counted as written."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "output_ids": [8]}\n{"id": 7, "output_ids": [9]}\n')
+    outputs.part_path(out, 0).write_text('{"id": 1, "output_ids": [3]}\n')
+    assert outputs.merge(out, [1, 2]) == (1, [2])
+    assert "holds 2 records of ids not in this prompt file" in capsys.readouterr().err
+    assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, "a", 7]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -141,10 +142,13 @@ class PartWriter:
 def merge(out: Path, ids_in_order: list[str | int], remove_parts: bool = True) -> tuple[int, list[str | int]]:
     """Rewrite `out` with every finished record in prompt-file order (records of ids no longer in the file go
     last), then remove the part files (keep them with `remove_parts=False`: a stopped run whose other processes
-    may still append to theirs); returns (records written, ids of `ids_in_order` still missing)."""
+    may still append to theirs); returns (records of the file's ids written, ids of `ids_in_order` still missing)."""
     done = finished(out)
     order = {prompt_id: k for k, prompt_id in enumerate(ids_in_order)}
     records = sorted(done.values(), key=lambda r: order.get(r["id"], len(order)))
+    if others := sum(record["id"] not in order for record in records):
+        print(f"prefixlab: note: {out} holds {others} records of ids not in this prompt file (another file's run?); "
+              "they are kept after this file's records", file=sys.stderr)
     temporary = out.with_name(out.name + ".merging")
     with open(temporary, "w", encoding="utf-8") as file:
         file.writelines(json.dumps(record) + "\n" for record in records)
@@ -153,4 +157,4 @@ def merge(out: Path, ids_in_order: list[str | int], remove_parts: bool = True) -
     os.replace(temporary, out)  # atomic: a crash here leaves the old OUT and the parts, both still readable
     for path in part_files(out) if remove_parts else ():
         path.unlink()  # a crash between two unlinks leaves records in OUT and a part: read once (by id)
-    return len(records), [prompt_id for prompt_id in ids_in_order if prompt_id not in done]
+    return len(records) - others, [prompt_id for prompt_id in ids_in_order if prompt_id not in done]
