@@ -254,3 +254,25 @@ def test_a_config_of_a_patched_only_family_without_recurrent_layers_serves_kv():
     generate(past_key_values=HybridPrefixCache(store))
     cache = HybridPrefixCache(store)
     assert torch.equal(generate(past_key_values=cache), generate()) and cache.reused_tokens == 11
+
+
+def test_buffers_rewritten_in_place_with_the_same_values_keep_the_store():
+    """longrope copies its inv_freq buffer in place at every forward (same values): counted by version, buffers made
+    the store empty itself at every request (no reuse at all)."""
+    import warnings
+
+    import transformers
+    from hf_models import _COMMON
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+            "original_max_position_embeddings": 256}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(_COMMON | {"num_hidden_layers": 2,
+                                                                                  "rope_parameters": rope}))).eval()
+    store, prompt = PrefixStore(model, capacity="64MB", block_size=4), torch.randint(3, 100, (1, 20))
+    generate = functools.partial(model.generate, prompt, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # (no "weights changed")
+        generate(past_key_values=HybridPrefixCache(store))
+        cache = HybridPrefixCache(store)
+        assert torch.equal(generate(past_key_values=cache), generate()) and cache.reused_tokens == 19

@@ -113,18 +113,20 @@ def model_identity(model: torch.nn.Module) -> str:
 
 
 def weights_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever a parameter or buffer is written in place (an optimizer step, load_state_dict), replaced, or
-    given new storage (`param.data = ...`, moved to another device): every such tensor's identity, version counter
-    and storage address; a tensor without a version counter (made under torch.inference_mode) is read instead, a
-    sample of its values. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no version
-    there) and adapters switched without writing weights (PEFT's disable_adapter): call store.clear() after those."""
-    def version(tensor: torch.Tensor) -> int | tuple:
+    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
+    storage (`param.data = ...`, moved to another device): each one's identity, version counter and storage address.
+    Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), and
+    parameters without a version counter (made under torch.inference_mode) count by a sample of their values. Not
+    seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched
+    without writing weights (PEFT's disable_adapter): call store.clear() after those."""
+    params, buffers = _tensors(model)
+    versioned, sampled = [], list(buffers)
+    for param in params:
         try:
-            return tensor._version
+            versioned.append((id(param), param._version, param.data_ptr()))
         except RuntimeError:  # an inference tensor
-            return _value_sample(tensor)
-
-    return tuple((id(tensor), version(tensor), tensor.data_ptr()) for tensor in _tensors(model))
+            sampled.append(param)
+    return tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled)
 
 
 def pads_change_states(model: torch.nn.Module) -> bool:
@@ -140,23 +142,29 @@ def pads_change_states(model: torch.nn.Module) -> bool:
                for layer in model.modules() if looks_linear_attention(layer) for name, child in layer.named_children())
 
 
-def _value_sample(tensor: torch.Tensor, count: int = 64) -> tuple[int, ...]:
-    """The bytes of `count` elements spread over `tensor` (bits: a NaN equals itself)."""
-    flat = tensor.detach().reshape(-1)
-    sample = flat[:: max(1, flat.numel() // count)][:count].contiguous()
-    return tuple(sample.cpu().view(torch.uint8).tolist()) if sample.dtype.itemsize else ()
+def _value_samples(tensors: list[torch.Tensor], count: int = 64) -> tuple[bytes, ...]:
+    """The bytes (bits: a NaN equals itself) of `count` elements spread over each of `tensors`, one copy to the host
+    per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        if tensor.device.type != "meta" and tensor.numel() and tensor.element_size():
+            flat = tensor.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // count)][:count].contiguous().view(torch.uint8)
+            by_device.setdefault(tensor.device, []).append(sample)
+    return tuple(torch.cat(samples).cpu().numpy().tobytes() for samples in by_device.values())
 
 
-def _tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """Every parameter and buffer of `model` once, in a fixed order: `model.parameters()` without its nested
+def _tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, buffers) of `model`, each once, in a fixed order: `model.parameters()` without its nested
     generators, which cost each request (weights_version runs once per request) several times this walk's time."""
-    found, seen, stack = [], set(), [model]
+    found, seen, stack = ([], []), set(), [model]
     while stack:
         module = stack.pop()
-        for tensor in (*module._parameters.values(), *module._buffers.values()):
-            if tensor is not None and id(tensor) not in seen:
-                seen.add(id(tensor))
-                found.append(tensor)
+        for kind, tensors in enumerate((module._parameters.values(), module._buffers.values())):
+            for tensor in tensors:
+                if tensor is not None and id(tensor) not in seen:
+                    seen.add(id(tensor))
+                    found[kind].append(tensor)
         stack.extend(child for child in reversed(module._modules.values()) if child is not None)
     return found
 
