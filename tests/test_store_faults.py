@@ -343,3 +343,23 @@ def test_a_store_collected_without_close_gives_its_hooks_and_patch_back(model):
     first.close()
     assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
     copy.deepcopy(model)
+
+
+def test_collecting_a_store_takes_no_lock(model):
+    """The collector runs a finalizer wherever the collecting thread is, e.g. inside the patch's hold() with its lock
+    held (building another store): a finalizer that gave the patch back there deadlocked (the suite hung)."""
+    import gc
+    import importlib
+    import threading
+
+    patch = importlib.import_module("prefixlab.recurrent.patch")  # (the package's `patch` is the function)
+    first, second = PrefixStore(model, capacity="1MB"), PrefixStore(model, capacity="1MB")
+    second.cycle = second  # (only the collector frees it)
+    del second
+    collector = threading.Thread(target=gc.collect, daemon=True)
+    with patch._OWNERS_LOCK:  # (held, as hold() holds it)
+        collector.start()
+        collector.join(timeout=10)
+        assert not collector.is_alive()
+    first.close()  # gives back what the collected store held, too
+    assert not getattr(model, "prefixlab_patched", False)

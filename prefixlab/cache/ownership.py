@@ -3,6 +3,7 @@ given back by close() or, for a store collected without it, by the garbage colle
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import torch
@@ -27,19 +28,33 @@ def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
         ) from err
 
 
+# What collected stores have to give back. The garbage collector runs a finalizer wherever the collected thread was,
+# possibly inside attach/detach or the patch's hold/let_go with their (non re-entrant) locks held: a finalizer that
+# took them deadlocked. So it only queues; the queue is drained at the next safe point (release_collected).
+_COLLECTED: collections.deque = collections.deque()
+
+
 def release_when_collected(store: object, model: torch.nn.Module, holds_patch: bool) -> weakref.finalize:
-    """A callable giving `store`'s hooks (and patch share, if it `holds_patch`) on `model` back, once: when called
-    (close) or when `store` is collected without it. It holds neither the store nor the model."""
-    release = weakref.finalize(store, _release, weakref.ref(model), id(store), holds_patch)
+    """A callable queueing `store`'s hooks (and patch share, if it `holds_patch`) on `model` to be given back, once:
+    when called (close, which then drains the queue) or when `store` is collected without it. It holds neither the
+    store nor the model."""
+    release = weakref.finalize(store, _COLLECTED.append, (weakref.ref(model), id(store), holds_patch))
     release.atexit = False  # (at interpreter exit there is nothing to give back to)
     return release
 
 
-def _release(model_ref: weakref.ref, store_id: int, holds_patch: bool) -> None:
-    model = model_ref()
-    if model is not None:
-        detach(model, None, store_id)
-        if holds_patch:
-            from prefixlab.recurrent.patch import let_go
+def release_collected() -> None:
+    """Give back what the queued stores held (called where no prefixlab lock is held: building and closing stores,
+    prefixlab.patch / unpatch)."""
+    while _COLLECTED:
+        try:
+            model_ref, store_id, holds_patch = _COLLECTED.popleft()
+        except IndexError:  # (another thread drained it)
+            return
+        model = model_ref()
+        if model is not None:
+            detach(model, None, store_id)
+            if holds_patch:
+                from prefixlab.recurrent.patch import let_go
 
-            let_go(model)
+                let_go(model)

@@ -30,6 +30,9 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
     if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
         raise InvalidInputError(f"prefixlab.patch(model) needs a transformers model, got {type(model).__name__}")
     CacheLayout.from_config(model.config)  # UnsupportedModelError now rather than on the first request
+    from prefixlab.cache.ownership import release_collected
+
+    release_collected()  # (stores collected without close(): their shares first)
     with _LOCK:
         if kernels and model not in _HOLDS_KERNELS:
             from prefixlab.cache.ownership import hold_patch
@@ -46,6 +49,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     store = default_store(model)
     if store is not None:
         store.close()
+    from prefixlab.cache.ownership import release_collected
+
+    release_collected()
     with _LOCK:
         detach(model, model)
         if model in _HOLDS_KERNELS:

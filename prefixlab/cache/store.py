@@ -41,7 +41,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     parse_capacity,
     weights_version,
 )
-from prefixlab.cache.ownership import hold_patch, release_when_collected
+from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
@@ -131,6 +131,7 @@ class PrefixStore:
         self.closed = False
         # last, so that a store refused above leaves the model as it was: its share of the kernel patch and of the
         # hooks, given back by close() or when the store is collected
+        release_collected()  # (what stores collected without close() held, first)
         holds_patch = hold_patch(model, patch)
         attach(model, self, self.options["media_cache"])
         self._release = release_when_collected(self, model, holds_patch)
@@ -169,7 +170,8 @@ class PrefixStore:
             finally:
                 self.closed = True
                 unregister(self)
-                self._release()  # hooks and patch share back (once: a weakref.finalize)
+                self._release()  # hooks and patch share back (once: a weakref.finalize), with collected stores'
+                release_collected()
 
     def _build_tiers(self) -> None:
         """Empty device (and host) tiers from `options`."""
