@@ -67,19 +67,6 @@ def test_options_must_match_the_default_store_and_the_first_store_is_the_default
         generate(model, prompt, HybridPrefixCache())
 
 
-def test_closing_the_default_store_makes_the_next_open_store_the_default():
-    """After the default store closed, an unbound cache built a new 4 GB store beside the model's open one."""
-    model = build("qwen3_5")
-    first, second = PrefixStore(model, capacity="16MB"), PrefixStore(model, capacity="8MB")
-    prompt = tokens(1, 12, seed=3)
-    generate(model, prompt, HybridPrefixCache(second))
-    first.close()
-    cache = HybridPrefixCache()
-    assert torch.equal(generate(model, prompt, cache), generate(model, prompt))
-    assert cache.store is second and cache.reused_tokens == 11 and PrefixStore.default_for(model) is second
-    second.close()
-
-
 def test_bad_cache_options_are_refused_at_construction():
     store = PrefixStore(build("qwen3_5"), capacity="16MB")
     with pytest.raises(InvalidInputError, match="options of the store"):

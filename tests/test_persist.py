@@ -378,10 +378,9 @@ def test_a_well_formed_file_with_payloads_that_do_not_fit_the_model_is_refused(s
     failed later requests."""
     model = saved[0]
     tensors, header = load_file(copied), json.loads(safetensors_header(copied)[1]["__metadata__"]["prefixlab"])
-    name = next(n for n in sorted(tensors) if n.startswith("device.") and ".recurrent.0." in n)
-    target = {"drop recurrent": name, "drop conv": name.replace("recurrent", "conv"), "kv float16": next(
-        n for n in sorted(tensors) if n.startswith("device.") and ".k." in n), "conv shape": name.replace(
-        "recurrent", "conv"), "identity null": None}[edit]
+    recurrent = next(n for n in sorted(tensors) if n.startswith("device.") and ".recurrent.0." in n)
+    target = recurrent if edit == "drop recurrent" else recurrent.replace("recurrent", "conv") if "conv" in edit \
+        else next(n for n in sorted(tensors) if n.startswith("device.") and ".k." in n)
     if edit.startswith("drop"):
         del tensors[target], header["tensors"][target]
     elif edit == "identity null":

@@ -363,3 +363,15 @@ def test_collecting_a_store_takes_no_lock(model):
         assert not collector.is_alive()
     first.close()  # gives back what the collected store held, too
     assert not getattr(model, "prefixlab_patched", False)
+
+
+def test_closing_the_default_store_makes_the_next_open_store_the_default(model):
+    """After the default store closed, an unbound cache built a new 4 GB store beside the model's open one."""
+    first, second = PrefixStore(model, capacity="16MB"), PrefixStore(model, capacity="8MB")
+    prompt = tokens(1, 12, seed=3)
+    generate(model, prompt, HybridPrefixCache(second))
+    first.close()
+    cache = HybridPrefixCache()
+    assert torch.equal(generate(model, prompt, cache), generate(model, prompt))
+    assert cache.store is second and cache.reused_tokens == 11 and PrefixStore.default_for(model) is second
+    second.close()

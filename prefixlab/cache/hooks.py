@@ -42,7 +42,7 @@ from prefixlab.cache.multimodal import (
     text_only,
     with_model_positions,
 )
-from prefixlab.cache.rows import continues_at, only_left_pads
+from prefixlab.cache.rows import continues_at, continues_plainly
 from prefixlab.errors import InvalidInputError
 
 
@@ -77,7 +77,7 @@ class ModelDrivenCache:
                        position_ids: torch.Tensor | None) -> int:  # columns of input_ids now held
         raise NotImplementedError
 
-    def admit_nothing(self) -> None:  # a forward not continuing it plainly (rows.continues_at, only_left_pads)
+    def admit_nothing(self) -> None:  # a forward not continuing it plainly (rows.continues_plainly)
         raise NotImplementedError
 
     def forward_done(self) -> None:
@@ -232,8 +232,7 @@ def attach(model: torch.nn.Module, owner: object, media_cache_bytes: int = 0) ->
 
 
 def detach(model: torch.nn.Module, owner: object, owner_id: int | None = None) -> None:
-    """`owner` (or the owner that had `owner_id`, once collected) no longer needs the hooks; the last one out
-    removes them (and the forward guard)."""
+    """`owner` (or the collected one of `owner_id`) no longer needs the hooks; the last one out removes them."""
     with _HOOKS_LOCK:
         hooks = _HOOKS.get(model)
         if hooks is None:
@@ -259,13 +258,12 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
     forward whose positions start elsewhere (a new prompt over a used cache) is refused (`mrope`: positions the
     model offsets past images, checked where they can be: rows.continues_at)."""
     input_ids, seen = kwargs["input_ids"], cache.get_seq_length()
-    length, rows = input_ids.shape[1], cache.held_tokens().shape[0]
-    if input_ids.shape[0] != rows:
-        raise InvalidInputError(
-            f"this HybridPrefixCache holds a request of {rows} rows and this forward has {input_ids.shape[0]} "
-            "(generate repeats the input's rows for num_beams / num_return_sequences, not a used cache's); run the "
-            "call with a new HybridPrefixCache(store), whose lookup reuses what this one held. This cache is reset now"
-        )
+    length = input_ids.shape[1]
+    if length > 1 and input_ids.shape[0] != (rows := cache.held_tokens().shape[0]):  # (decode steps: generate's own)
+        raise InvalidInputError(f"this HybridPrefixCache holds a request of {rows} rows and this forward has "
+                                f"{input_ids.shape[0]} (generate repeats the input's rows for num_beams / "
+                                "num_return_sequences, not a used cache's): use a new HybridPrefixCache(store), "
+                                "whose lookup reuses what this one held. This cache is reset now")
     # (not a decode step: those feed one token; with positions, a feed again starts where the held tokens did)
     if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads, mrope):
         held, fed = cache.held_tokens(), input_ids
@@ -281,9 +279,7 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
             "new HybridPrefixCache(store) per request. This cache is reset now"
         )
     length = kwargs["input_ids"].shape[1]
-    if length > 1 and not (continues_at(kwargs.get("position_ids"), seen, cache.row_pads, mrope, every_column=True)
-                           and (getattr(cache, "row_ends", None) is not None
-                                or only_left_pads(kwargs.get("attention_mask"), seen + length))):
+    if length > 1 and not continues_plainly(kwargs, seen, cache.row_pads, mrope, getattr(cache, "row_ends", None)):
         cache.admit_nothing()  # other positions past its first column, or pads among its tokens: run as given
         resume = False
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already

@@ -124,13 +124,17 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
                if want >= 0)  # a row still in its left pads there has a pad's position (whatever the model fills in)
 
 
-def only_left_pads(attention_mask: torch.Tensor | None, width: int) -> bool:
-    """Whether a 2-D mask over `width` columns masks only each row's leading columns (True where it cannot be told):
-    pads between a row's held tokens and its new ones would be stored as tokens."""
-    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] != width:
+def continues_plainly(kwargs: dict, seen: int, pads: list[int] | None, mrope: bool, row_ends: list[int] | None) -> bool:
+    """Whether a multi-token forward over a cache holding `seen` columns continues it plainly: every column at its
+    real position (continues_at) and, unless rows are right-padded (`row_ends`), a 2-D mask over the held and new
+    columns that masks only each row's leading ones (pads between held and new tokens would be stored as tokens);
+    True where it cannot be told."""
+    if not continues_at(kwargs.get("position_ids"), seen, pads, mrope, every_column=True):
+        return False
+    mask, width = kwargs.get("attention_mask"), seen + kwargs["input_ids"].shape[1]
+    if row_ends is not None or mask is None or mask.dim() != 2 or mask.shape[1] != width:
         return True
-    real = attention_mask.detach() != 0
-    return bool((real[:, 1:] >= real[:, :-1]).all())
+    return left_pads(mask, mask.shape[0], width, pads_only_rows=True) is not None
 
 
 def pad_safe_splits(splits: list[int], start: int, stop: int, unsafe_below: int) -> list[int]:
