@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from prefixlab.cache.devices import layer_devices
 from prefixlab.cache.explain import RowReport
 from prefixlab.cache.rows import load_rows, one_column
 
@@ -58,7 +59,7 @@ class RowResume:
                 self._provisional = (self._provisional & planned) | set(self._plan)
             if common > held:
                 load_rows(self.layers, self.store.layout, common, [source for _, source in found],
-                          self.store.device)
+                          layer_devices(self.store.model), self.store.device)
         finally:
             for pair in filter(None, found):
                 self.store.release_lookup(*pair)

@@ -17,6 +17,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from prefixlab.cache.devices import accelerate_hooks
 from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
@@ -115,18 +116,20 @@ def model_identity(model: torch.nn.Module) -> str:
 def weights_version(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
     storage (`param.data = ...`, moved to another device): each one's identity, version counter and storage address.
-    Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), and
-    parameters without a version counter (made under torch.inference_mode) count by a sample of their values. Not
-    seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched
-    without writing weights (PEFT's disable_adapter): call store.clear() after those."""
-    params, buffers = _tensors(model)
+    Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
+    without a version counter (made under torch.inference_mode) and weights accelerate offloads (to CPU memory or
+    disk, meta tensors in the model between forwards) count by a sample of their values. Not seen: writes through
+    `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched without writing weights
+    (PEFT's disable_adapter): call store.clear() after those."""
+    params, buffers, offloaded = _tensors(model)
     versioned, sampled = [], list(buffers)
     for param in params:
         try:
             versioned.append((id(param), param._version, param.data_ptr()))
         except RuntimeError:  # an inference tensor
             sampled.append(param)
-    return tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled)
+    # offloaded values' identities are not kept: a disk offload reads a new tensor at every access
+    return tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled + offloaded)
 
 
 def pads_change_states(model: torch.nn.Module) -> bool:
@@ -154,19 +157,43 @@ def _value_samples(tensors: list[torch.Tensor], count: int = 64) -> tuple[bytes,
     return tuple(torch.cat(samples).cpu().numpy().tobytes() for samples in by_device.values())
 
 
-def _tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(parameters, buffers) of `model`, each once, in a fixed order: `model.parameters()` without its nested
-    generators, which cost each request (weights_version runs once per request) several times this walk's time."""
-    found, seen, stack = ([], []), set(), [model]
+def _tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(parameters, buffers, offloaded weights) of `model`, each once, in a fixed order: `model.parameters()` without
+    its nested generators, which cost each request (weights_version runs once per request) several times this walk's
+    time. A meta tensor that an accelerate hook offloads counts as the value it loads for the forward."""
+    found, seen, stack = ([], [], []), set(), [model]
     while stack:
         module = stack.pop()
+        offloaded = _offloaded_values(module) if "_hf_hook" in module.__dict__ else {}
         for kind, tensors in enumerate((module._parameters.values(), module._buffers.values())):
             for tensor in tensors:
                 if tensor is not None and id(tensor) not in seen:
                     seen.add(id(tensor))
-                    found[kind].append(tensor)
+                    if id(tensor) in offloaded:
+                        found[2].append(offloaded[id(tensor)])
+                    else:
+                        found[kind].append(tensor)
         stack.extend(child for child in reversed(module._modules.values()) if child is not None)
     return found
+
+
+def _offloaded_values(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The values accelerate's offloading hooks on `module` load for its forward (`AlignDevicesHook(offload=True)`,
+    as `cpu_offload`, `disk_offload` and `device_map` with "cpu" / "disk" attach), by the id of the meta tensor that
+    stands for each between forwards; those of its submodules too where one hook places them all."""
+    values = {}
+    for hook in accelerate_hooks(module):
+        weights = getattr(hook, "weights_map", None)
+        if not getattr(hook, "offload", False) or weights is None:
+            continue
+        recurse = bool(getattr(hook, "place_submodules", False))
+        for name, tensor in (*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)):
+            if tensor.device.type == "meta":
+                try:
+                    values[id(tensor)] = weights[name]
+                except KeyError:  # a non-persistent buffer: not offloaded
+                    continue
+    return values
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:

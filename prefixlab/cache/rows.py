@@ -173,13 +173,16 @@ def stack_states(states: list[torch.Tensor | None], device: torch.device) -> tor
     return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])
 
 
-def load_rows(layers: list, layout, common: int, sources: list, device: torch.device) -> None:
+def load_rows(layers: list, layout, common: int, sources: list, devices: dict[int, torch.device],
+              default: torch.device) -> None:
     """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated)
     placed at the last columns before `common` (pad columns before it: zeros, masked out) and each row's states
-    (`sources[row].state`; zeros for rows that resume nothing)."""
+    (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device (`devices`, else
+    `default`)."""
     from transformers.cache_utils import DynamicLayer
 
     for layer_idx in layout.kv_layers:
+        device = devices.get(layer_idx, default)
         layer = layers[layer_idx]
         keys = stack_rows([[kv.keys[layer_idx] for kv in source.kv] for source in sources], common, device)
         values = stack_rows([[kv.values[layer_idx] for kv in source.kv] for source in sources], common, device)
@@ -189,9 +192,11 @@ def load_rows(layers: list, layout, common: int, sources: list, device: torch.de
     states = [source.state if source.length else None for source in sources]
     model = next(state for state in states if state is not None) if any(states) else None
     for layer_idx, state_idx in model.conv if model else ():
+        device = devices.get(layer_idx, default)
         conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
         layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
     for layer_idx, state_idx in model.recurrent if model else ():
+        device = devices.get(layer_idx, default)
         recurrent = stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
         layers[layer_idx].update_recurrent_state(recurrent, state_idx)
         layers[layer_idx].has_previous_state[state_idx] = True

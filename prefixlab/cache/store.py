@@ -29,6 +29,7 @@ import torch
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import default_for, normalize_option, register, unregister
+from prefixlab.cache.devices import execution_device
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
 from prefixlab.cache.hooks import attach
 from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
@@ -146,7 +147,8 @@ class PrefixStore:
 
     @property
     def device(self) -> torch.device:
-        return self.model.device
+        """Where the model computes (its execution device where accelerate offloads its weights)."""
+        return execution_device(self.model)
 
     @property
     def weights(self) -> tuple:

@@ -1,0 +1,59 @@
+"""Where a model's layers compute, so resumed KV and states go where each layer reads them: one device for a model
+in one place, one per layer for a model accelerate dispatches (`device_map` over several GPUs, CPU or disk offload,
+`cpu_offload`), whose offloaded parameters are meta tensors between forwards."""
+
+from __future__ import annotations
+
+import torch
+
+from prefixlab.errors import is_int
+
+
+def execution_device(model: torch.nn.Module) -> torch.device:
+    """The device `model` computes on: `model.device`, unless its first parameter is an offloaded meta tensor; then
+    the device accelerate's hooks load its weights to."""
+    device = model.device
+    if device.type != "meta":
+        return device
+    found = (_hook_device(module) for module in model.modules())
+    return next((device for device in found if device is not None), device)
+
+
+def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
+    """{layer_idx: the device that layer computes on} for the modules that carry a `layer_idx` (transformers'
+    attention and linear-attention modules), the first such module of an index deciding."""
+    devices: dict[int, torch.device] = {}
+    inherited: dict[str, torch.device | None] = {"": _hook_device(model)}
+    for name, module in model.named_modules():
+        if name:  # named_modules walks parents first: a module inherits its nearest hooked ancestor's device
+            own = _hook_device(module)
+            inherited[name] = own if own is not None else inherited[name.rpartition(".")[0]]
+        index = getattr(module, "layer_idx", None)
+        if is_int(index) and index not in devices:
+            device = _computes_on(module, inherited[name])
+            if device is not None:
+                devices[index] = device
+    return devices
+
+
+def _computes_on(module: torch.nn.Module, inherited: torch.device | None) -> torch.device | None:
+    """A hook on the module or one of its submodules (each hooked where it has parameters: `cpu_offload`), else its
+    nearest hooked ancestor's (one hook places a whole block: `device_map`), else its parameters' device."""
+    hooked = (_hook_device(child) for child in module.modules())
+    found = next((device for device in hooked if device is not None), inherited)
+    if found is not None:
+        return found
+    return next((param.device for param in module.parameters() if param.device.type != "meta"), None)
+
+
+def accelerate_hooks(module: torch.nn.Module) -> tuple:
+    """The hooks accelerate attached to `module` (AlignDevicesHook, alone or in a SequentialHook); () if none."""
+    hook = module.__dict__.get("_hf_hook")  # (not getattr: nn.Module's __getattr__ costs each request's weights walk)
+    return () if hook is None else tuple(getattr(hook, "hooks", (hook,)))
+
+
+def _hook_device(module: torch.nn.Module) -> torch.device | None:
+    """The execution device of accelerate's hook on `module`."""
+    devices = (getattr(hook, "execution_device", None) for hook in accelerate_hooks(module))
+    device = next((device for device in devices if device is not None), None)
+    return None if device is None else torch.device(device)
