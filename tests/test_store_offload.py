@@ -10,6 +10,7 @@ import torch
 from hf_models import build
 
 from prefixlab import HybridPrefixCache, PrefixStore
+from prefixlab.attention import hydragen_cache_from_store
 from prefixlab.cache.devices import execution_device, layer_devices
 
 PREFIX = list(range(3, 40))
@@ -81,3 +82,18 @@ def test_each_layer_resumes_on_the_device_its_hook_runs_it_on():
     assert layer_devices(model) == {0: torch.device("meta"), 1: torch.device("meta"), 2: torch.device("meta"),
                                     3: torch.device("cpu")}
     assert execution_device(model) == torch.device("cpu")
+
+
+def test_a_store_hit_loads_into_hydragen_on_an_offloaded_model():
+    standard, hydragen = build("qwen3_5"), build("qwen3_5")
+    hydragen.set_attn_implementation("hydragen")
+    hydragen = accelerate.cpu_offload(hydragen, execution_device=torch.device("cpu"))
+    store = PrefixStore(hydragen, capacity="100MB")
+    _generate(hydragen, torch.tensor([PREFIX]), HybridPrefixCache(store))
+    prompt = torch.tensor([PREFIX + [50, 60]])
+    cache = hydragen_cache_from_store(store, prompt, batch_size=2)
+    assert cache.get_seq_length() > 0
+    tokens, logits = _generate(hydragen, prompt.repeat(2, 1), cache)
+    want_tokens, want_logits = _generate(standard, prompt.repeat(2, 1))
+    assert torch.equal(tokens, want_tokens)
+    torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=0)

@@ -22,6 +22,7 @@ import torch
 
 from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
 from prefixlab.cache.defaults import check_unconverted
+from prefixlab.cache.devices import layer_devices
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
@@ -83,22 +84,24 @@ def hydragen_cache_from_store(
     store.check_weights()
     match, source = store.lookup(probe, namespace)
     try:
-        shared = _prefix_tensors(source, attention, model.device)
+        shared = _prefix_tensors(source, attention, layer_devices(model), store.device)
     finally:
         store.release_lookup(match, source)
     cache.load_shared_prefix(**shared, batch_size=batch_size)
     return cache
 
 
-def _prefix_tensors(match, attention: list[int], device: torch.device) -> dict:
-    """`load_shared_prefix` arguments: fresh copies on `device` of the match's KV[:length] and its state."""
+def _prefix_tensors(match, attention: list[int], devices: dict[int, torch.device], device: torch.device) -> dict:
+    """`load_shared_prefix` arguments: fresh copies of the match's KV[:length] and its state, each layer's on its
+    device (`devices`, else `device`)."""
     if not match.length:  # a miss: an empty shared level (the batch size still checked by the cache)
         empty = torch.empty(0, 0, 0, device=device)
         return {"keys": {i: empty for i in attention}, "values": {i: empty for i in attention}}
 
     def joined(side: str, layer: int) -> torch.Tensor:
         pieces = [getattr(kv, side)[layer] for kv in match.kv]
-        return torch.cat(pieces, dim=TOKEN_AXIS)[:, : match.length].to(device).contiguous()  # cat copies
+        joined = torch.cat(pieces, dim=TOKEN_AXIS)[:, : match.length]  # cat copies
+        return joined.to(devices.get(layer, device)).contiguous()
 
     shared = {side: {i: joined(side, i) for i in attention} for side in ("keys", "values")}
     state: TensorState | None = match.state
@@ -109,5 +112,6 @@ def _prefix_tensors(match, attention: list[int], device: torch.device) -> dict:
                 "this model keeps several recurrent states per layer; HydragenCache.load_shared_prefix takes one"
             )
         # TensorState has no batch axis; load_shared_prefix copies a batch-1 state per sequence
-        shared[f"{kind}_states"] = {layer: t.unsqueeze(0).to(device) for (layer, _), t in per_layer.items()}
+        shared[f"{kind}_states"] = {layer: t.unsqueeze(0).to(devices.get(layer, device))
+                                    for (layer, _), t in per_layer.items()}
     return shared
