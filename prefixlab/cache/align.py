@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from prefixlab.cache.model_info import runs_uncached
 from prefixlab.cache.rows import left_pads, one_column, real_positions, right_pad
 
 
@@ -36,7 +37,7 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
         return
     pads = left_pads(attention_mask, batch, length)
     if pads is None or not real_positions(position_ids, pads, length, bool(store.layout.kv_layers)) or (
-            max(pads) > 0 and store.pads_change_states):
+            runs_uncached(store, pads, length)):
         return  # (the batch runs uncached: begin)
     column = length - max(store.min_prefill_tokens, min(logits_tokens, length))
     rows = [input_ids[b, pad:].detach().cpu() for b, pad in enumerate(pads)]

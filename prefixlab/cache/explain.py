@@ -25,7 +25,8 @@ REASONS = {
     "other_namespace": "another namespace holds a longer prefix of this prompt; namespaces never share entries",
     "too_short": "the prompt has fewer than 2 tokens: its last token always runs, so nothing can be reused",
     "batch_alignment": "the batch resumes all rows at one padded column; this row dropped to a shallower checkpoint",
-    "refused_input": "attention mask or position_ids are not plain left padding: ran uncached, nothing admitted",
+    "refused_input": "ran uncached, nothing admitted: the attention mask or position_ids are not plain left padding, "
+                     "left pads change this model's states, or the prompt reaches its RoPE's rescaling length",
 }
 MISS_REASONS = tuple(r for r in REASONS if r != "hit")
 

@@ -50,6 +50,7 @@ from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hf_resume import RowResume
 from prefixlab.cache.hooks import ModelDrivenCache
+from prefixlab.cache.model_info import runs_uncached
 from prefixlab.cache.multimodal import first_key
 from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads, right_padded
 from prefixlab.cache.sharing import under_store_lock
@@ -170,7 +171,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             if pads is not None and not real_positions(position_ids, pads, length,
                                                        bool(self.store.layout.kv_layers), served):
                 pads = None
-            if pads is not None and max(pads) > 0 and self.store.pads_change_states:  # (model_info: a bias)
+            if pads is not None and runs_uncached(self.store, pads, length):  # (model_info: a bias, a RoPE)
                 pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
@@ -183,7 +184,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self._admit_rows, self._pads = list(range(batch)), pads
         self.store.check_weights()
         self._generation = self.store.generation
-        self._admit_limit = float("inf") if reusable is None else reusable
+        self._admit_limit = min(float("inf") if reusable is None else reusable,
+                                float("inf") if self.store.rope_limit is None else self.store.rope_limit - 1)
         tail = self._tail(logits_tokens, length, length)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)

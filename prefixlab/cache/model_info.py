@@ -17,7 +17,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from prefixlab.cache.devices import accelerate_hooks
+from prefixlab.cache.devices import accelerate_hooks, execution_device
 from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
@@ -104,10 +104,17 @@ def check_use_cache(model: torch.nn.Module, use_cache: bool | None) -> None:
         )
 
 
-def model_identity(model: torch.nn.Module) -> str:
-    """Checksum of what makes cached tensors valid for a model: its architecture config and dtype."""
+# config fields that change what a forward returns, not what it computes
+_OUTPUT_FIELDS = ("output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "pad_token_id",
+                  "bos_token_id", "eos_token_id")
+
+
+def model_identity(model: torch.nn.Module, output_fields: bool = False) -> str:
+    """Checksum of what makes cached tensors valid for a model: its config (but the fields that only choose what a
+    forward returns; `output_fields=True`: with them, as earlier store files recorded it) and dtype."""
     config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache"):
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache",
+                     *(() if output_fields else _OUTPUT_FIELDS)):
         config.pop(volatile, None)
     text = json.dumps(config, sort_keys=True, default=str) + f"|{model.dtype}"
     return hashlib.sha256(text.encode()).hexdigest()
@@ -145,6 +152,36 @@ def pads_change_states(model: torch.nn.Module) -> bool:
                for layer in model.modules() if looks_linear_attention(layer) for name, child in layer.named_children())
 
 
+def rope_limit(model: torch.nn.Module) -> int | None:
+    """The sequence length from which the model's RoPE rescales its frequencies ("dynamic", "longrope": transformers'
+    dynamic_rope_update), if it has such a RoPE: every position's frequencies then depend on the whole forward's
+    length (and, for "dynamic", on the longest one before), so only what runs below it can be reused exactly."""
+    limits = []
+    for module in model.modules():
+        for layer_type, kind in _rope_types(module):
+            if kind == "longrope":
+                parameters = module.config.rope_parameters
+                parameters = parameters if layer_type is None else parameters[layer_type]
+                limits.append(int(parameters["original_max_position_embeddings"]))
+            elif "dynamic" in kind:
+                limits.append(int(module.original_max_seq_len))
+    return min(limits, default=None)
+
+
+def runs_uncached(store, pads: list[int], length: int) -> bool:
+    """Whether a left-padded batch of `length` columns must run uncached, nothing reused or admitted: its pads change
+    the model's states (pads_change_states), or it reaches the model's RoPE rescaling (rope_limit)."""
+    return (max(pads) > 0 and store.pads_change_states) or (store.rope_limit is not None and length >= store.rope_limit)
+
+
+def _rope_types(module: torch.nn.Module) -> list[tuple[str | None, str]]:
+    """[(layer type or None, rope type)] of a rotary embedding module whose frequencies rescale with the length."""
+    kinds = module.__dict__.get("rope_type")  # (a plain attribute of transformers' rotary embeddings)
+    pairs = kinds.items() if isinstance(kinds, dict) else [(None, kinds)]
+    return [(layer_type, kind) for layer_type, kind in pairs
+            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")]
+
+
 def _value_samples(tensors: list[torch.Tensor], count: int = 64) -> tuple[bytes, ...]:
     """The bytes (bits: a NaN equals itself) of `count` elements spread over each of `tensors`, one copy to the host
     per device."""
@@ -160,14 +197,17 @@ def _value_samples(tensors: list[torch.Tensor], count: int = 64) -> tuple[bytes,
 def _tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(parameters, buffers, offloaded weights) of `model`, each once, in a fixed order: `model.parameters()` without
     its nested generators, which cost each request (weights_version runs once per request) several times this walk's
-    time. A meta tensor that an accelerate hook offloads counts as the value it loads for the forward."""
+    time. A meta tensor that an accelerate hook offloads counts as the value it loads for the forward; a rescaling
+    RoPE's current frequencies do not count."""
     found, seen, stack = ([], [], []), set(), [model]
     while stack:
         module = stack.pop()
         offloaded = _offloaded_values(module) if "_hf_hook" in module.__dict__ else {}
-        for kind, tensors in enumerate((module._parameters.values(), module._buffers.values())):
-            for tensor in tensors:
-                if tensor is not None and id(tensor) not in seen:
+        # a rescaling RoPE's frequencies follow each forward's length (rope_limit), not the weights
+        rescaled = {f"{t or ''}{'_' if t else ''}inv_freq" for t, _ in _rope_types(module)}
+        for kind, tensors in enumerate((module._parameters.items(), module._buffers.items())):
+            for name, tensor in tensors:
+                if tensor is not None and id(tensor) not in seen and not (kind and name in rescaled):
                     seen.add(id(tensor))
                     if id(tensor) in offloaded:
                         found[2].append(offloaded[id(tensor)])
@@ -221,10 +261,37 @@ _DROPOUTS = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.
              torch.nn.FeatureAlphaDropout)
 
 
+# torch.backends settings that let fp32 matmuls and convolutions run in TF32 / bf16 passes (the newer fp32_precision
+# API and the older flags; attributes a torch version lacks read as None)
+_PRECISION_SETTINGS = ("fp32_precision", "cuda.matmul.fp32_precision", "cuda.matmul.allow_tf32", "cudnn.allow_tf32",
+                       "cudnn.conv.fp32_precision", "cudnn.rnn.fp32_precision", "mkldnn.fp32_precision",
+                       "mkldnn.matmul.fp32_precision", "mkldnn.conv.fp32_precision", "mkldnn.rnn.fp32_precision")
+
+
+def numeric_context() -> tuple:
+    """The process-wide settings that change what a forward computes beyond its inputs and weights: the float32
+    matmul precision and the TF32 / bf16 settings of torch.backends."""
+    values = [torch.get_float32_matmul_precision()]
+    for path in _PRECISION_SETTINGS:
+        value = torch.backends
+        for name in path.split("."):
+            value = getattr(value, name, None)
+        values.append(value)
+    return tuple(values)
+
+
 def check_deterministic(model: torch.nn.Module) -> None:
-    """InvalidInputError if `model` is in training mode with dropout active (its outputs are random then, so what it
-    computes can neither be stored as the prefix's KV and states nor stand in for them) or gradient checkpointing on
-    (its layers then ignore the cache)."""
+    """InvalidInputError under torch.autocast (the model then computes in another precision than its dtype: entries
+    would be exact for neither), or if `model` is in training mode with dropout active (its outputs are random then,
+    so what it computes can neither be stored as the prefix's KV and states nor stand in for them) or gradient
+    checkpointing on (its layers then ignore the cache)."""
+    device_type = execution_device(model).type
+    if torch.is_autocast_enabled(device_type):
+        raise InvalidInputError(
+            f"torch.autocast({device_type!r}) is on: the model would compute in {torch.get_autocast_dtype(device_type)}"
+            f" where its weights are {model.dtype}, so stored prefixes would match neither precision; convert the "
+            "model instead (model.to(torch.bfloat16)) and run it outside autocast with a HybridPrefixCache"
+        )
     if not model.training:
         return
     if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):

@@ -272,7 +272,7 @@ def _check_saved_options(header: dict) -> None:
 def _check_model(path: Path, header: dict, model: torch.nn.Module) -> dict[str, str]:
     """ModelMismatchError unless `model` has the saved config, dtype and weights; returns its fingerprint."""
     identity = model_identity(model)
-    if header["identity"] != identity:
+    if header["identity"] not in (identity, model_identity(model, output_fields=True)):  # (older files: the latter)
         raise ModelMismatchError(
             f"{path} was saved for a model with identity {header['identity'][:12]}, but this model's config "
             f"and dtype give {identity[:12]}; load it with the model (same config and dtype) that saved it"

@@ -38,8 +38,10 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     CacheLayout,
     decode_differs_from_prefill,
     model_identity,
+    numeric_context,
     pads_change_states,
     parse_capacity,
+    rope_limit,
     weights_version,
 )
 from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
@@ -47,7 +49,7 @@ from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
 from prefixlab.cache.tokens import as_tokens
-from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
 
 # PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
 CORE_OPTIONS = frozenset(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
@@ -205,29 +207,37 @@ class PrefixStore:
         raise InvalidInputError("a PrefixStore is not copied or pickled; store.save(path) writes its entries and "
                                 "PrefixStore.load(path, model) reads them back")
 
-    def _note_weights(self) -> None:  # what the entries are computed with (and whether left pads change states)
+    def _note_weights(self) -> None:  # what the entries are computed with (and what only runs exactly uncached)
         self._weights, self.pads_change_states = weights_version(self.model), pads_change_states(self.model)
+        self.rope_limit, self._numerics = rope_limit(self.model), numeric_context()
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
         return bool(self.core._live or (self.offload is not None and self.offload._live))
 
     @serialized
     def check_weights(self) -> None:
-        """Entries computed with other weights are stale: drop them all before anything is admitted or reused
+        """Entries computed with other weights (or float32 matmul precision) are stale: drop them all before anything
+        is admitted or reused
         (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store). A model that
         resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):` block ended)."""
+        if model_identity(self.model) != self.identity:
+            raise ModelMismatchError("the model's config changed since this PrefixStore was built for it (a field its "
+                                     "forward reads): store.close() and build a new PrefixStore(model, ...)")
         if self._patched_only and not self.records_in_kernel:
             raise UnsupportedModelError(f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was "
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
-        if weights_version(self.model) != self._weights:
+        changed = ("the model's weights" if weights_version(self.model) != self._weights else
+                   "the float32 matmul precision (TF32 / bf16 settings)" if numeric_context() != self._numerics else
+                   None)
+        if changed:
             if self._requests_running():
                 raise InvalidInputError(
-                    "the model's weights changed while requests were running over this PrefixStore; its entries "
-                    "are stale: finish those requests, then call store.clear()")
+                    f"{changed} changed while requests were running over this PrefixStore; its entries are stale: "
+                    "finish those requests, then call store.clear()")
             self.clear()
-            warnings.warn("PrefixStore: the model's weights changed since its entries were computed; the store was "
-                          "emptied (its entries would not match the new weights)", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"PrefixStore: {changed} changed since its entries were computed; the store was emptied "
+                          "(its entries would not match what the model computes now)", RuntimeWarning, stacklevel=3)
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     @serialized
@@ -361,7 +371,11 @@ class PrefixStore:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later)."""
         open_caches, self._open = list(self._open.values()), {}
         for cache in open_caches:
-            cache.commit()
+            try:
+                cache.commit()
+            except InvalidInputError as error:  # that request's tensors do not fit the store: the others still go in
+                cache.admit_nothing()
+                warnings.warn(f"PrefixStore: a request was not admitted: {error}", RuntimeWarning, stacklevel=2)
 
     @serialized
     def stats(self) -> dict:

@@ -200,6 +200,11 @@ def run_layer(
 ) -> torch.Tensor:
     """The patched forward of one linear-attention layer (see the module docstring). The layer comes first, as
     transformers' force_accelerate_hooks expects of a forward."""
+    if torch.is_autocast_enabled(hidden_states.device.type):  # (the kernels keep their inputs' dtypes)
+        raise InvalidInputError(
+            f"{type(layer).__name__} is patched by prefixlab, whose kernels do not run under torch.autocast: convert "
+            "the model instead (model.to(torch.bfloat16)), or prefixlab.unpatch(model) to run it under "
+            "autocast without a PrefixStore")
     mask = padding_mask(attention_mask, hidden_states)
     batch, length = hidden_states.shape[:2]
     view = LayerCache(cache, layer.layer_idx, batch, length, family.has_recurrent_state)
