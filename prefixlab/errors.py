@@ -41,3 +41,14 @@ class CorruptStoreError(PrefixlabError, ValueError):
 
 class StoreClosedError(PrefixlabError, RuntimeError):
     """A PrefixStore (or a HybridPrefixCache over it) is used after `store.close()`."""
+
+
+def check_not_compiled_wrapper(model: object, call: str) -> None:
+    """InvalidInputError for the module `torch.compile(model)` returns: it passes attribute writes through to the
+    model it wraps but not reads of what prefixlab sets on the model itself, so prefixlab takes the model, whose
+    compiled wrapper then runs its hooks and patched layers."""
+    if type(model).__name__ == "OptimizedModule" and "_orig_mod" in getattr(model, "_modules", {}):
+        raise InvalidInputError(
+            f"{call} was given the module torch.compile returned; give it the original model (compiled._orig_mod) "
+            "and keep calling the compiled one: it runs the original's hooks and patched layers"
+        )

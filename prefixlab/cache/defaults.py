@@ -1,9 +1,10 @@
 """A model's default PrefixStore, the store `HybridPrefixCache()` (built without one) binds to, and the checks of
 what a cache is bound to.
 
-The model holds it as `model._prefixlab_default_store` (a cycle the GC collects; a global registry would keep models
-alive): the first open store of the model, registered when it is built; its `close()` hands the role to the next
-open store of the model, if any. One re-entrant
+The model holds weak references to its open stores (`model._prefixlab_open_stores`, in the order they were built;
+a global registry would keep models alive): the default is the first of them still open, so its `close()`, or its
+collection when the user dropped it, hands the role to the next. Only the store `default_for` creates for unbound
+caches is held strongly (`model._prefixlab_default_store`: a cycle the GC collects with the model). One re-entrant
 lock guards lookup-or-create, so threads binding unbound caches at once on one model share one default store.
 """
 
@@ -29,15 +30,17 @@ _LOCK = threading.RLock()  # re-entrant: creating the default store registers it
 
 
 def default_store(model: torch.nn.Module) -> PrefixStore | None:
-    """The model's default store (its first open PrefixStore), or None."""
-    return model.__dict__.get(_ATTR)
+    """The model's default store (its first open PrefixStore not collected), or None."""
+    with _LOCK:
+        stores = (ref() for ref in model.__dict__.get(_OPEN, ()))
+        return next((store for store in stores if store is not None and not store.closed), None)
 
 
 def register(store: PrefixStore) -> None:
-    """Make `store` its model's default store unless the model has one."""
+    """Count `store` among its model's open stores (the default if it is the first)."""
     with _LOCK:
-        store.model.__dict__.setdefault(_OPEN, []).append(weakref.ref(store))
-        store.model.__dict__.setdefault(_ATTR, store)
+        model = store.model.__dict__
+        model[_OPEN] = [ref for ref in model.get(_OPEN, ()) if ref() is not None] + [weakref.ref(store)]
 
 
 def unregister(store: PrefixStore) -> None:
@@ -45,10 +48,8 @@ def unregister(store: PrefixStore) -> None:
     with _LOCK:
         model = store.model.__dict__
         model[_OPEN] = [ref for ref in model.get(_OPEN, ()) if ref() is not None and ref() is not store]
-        if default_store(store.model) is store:
+        if model.get(_ATTR) is store:
             del model[_ATTR]
-            if model[_OPEN]:
-                model[_ATTR] = model[_OPEN][0]()
 
 
 def default_for(cls: type[PrefixStore], model: torch.nn.Module, options: dict) -> PrefixStore:
@@ -57,7 +58,8 @@ def default_for(cls: type[PrefixStore], model: torch.nn.Module, options: dict) -
     with _LOCK:
         store = default_store(model)
         if store is None:
-            return cls(model, **options)
+            store = model.__dict__[_ATTR] = cls(model, **options)  # (no user holds it: the model does)
+            return store
     wanted = {name: normalize_option(name, value) for name, value in options.items()}
     differ = {name: value for name, value in wanted.items()
               if name not in store.options or store.options[name] != value}

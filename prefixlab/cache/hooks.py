@@ -113,10 +113,13 @@ class _ModelHooks:
 
     def __deepcopy__(self, memo: dict):  # copy.deepcopy(model) reaches the hooks through the model's hook dicts
         raise InvalidInputError(
-            "a model that carries prefixlab's hooks cannot be deep-copied (the copy's forward would still run through "
-            "this model's hooks, memo and forward): close its PrefixStores (and prefixlab.unpatch it) first, or copy "
-            "it before building a store"
+            "a model that carries prefixlab's hooks cannot be deep-copied or pickled (the copy's forward would still "
+            "run through this model's hooks, memo and forward): close its PrefixStores (and prefixlab.unpatch it) "
+            "first, copy it before building a store, or save its weights (state_dict(), save_pretrained)"
         )
+
+    def __reduce__(self):  # torch.save(model), pickle: as deepcopy
+        self.__deepcopy__({})
 
     def remove(self, model: torch.nn.Module) -> None:
         for handle in self.handles:

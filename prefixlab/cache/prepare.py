@@ -14,7 +14,7 @@ import torch
 from prefixlab.cache.defaults import default_store
 from prefixlab.cache.hooks import attach, detach
 from prefixlab.cache.model_info import CacheLayout
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, check_not_compiled_wrapper
 
 _HOLDS_KERNELS: weakref.WeakSet = weakref.WeakSet()  # models whose kernel patch `patch` holds a share of
 _LOCK = threading.Lock()  # patch / unpatch of one model from several threads: one share at most
@@ -29,6 +29,7 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
     store, created by the first one with its options. `prefixlab.unpatch(model)` undoes it."""
     if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
         raise InvalidInputError(f"prefixlab.patch(model) needs a transformers model, got {type(model).__name__}")
+    check_not_compiled_wrapper(model, "prefixlab.patch")
     CacheLayout.from_config(model.config)  # UnsupportedModelError now rather than on the first request
     from prefixlab.cache.ownership import release_collected
 

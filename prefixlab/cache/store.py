@@ -49,7 +49,7 @@ from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
 from prefixlab.cache.tokens import as_tokens
-from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, check_not_compiled_wrapper
 
 # PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
 CORE_OPTIONS = frozenset(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
@@ -88,6 +88,7 @@ class PrefixStore:
                  media_cache: int | str = MEDIA_CACHE_BYTES, **core_options):
         if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
             raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+        check_not_compiled_wrapper(model, "PrefixStore")
         if unknown := sorted(set(core_options) - CORE_OPTIONS):
             raise InvalidInputError(
                 f"PrefixStore has no option {', '.join(unknown)}; it takes capacity, policy, offload_capacity, "

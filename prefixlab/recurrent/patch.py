@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from transformers.integrations.accelerate import force_accelerate_hooks
 
-from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
 from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of
 from prefixlab.recurrent.families.base import run_layer
@@ -49,6 +49,7 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     patched then). A model without linear-attention layers is returned unchanged."""
     if backend not in BACKENDS:
         raise InvalidInputError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    check_not_compiled_wrapper(model, "prefixlab.recurrent.patch")
     targets = linear_attention_layers(model)
     for layer, family in targets:
         attribute = "_old_forward" if hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer) else "forward"
