@@ -131,3 +131,24 @@ def test_the_eviction_log_remembers_exactly_its_most_recent_entries(records, max
             for high in range(low, len(seq) + 1):
                 expected = any((namespace, tuple(seq[:d])) in model for d in range(low + 1, high + 1))
                 assert log.evicted_between(namespace, np.array(seq), low, high) == expected
+
+
+@pytest.mark.parametrize("policy", ["dp", "marconi"])
+def test_one_namespace_per_request_keeps_no_bookkeeping_of_namespaces_gone(policy):
+    """Tenants or sessions as namespaces: the eviction log kept a counter per namespace ever seen and dp kept an
+    entry kind for every namespace root an eviction emptied; memory grew with the namespaces while used_bytes stayed
+    flat."""
+    from hf_models import config
+
+    from prefixlab.cache.core import PrefixCacheCore, replay_request
+    from prefixlab.cache.costmodel import ModelSpec
+
+    spec = ModelSpec.from_config(config("qwen3_5"))
+    core = PrefixCacheCore(200 * spec.kv_bytes_per_token + 4 * spec.state_bytes, policy, spec, alpha=0.5,
+                           explain=True)
+    core.evicted.max_entries = 16
+    rng = np.random.default_rng(0)
+    for i in range(300):
+        replay_request(core, rng.integers(3, 128, 60), rng.integers(3, 128, 4), namespace=f"tenant-{i}")
+    assert len(core.evicted) <= 16 and len(core.evicted._depths) <= 16
+    assert len(getattr(core.admission, "_kinds", ())) <= sum(1 for _ in core.tree.nodes())

@@ -13,7 +13,15 @@ import prefixlab
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.payload import KVPayload
 from prefixlab.cache.store import CacheLayout, model_identity, parse_capacity
-from prefixlab.cache.tensors import TensorKV, TensorState, kv_from_flat, kv_to_flat, state_from_flat, state_to_flat
+from prefixlab.cache.tensors import (
+    TensorKV,
+    TensorState,
+    kv_from_flat,
+    kv_to_flat,
+    path_kv,
+    state_from_flat,
+    state_to_flat,
+)
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError
 
 
@@ -51,6 +59,56 @@ def test_kv_split_then_concat_is_the_identity_with_exact_bytes(ntokens, data):
     assert all(torch.equal(joined.keys[i], kv.keys[i]) and torch.equal(joined.values[i], kv.values[i]) for i in kv.keys)
     if 0 < at < ntokens:  # halves own their storage: evicting one frees exactly its bytes
         assert head.keys[0].untyped_storage().nbytes() == head.keys[0].nbytes
+
+
+def _owns(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 9), min_size=1, max_size=5), data=st.data())
+def test_a_path_range_reads_only_the_pieces_it_overlaps_into_storage_of_its_own(lengths, data):
+    pieces = [random_kv(n, seed=i) for i, n in enumerate(lengths)]
+    total = sum(lengths)
+    start = data.draw(st.integers(0, total))
+    stop = data.draw(st.integers(start, total))
+    whole = functools.reduce(TensorKV.concat, pieces)
+    # the pieces outside [start, stop) on the meta device: reading one of them would fail
+    first, poisoned = 0, []
+    for piece in pieces:
+        inside = max(start, first) < min(stop, first + piece.ntokens)
+        poisoned.append(piece if inside else piece.to("meta"))
+        first += piece.ntokens
+    for device in (None, "cpu"):
+        got = path_kv(poisoned, device)(start, stop)
+        assert got.ntokens == stop - start
+        for layer in whole.keys:
+            for side in ("keys", "values"):
+                part, want = getattr(got, side)[layer], getattr(whole, side)[layer][:, start:stop]
+                assert part.shape == want.shape and (start == stop or torch.equal(part, want) and _owns(part))
+
+
+def test_the_store_keeps_no_view_of_a_larger_storage():
+    """A capture path emitting states as views of one stacked tensor (mamba_ssm's varlen states, fla's in-chunk
+    states) or KV as a view of a batch: stored as given, each kept state pinned the whole stack (2x the budget)."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    ids = torch.randint(3, 100, (1, 24), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, past_key_values=HybridPrefixCache(store), max_new_tokens=1, do_sample=False)
+    store.flush()
+    node = next(n for n in store.core.tree.nodes() if n.ckpt_state)
+    state = node.ckpt_state[0]
+    stacked = {kind: {key: torch.stack([t, t, t])[1] for key, t in getattr(state, kind).items()}
+               for kind in ("conv", "recurrent")}
+    batch = {side: {layer: torch.stack([t[:, :1]] * 4)[2] for layer, t in getattr(node.kv, side).items()}
+             for side in ("keys", "values")}
+    tokens = np.concatenate([ids[0].numpy(), [7]])
+    store.admit(tokens, kv=lambda a, b: TensorKV(b - a, batch["keys"], batch["values"]),
+                states={len(tokens): TensorState(stacked["conv"], stacked["recurrent"])})
+    for n in store.core.tree.nodes():
+        tensors = [t for payload in n.ckpt_state for t in (*payload.conv.values(), *payload.recurrent.values())]
+        kv = [] if n.kv is None else [*n.kv.keys.values(), *n.kv.values.values()]
+        assert all(_owns(t) for t in [*tensors, *kv])
 
 
 def test_kv_rejects_bad_shapes_and_split_points():

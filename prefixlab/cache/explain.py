@@ -128,6 +128,8 @@ class EvictionLog:
                 counts[old_depth] -= 1
                 if not counts[old_depth]:
                     del counts[old_depth]
+                    if not counts:  # (one namespace per tenant or session: none kept once forgotten)
+                        del self._depths[old_ns]
 
     def evicted_between(self, namespace: str, tokens: np.ndarray, low: int, high: int) -> bool:
         """Whether a prefix tokens[:d] with low < d <= high was evicted (and is still remembered)."""

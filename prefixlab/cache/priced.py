@@ -112,7 +112,8 @@ class PricedAdmission(MarconiAdmission):
         """`node` changed (called by the paired eviction policy): a new shape ends its stint and starts one. True
         if it did. A stint counts when it starts, and once more when a request first resumes from it."""
         node_id, kinds, shapes = node.id, self._kinds, self._stint_shapes
-        if self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes:
+        if (self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes
+                and not node.is_root):  # (a namespace's root left childless by an eviction: not an entry's leaf)
             kinds[node_id], self._leaf_pending = self._planned_kind, False  # the planned entry's new leaf
         shape = self.shape_of(node)
         if shapes.get(node_id, -1) == shape:
@@ -244,7 +245,9 @@ class PricedAdmission(MarconiAdmission):
     def after_admit(self, tree: RadixTree, deepest: Node, length: int, locked: frozenset[int] = frozenset(),
                     restore: bool = False) -> None:
         self._leaf_pending = False
-        if deepest.id not in self._kinds:  # no new leaf: an existing node (made by a split) ends the entry
+        # no new leaf: an existing node (made by a split) ends the entry (a root ends none: an empty entry; roots
+        # leave the tree without on_remove, so a kind kept for one would never be forgotten)
+        if deepest.id not in self._kinds and not deepest.is_root:
             self._kinds[deepest.id] = self._planned_kind
             tree.on_change(deepest)
 

@@ -47,7 +47,15 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
 from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
-from prefixlab.cache.tensors import TensorKV, TensorState, check_kv, check_state, path_kv
+from prefixlab.cache.tensors import (
+    TensorKV,
+    TensorState,
+    check_kv,
+    check_state,
+    owning_kv,
+    owning_state,
+    spill_evictions,
+)
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, check_not_compiled_wrapper
 
@@ -189,7 +197,7 @@ class PrefixStore:
         if offload_bytes is not None:
             self.offload = PrefixCacheCore(offload_bytes, policy=policy, spec=self.spec, block_size=block_size,
                                            **options)
-            self._evict_to_host(self.core.eviction)
+            spill_evictions(self.core.eviction, self.offload)
 
     @serialized
     def clear(self) -> None:
@@ -292,27 +300,6 @@ class PrefixStore:
         else:
             self.core.release(match)
 
-    def _evict_to_host(self, eviction) -> None:
-        """Before the device policy frees a victim, copy its whole path (tokens up to the victim's end, their KV and
-        the victim's checkpoints) into the host tier, which admits or drops it under its own budget."""
-        free_on_device = eviction.free
-        pin = torch.cuda.is_available()
-
-        def free(node, want_bytes: int) -> int:
-            path = []
-            while not node.is_root:
-                path.append(node)
-                node = node.parent
-            path.reverse()
-            tokens = [t for n in path for t in n.tokens.tolist()]
-            states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
-            kv_on_device = path_kv([n.kv for n in path])
-            self.offload.admit(tokens, kv=lambda a, b: kv_on_device(a, b).to("cpu", pin), states=states,
-                               namespace=path[-1].namespace, restore=True)
-            return free_on_device(path[-1], want_bytes)
-
-        eviction.free = free
-
     @serialized
     def explain(self, tokens: Sequence[int], match) -> str:
         """Why a live match (of either tier) of `tokens` reuses no more (a reason code, cache/explain.py)."""
@@ -356,8 +343,11 @@ class PrefixStore:
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
         for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
             check_state(state, self.layout, f"states[{position}]")
-        admitted = self.core.admit(tokens, kv=lambda a, b: check_kv(kv(a, b), self.layout.kv_layers, self.dtype),
-                                   states=states, namespace=namespace)
+        # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget
+        admitted = self.core.admit(
+            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout.kv_layers, self.dtype)),
+            states={position: owning_state(state) for position, state in (states or {}).items()},
+            namespace=namespace)
         if not admitted:
             warnings.warn(
                 f"PrefixStore: a {len(tokens)}-token entry does not fit in capacity={self.capacity_bytes} bytes "

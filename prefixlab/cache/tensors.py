@@ -116,16 +116,82 @@ class TensorState:
         return tensors[0].device if tensors else None
 
 
-def path_kv(pieces: list[TensorKV]) -> Callable[[int, int], TensorKV]:
-    """kv(a, b): tokens [a, b) of the run formed by consecutive KV `pieces` (a root-to-node path of the tree)."""
+def path_kv(pieces: list[TensorKV], device: torch.device | str | None = None,
+            pin: bool = False) -> Callable[[int, int], TensorKV]:
+    """kv(a, b): tokens [a, b) of the run formed by consecutive KV `pieces` (a root-to-node path of the tree), in
+    storage of its own (on `device`, pinned when `pin`, if given). Only the pieces that overlap [a, b) are read, and
+    moved before they are joined: an eviction to the host copies the bytes the host tier asks for, not the path."""
 
     def kv(start: int, stop: int) -> TensorKV:
-        whole = pieces[0]
-        for piece in pieces[1:]:
-            whole = whole.concat(piece)
-        return whole.split(stop)[0].split(start)[1]
+        if not 0 <= start <= stop:
+            raise InvalidInputError(f"kv({start}, {stop}) is not a token range")
+        keys: dict[int, list[torch.Tensor]] = {layer: [] for layer in pieces[0].keys}
+        values: dict[int, list[torch.Tensor]] = {layer: [] for layer in pieces[0].keys}
+        first = 0
+        for piece in pieces:
+            low, high = max(start, first), min(stop, first + piece.ntokens)
+            if low < high:
+                for side, tensors in ((keys, piece.keys), (values, piece.values)):
+                    for layer, tensor in tensors.items():
+                        part = tensor[:, low - first : high - first]
+                        side[layer].append(part if device is None else _move(part, device, pin))
+            first += piece.ntokens
+        if stop > first:
+            raise InvalidInputError(f"kv({start}, {stop}) reaches past the path's {first} tokens")
+        if start == stop:  # no tokens, of the path's layers and shapes (nothing read)
+            def empty(t: torch.Tensor) -> torch.Tensor:
+                return t.new_empty((*t.shape[:TOKEN_AXIS], 0, t.shape[-1]), device=device or t.device)
+
+            return TensorKV(0, {layer: empty(t) for layer, t in pieces[0].keys.items()},
+                            {layer: empty(t) for layer, t in pieces[0].values.items()})
+        return TensorKV(stop - start, {layer: _joined(parts) for layer, parts in keys.items()},
+                        {layer: _joined(parts) for layer, parts in values.items()})
 
     return kv
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts joined along the token axis, in fresh storage (a lone part that views a larger one is copied)."""
+    return torch.cat(parts, dim=TOKEN_AXIS) if len(parts) > 1 else owning(parts[0])
+
+
+def owning(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, or a copy when it views a larger storage (a slice of a batch, of a stack of states one kernel call
+    emitted): stored as it is, it would keep all of that storage alive past the byte budget."""
+    return tensor if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size() else tensor.clone()
+
+
+def owning_state(state: TensorState) -> TensorState:
+    """`state` with every tensor in storage of its own (`owning`)."""
+    return TensorState({key: owning(t) for key, t in state.conv.items()},
+                       {key: owning(t) for key, t in state.recurrent.items()})
+
+
+def owning_kv(kv: TensorKV) -> TensorKV:
+    """`kv` with every tensor in storage of its own (`owning`)."""
+    return TensorKV(kv.ntokens, {layer: owning(t) for layer, t in kv.keys.items()},
+                    {layer: owning(t) for layer, t in kv.values.items()})
+
+
+def spill_evictions(eviction, host) -> None:
+    """Wrap a device tier's `eviction.free`: before it frees a victim, its whole path (tokens up to the victim's end,
+    the KV the `host` tier lacks of them, the victim's checkpoints) goes to the host tier (a PrefixCacheCore),
+    which admits or drops it under its own budget."""
+    free_on_device, pin = eviction.free, torch.cuda.is_available()
+
+    def free(node, want_bytes: int) -> int:
+        path = []
+        while not node.is_root:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        tokens = [t for n in path for t in n.tokens.tolist()]
+        states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
+        host.admit(tokens, kv=path_kv([n.kv for n in path], "cpu", pin), states=states,
+                   namespace=path[-1].namespace, restore=True)
+        return free_on_device(path[-1], want_bytes)
+
+    eviction.free = free
 
 
 # Flat names for safetensors files: one string key per tensor.
