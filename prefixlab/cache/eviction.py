@@ -93,7 +93,8 @@ class BlockLRU(EvictionPolicy):
 
         def too_little(i: int) -> bool:  # cutting at cuts[i] frees less than wanted (true for a suffix of cuts)
             states_after = sum(s.nbytes for s in node.ckpt_state[bisect.bisect_right(node.ckpt_pos, cuts[i]):])
-            kv_after = node.kv.split(cuts[i] - node.start)[1].nbytes if node.kv is not None else 0
+            # (KV bytes are linear in the tokens: no split, which copies a real model's KV at every probe)
+            kv_after = node.kv.nbytes * (node.end - cuts[i]) // node.kv.ntokens if node.kv is not None else 0
             return states_after + kv_after < want_bytes
 
         enough = bisect.bisect_left(range(len(cuts)), True, key=too_little)  # cuts[:enough] free enough
