@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from hf_models import _COMMON, build, cache_argument
+from hf_models import _COMMON, VOCAB, build, cache_argument
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.errors import InvalidInputError, ModelMismatchError
@@ -82,7 +82,14 @@ def test_a_config_field_the_forward_reads_changed_after_the_store_was_built_is_r
     _generate(model, prompt, HybridPrefixCache(store))
     store.save(tmp_path / "store.safetensors")  # and a file saved now loads for the model as it is
     PrefixStore.load(tmp_path / "store.safetensors", model).close()
-    model.config.sliding_window = 8  # read by the mask at every forward: the entries are of another model
+    model.config.architectures = ["LlamaForCausalLM"]  # (what save_pretrained writes)
+    _generate(model, prompt, HybridPrefixCache(store))
+    model.resize_token_embeddings(VOCAB + 8)  # a config the store still serves: emptied, then exact
+    with pytest.warns(RuntimeWarning, match="config changed"):
+        cache = HybridPrefixCache(store)
+        _assert_exact(_generate(model, prompt, cache), _generate(model, prompt))
+    assert cache.report().reused == 0
+    model.config.sliding_window = 8  # read by the mask at every forward: a model the store does not serve
     with pytest.raises(ModelMismatchError, match="config changed"):
         _generate(model, prompt, HybridPrefixCache(store))
 
@@ -136,3 +143,25 @@ def test_a_request_whose_tensors_do_not_fit_is_left_out_and_the_others_admitted(
         store.flush()
     assert broken.report().admission.startswith("not admitted")
     assert fine.report().admitted_tokens > 0
+
+
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_a_later_forward_reaching_the_rescaling_neither_loads_nor_stores(kind):
+    """A chat turn or a prefill chunk that reaches the rescaling runs all its tokens at the rescaled frequencies:
+    the columns it computed were stored (a later short request 2.3e-3 off) and stored ones were loaded into it."""
+    model, plain = _rescaling_llama(kind), _rescaling_llama(kind)
+    store = PrefixStore(model, capacity="64MB")
+    cache = HybridPrefixCache(store)
+    first = _generate(model, _ids(10, 1), cache, new=2)[0]
+    turn = torch.cat([first, _ids(25, 4)], dim=1)  # 37 tokens: this turn's forward is past the rescaling
+    _generate(model, turn, cache, new=2)
+    later = torch.cat([turn[:, :28], _ids(2, 9)], dim=1)  # 30 tokens: all at the original frequencies
+    _assert_exact(_generate(model, later, HybridPrefixCache(store), new=3), _generate(plain, later, new=3))
+    prompt = torch.cat([later[:, :28], _ids(12, 10)], dim=1)  # chunks of 24: the second reaches the rescaling
+    chunked = dict(prefill_chunk_size=24)
+    got = model.generate(prompt, past_key_values=HybridPrefixCache(store), max_new_tokens=3, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                         **chunked)
+    want = plain.generate(prompt, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
+                          output_logits=True, return_dict_in_generate=True, **chunked)
+    _assert_exact((got.sequences, torch.stack(got.logits)), (want.sequences, torch.stack(want.logits)))

@@ -81,6 +81,8 @@ def hydragen_cache_from_store(
     if tuple(attention) != store.layout.kv_layers:
         raise ModelMismatchError(f"the store holds KV of layers {store.layout.kv_layers}, the model has {attention}")
     probe = prompt_ids[0, : -store.min_prefill_tokens].detach().cpu().numpy()  # generate runs the rest
+    if store.rope_limit is not None and prompt_ids.shape[1] >= store.rope_limit:  # (the prompt runs rescaled)
+        probe = probe[:0]
     store.check_weights()
     match, source = store.lookup(probe, namespace)
     try:

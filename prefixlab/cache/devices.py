@@ -21,29 +21,34 @@ def execution_device(model: torch.nn.Module) -> torch.device:
 
 def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     """{layer_idx: the device that layer computes on} for the modules that carry a `layer_idx` (transformers'
-    attention and linear-attention modules), the first such module of an index deciding."""
+    attention and linear-attention modules), the first such module of an index deciding: a hook on the module or
+    one of its submodules (each hooked where it has parameters: `cpu_offload`), else its nearest hooked ancestor's
+    (one hook places a whole block: `device_map`), else its parameters' device."""
+    named = list(model.named_modules())
+    hooked = {name: device for name, module in named if (device := _hook_device(module)) is not None}
     devices: dict[int, torch.device] = {}
-    inherited: dict[str, torch.device | None] = {"": _hook_device(model)}
-    for name, module in model.named_modules():
-        if name:  # named_modules walks parents first: a module inherits its nearest hooked ancestor's device
-            own = _hook_device(module)
-            inherited[name] = own if own is not None else inherited[name.rpartition(".")[0]]
-        index = getattr(module, "layer_idx", None)
-        if is_int(index) and index not in devices:
-            device = _computes_on(module, inherited[name])
-            if device is not None:
-                devices[index] = device
+    for name, module in named:
+        index = module.__dict__.get("layer_idx")  # (not getattr: nn.Module's __getattr__ costs each hit's walk)
+        if not is_int(index) or index in devices:
+            continue
+        device = _hooked_at(name, hooked) if hooked else None
+        if device is None:
+            device = next((param.device for param in module.parameters() if param.device.type != "meta"), None)
+        if device is not None:
+            devices[index] = device
     return devices
 
 
-def _computes_on(module: torch.nn.Module, inherited: torch.device | None) -> torch.device | None:
-    """A hook on the module or one of its submodules (each hooked where it has parameters: `cpu_offload`), else its
-    nearest hooked ancestor's (one hook places a whole block: `device_map`), else its parameters' device."""
-    hooked = (_hook_device(child) for child in module.modules())
-    found = next((device for device in hooked if device is not None), inherited)
-    if found is not None:
-        return found
-    return next((param.device for param in module.parameters() if param.device.type != "meta"), None)
+def _hooked_at(name: str, hooked: dict[str, torch.device]) -> torch.device | None:
+    """The device of a hook on module `name` or below it, else of its nearest hooked ancestor."""
+    inside = next((device for path, device in hooked.items() if path == name or path.startswith(f"{name}.")), None)
+    if inside is not None:
+        return inside
+    while name:
+        name = name.rpartition(".")[0]
+        if name in hooked:
+            return hooked[name]
+    return None
 
 
 def accelerate_hooks(module: torch.nn.Module) -> tuple:

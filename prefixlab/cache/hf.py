@@ -205,6 +205,11 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         admitted (as in `begin`); rows of pads only so far get theirs from the mask. Returns the columns now held."""
         if not self._admit_rows or self._pending:
             return 0
+        if self.store.rope_limit is not None and self._seen + input_ids.shape[1] >= self.store.rope_limit:
+            # the whole forward runs at the rescaled RoPE frequencies: nothing stored stands in for it, none of it
+            # may be stored (model_info.rope_limit)
+            self._admit_limit = min(self._admit_limit, self._seen)
+            return 0
         self.store.check_weights()  # (a later turn: the weights may have changed since the request began)
         if self._generation != self.store.generation:  # the store was cleared since: this request admits nothing
             return 0

@@ -3,6 +3,7 @@ which token ids it can embed."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -19,7 +20,7 @@ from transformers.cache_utils import (
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
 from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
-from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -104,9 +105,10 @@ def check_use_cache(model: torch.nn.Module, use_cache: bool | None) -> None:
         )
 
 
-# config fields that change what a forward returns, not what it computes
+# config fields that change what a forward returns, or describe the model, not what it computes
 _OUTPUT_FIELDS = ("output_attentions", "output_hidden_states", "output_router_logits", "return_dict", "pad_token_id",
-                  "bos_token_id", "eos_token_id")
+                  "bos_token_id", "eos_token_id", "architectures", "id2label", "label2id", "task_specific_params",
+                  "finetuning_task", "tokenizer_class", "problem_type", "prefix", "num_logits_to_keep")
 
 
 def model_identity(model: torch.nn.Module, output_fields: bool = False) -> str:
@@ -120,12 +122,29 @@ def model_identity(model: torch.nn.Module, output_fields: bool = False) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def check_config_still_served(model: torch.nn.Module, layout: CacheLayout) -> None:
+    """After the model's config changed under a store: ModelMismatchError unless it still gives the store's layout
+    and passes the checks the store was built with (a resized vocabulary does; a sliding window does not)."""
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.errors import PrefixlabError
+
+    try:
+        served = CacheLayout.from_config(model.config) == layout
+        ModelSpec.from_config(model.config, dtype=model.dtype)
+    except PrefixlabError:
+        served = False
+    if not served:
+        raise ModelMismatchError("the model's config changed since this PrefixStore was built for it, into one it "
+                                 "does not serve as built: store.close() and build a new PrefixStore(model, ...)")
+
+
 def weights_version(model: torch.nn.Module) -> tuple:
     """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
     storage (`param.data = ...`, moved to another device): each one's identity, version counter and storage address.
     Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
-    without a version counter (made under torch.inference_mode) and weights accelerate offloads (to CPU memory or
-    disk, meta tensors in the model between forwards) count by a sample of their values. Not seen: writes through
+    without a version counter (made under torch.inference_mode) and weights accelerate offloads to CPU memory
+    (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
+    their place in the offload files. Not seen: writes through
     `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched without writing weights
     (PEFT's disable_adapter): call store.clear() after those."""
     params, buffers, offloaded = _tensors(model)
@@ -135,8 +154,11 @@ def weights_version(model: torch.nn.Module) -> tuple:
             versioned.append((id(param), param._version, param.data_ptr()))
         except RuntimeError:  # an inference tensor
             sampled.append(param)
-    # offloaded values' identities are not kept: a disk offload reads a new tensor at every access
-    return tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled + offloaded)
+    on_disk = tuple(value for value in offloaded if isinstance(value, tuple))
+    # offloaded tensors' identities are not kept (a loader may build a new tensor at every access)
+    offloaded = [value for value in offloaded if not isinstance(value, tuple)]
+    return (tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled + offloaded),
+            on_disk)
 
 
 def pads_change_states(model: torch.nn.Module) -> bool:
@@ -230,10 +252,22 @@ def _offloaded_values(module: torch.nn.Module) -> dict[int, torch.Tensor]:
         for name, tensor in (*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)):
             if tensor.device.type == "meta":
                 try:
-                    values[id(tensor)] = weights[name]
+                    values[id(tensor)] = _offloaded_value(weights, name)
                 except KeyError:  # a non-persistent buffer: not offloaded
                     continue
     return values
+
+
+def _offloaded_value(weights, name: str) -> torch.Tensor | tuple:
+    """The tensor an offloading hook loads for `name`, or for one read from disk its index entry (file, offset,
+    dtype, shape): reading it at every request would cost a forward's reads, and a file changes only when rewritten."""
+    loader, key = weights, name
+    while hasattr(loader, "dataset") and hasattr(loader, "prefix"):  # accelerate's PrefixedDataset
+        loader, key = loader.dataset, f"{loader.prefix}{key}"
+    index, in_memory = getattr(loader, "index", None), getattr(loader, "state_dict", None)
+    if isinstance(index, dict) and key in index and not (isinstance(in_memory, dict) and key in in_memory):
+        return ("offloaded to disk", key, json.dumps(index[key], sort_keys=True, default=str))
+    return weights[name]
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
@@ -271,13 +305,20 @@ _PRECISION_SETTINGS = ("fp32_precision", "cuda.matmul.fp32_precision", "cuda.mat
 def numeric_context() -> tuple:
     """The process-wide settings that change what a forward computes beyond its inputs and weights: the float32
     matmul precision and the TF32 / bf16 settings of torch.backends."""
-    values = [torch.get_float32_matmul_precision()]
-    for path in _PRECISION_SETTINGS:
+    def read(get) -> object:
+        try:
+            return get()
+        except RuntimeError:  # torch refuses legacy reads once the new fp32_precision API set backends apart
+            return "mixed"
+
+    def setting(path: str) -> object:
         value = torch.backends
         for name in path.split("."):
             value = getattr(value, name, None)
-        values.append(value)
-    return tuple(values)
+        return value
+
+    return (read(torch.get_float32_matmul_precision),
+            *(read(functools.partial(setting, path)) for path in _PRECISION_SETTINGS))
 
 
 def check_deterministic(model: torch.nn.Module) -> None:

@@ -36,6 +36,7 @@ from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
+    check_config_still_served,
     decode_differs_from_prefill,
     model_identity,
     numeric_context,
@@ -57,7 +58,7 @@ from prefixlab.cache.tensors import (
     spill_evictions,
 )
 from prefixlab.cache.tokens import as_tokens
-from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, check_not_compiled_wrapper
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 
 # PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
 CORE_OPTIONS = frozenset(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
@@ -219,6 +220,7 @@ class PrefixStore:
     def _note_weights(self) -> None:  # what the entries are computed with (and what only runs exactly uncached)
         self._weights, self.pads_change_states = weights_version(self.model), pads_change_states(self.model)
         self.rope_limit, self._numerics = rope_limit(self.model), numeric_context()
+        self.identity = model_identity(self.model)
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
         return bool(self.core._live or (self.offload is not None and self.offload._live))
@@ -229,14 +231,15 @@ class PrefixStore:
         is admitted or reused
         (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store). A model that
         resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):` block ended)."""
-        if model_identity(self.model) != self.identity:
-            raise ModelMismatchError("the model's config changed since this PrefixStore was built for it (a field its "
-                                     "forward reads): store.close() and build a new PrefixStore(model, ...)")
+        identity = model_identity(self.model)
+        if identity != self.identity:
+            check_config_still_served(self.model, self.layout)
         if self._patched_only and not self.records_in_kernel:
             raise UnsupportedModelError(f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was "
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
-        changed = ("the model's weights" if weights_version(self.model) != self._weights else
+        changed = ("the model's config" if identity != self.identity else
+                   "the model's weights" if weights_version(self.model) != self._weights else
                    "the float32 matmul precision (TF32 / bf16 settings)" if numeric_context() != self._numerics else
                    None)
         if changed:
