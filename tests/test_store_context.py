@@ -165,3 +165,21 @@ def test_a_later_forward_reaching_the_rescaling_neither_loads_nor_stores(kind):
     want = plain.generate(prompt, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0,
                           output_logits=True, return_dict_in_generate=True, **chunked)
     _assert_exact((got.sequences, torch.stack(got.logits)), (want.sequences, torch.stack(want.logits)))
+
+
+def test_torchs_newer_precision_api_is_read_without_error():
+    """After `torch.backends.cuda.matmul.fp32_precision = "tf32"` torch raises on the legacy getters
+    (get_float32_matmul_precision, allow_tf32): every request and every new store raised a RuntimeError."""
+    model = build("llama")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = _ids(20, 8)
+    _generate(model, prompt, HybridPrefixCache(store))
+    before = torch.backends.cuda.matmul.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # (no effect on CPU matmuls)
+        with pytest.warns(RuntimeWarning, match="float32 matmul precision"):
+            _generate(model, prompt, HybridPrefixCache(store))
+        PrefixStore(model, capacity="1MB").close()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    assert torch.get_float32_matmul_precision() in ("highest", "high", "medium")
