@@ -132,6 +132,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
         self._decode_start, self._decode_differs = None, {}
+        self._mask_plain: torch.Tensor | None = None  # one-token forwards' masks were the left pads' (check_one_token)
 
     @property
     def started(self) -> bool:
@@ -172,6 +173,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
                                                        bool(self.store.layout.kv_layers), served):
                 pads = None
             if pads is not None and runs_uncached(self.store, pads, length):  # (model_info: a bias, a RoPE)
+                pads = None
+            # one token at a row's pad: transformers masks no pad out of a one-token forward, it enters the states
+            if pads is not None and length == 1 and PADS_ONLY in pads and self.store.layout.state_layers:
                 pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
@@ -345,6 +349,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         Idempotent; returns the number of tokens newly offered to the store. A forward in flight (in another thread)
         is never committed: the cache is committed between its forwards."""
         if not self._started or self._pending or not self._admit_rows:
+            return 0
+        if self._mask_plain is not None and not bool(self._mask_plain):  # (one device sync, as the flags below)
+            self.admit_nothing()
             return 0
         if self._generation != self.store.generation:  # the store was cleared since: maybe other weights' tensors
             if not self._committed:

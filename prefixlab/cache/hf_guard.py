@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import torch
+
+from prefixlab.cache.rows import PADS_ONLY
 from prefixlab.cache.sharing import check_open
 from prefixlab.errors import InvalidInputError, ModelMismatchError
 
@@ -53,3 +56,29 @@ class ModelGuard:
     def get_conv_state(self, layer_idx: int, state_idx: int = 0):
         self._require_driven()
         return super().get_conv_state(layer_idx, state_idx)
+
+    def check_one_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        """A one-token forward continuing the request (a decode step, a one-token piece of a prompt): its rows must
+        be the request's (InvalidInputError; the cache is reset); a pad fed as its token (transformers masks no pad
+        out of a one-token forward: it enters a recurrent layer's states) or a mask other than the request's left
+        pads computes other KV and states: the request is then not admitted. The mask is compared on its device and
+        read at the next commit (no host sync per decode step)."""
+        rows = self._fed[0].shape[0] if self._fed else input_ids.shape[0]
+        if input_ids.shape[0] != rows:
+            raise InvalidInputError(f"this HybridPrefixCache holds a request of {rows} rows and this forward has "
+                                    f"{input_ids.shape[0]}: use a new HybridPrefixCache(store), whose lookup reuses "
+                                    "what this one held. This cache is reset now")
+        if not self._admit_rows or attention_mask is None or self.row_ends is not None or attention_mask.dim() != 2:
+            return
+        # every row's mask: pads, then real tokens up to this one (a row of pads only so far: where its first real
+        # token is, a later forward resolves), as many pads as the row began with
+        device, key = attention_mask.device, tuple(self._pads)
+        if getattr(self, "_pads_on", (None, None))[0] != (device, key):  # (one copy to the device a request)
+            known = torch.tensor([p != PADS_ONLY for p in key], device=device)
+            pads = torch.tensor([0 if p == PADS_ONLY else p for p in key], device=device)
+            self._pads_on = ((device, key), known, pads)
+        _, known, pads = self._pads_on
+        real = attention_mask.bool()
+        plain = (real[:, -1].all() & (real[:, 1:] >= real[:, :-1]).all()
+                 & ((real.shape[1] - real.sum(dim=1) == pads) | ~known).all())
+        self._mask_plain = plain if self._mask_plain is None else self._mask_plain & plain

@@ -80,6 +80,9 @@ class ModelDrivenCache:
     def admit_nothing(self) -> None:  # a forward not continuing it plainly (rows.continues_plainly)
         raise NotImplementedError
 
+    def check_one_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+        raise NotImplementedError
+
     def forward_done(self) -> None:
         raise NotImplementedError
 
@@ -187,7 +190,8 @@ class _ModelHooks:
                 release_primes(cache)
             offset = 0
         else:
-            kwargs = _continuing(module, cache, kwargs, self.media, not splitting, self.own_positions)
+            kwargs = _continuing(module, cache, kwargs, self.media, not splitting, self.own_positions,
+                                 "position_ids" not in self.parameters)
             start = offset = cache.get_seq_length()
         if "position_ids" in self.parameters and not (offset and self.own_positions):  # (M-RoPE: the model's own)
             kwargs = with_column_positions(kwargs, offset)  # the forward (or its segments) at its columns
@@ -255,11 +259,13 @@ def is_attached(model: torch.nn.Module, owner: object | None = None) -> bool:
 
 
 def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaTokens, resume: bool = True,
-                mrope: bool = False) -> dict:
+                mrope: bool = False, positionless: bool = False) -> dict:
     """The inputs of a forward over a started cache, which must continue what it holds: the held tokens fed again
-    and then new ones (Mamba2's generate() feeds the whole sequence on a later call) are cut to the new ones; a
-    forward whose positions start elsewhere (a new prompt over a used cache) is refused (`mrope`: positions the
-    model offsets past images, checked where they can be: rows.continues_at)."""
+    and then new ones (Mamba2's generate() feeds the whole sequence on a later call; others pass the positions of
+    a feed again) are cut to the new ones; a forward whose positions start elsewhere (a new prompt over a used cache)
+    is refused (`mrope`: positions the model offsets past images, checked where they can be: rows.continues_at;
+    `positionless`: a model without position_ids). Without positions on a model that takes them, a forward is new
+    tokens (the columns it runs at), even when they start like the held ones."""
     input_ids, seen = kwargs["input_ids"], cache.get_seq_length()
     length = input_ids.shape[1]
     if length > 1 and input_ids.shape[0] != (rows := cache.held_tokens().shape[0]):  # (decode steps: generate's own)
@@ -268,7 +274,8 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
                                 "num_return_sequences, not a used cache's): use a new HybridPrefixCache(store), "
                                 "whose lookup reuses what this one held. This cache is reset now")
     # (not a decode step: those feed one token; with positions, a feed again starts where the held tokens did)
-    if 0 < seen < length and continues_at(kwargs.get("position_ids"), 0, cache.row_pads, mrope):
+    given = kwargs.get("position_ids") is not None or positionless or mrope
+    if 0 < seen < length and given and continues_at(kwargs.get("position_ids"), 0, cache.row_pads, mrope):
         held, fed = cache.held_tokens(), input_ids
         if bool((held >= KEY_BASE).any()):  # images held keyed by content: the tokens fed again must key the same
             kwargs = media.keyed(module, kwargs, first=False)  # (generate(use_cache=False) re-feeds every step)
@@ -282,7 +289,9 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
             "new HybridPrefixCache(store) per request. This cache is reset now"
         )
     length = kwargs["input_ids"].shape[1]
-    if length > 1 and not continues_plainly(kwargs, seen, cache.row_pads, mrope, getattr(cache, "row_ends", None)):
+    if length == 1:
+        cache.check_one_token(kwargs["input_ids"], kwargs.get("attention_mask"))
+    elif not continues_plainly(kwargs, seen, cache.row_pads, mrope, getattr(cache, "row_ends", None)):
         cache.admit_nothing()  # other positions past its first column, or pads among its tokens: run as given
         resume = False
     if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
