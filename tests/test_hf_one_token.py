@@ -22,6 +22,7 @@ def _later_is_exact(model, reference, store, later):
         want = reference.generate(later, **options)
     assert torch.equal(got.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=1e-5, rtol=0)
+    return cache.reused_tokens
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5"])
@@ -56,8 +57,24 @@ def test_a_one_token_forward_at_a_rows_pad_is_not_stored(family, pieces):
             extra = {} if family == "mamba2" else {"position_ids": positions[:, start:stop]}
             model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], **{cache_argument(model): cache},
                   **extra)
-    assert cache.report().admission.startswith("not admitted")
-    _later_is_exact(model, reference, store, torch.tensor([[12, 58, 9, 5, 6, 7]]))
+    assert cache.report().admission.startswith("admitted")  # the row without pads
+    assert _later_is_exact(model, reference, store, torch.tensor([[12, 58, 9, 5, 6, 7]])) == 0  # not the padded one
+    assert _later_is_exact(model, reference, store, ids[1:, :6]) > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_prefill_of_one_token_chunks_still_stores_the_rows_without_pads(family):
+    """generate(prefill_chunk_size=1) over a left-padded batch feeds the short row's pads one by one: only that
+    row may be left out (a first version left the whole request out)."""
+    reference, model = build(family), build(family)
+    store = PrefixStore(model, capacity="64MB")
+    ids = torch.tensor([[0, 0, 12, 58, 9, 33, 21], [10, 23, 39, 14, 60, 7, 8]])
+    cache = HybridPrefixCache(store)
+    with torch.no_grad():
+        served = model.generate(ids, attention_mask=(ids != 0).long(), past_key_values=cache, max_new_tokens=2,
+                                do_sample=False, pad_token_id=0, eos_token_id=None, prefill_chunk_size=1)
+    assert cache.report().admission.startswith("admitted")
+    assert _later_is_exact(model, reference, store, torch.cat([served[1:], torch.tensor([[5, 6]])], dim=1)) >= 7
 
 
 @pytest.mark.parametrize("hidden", [5, 2])

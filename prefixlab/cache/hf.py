@@ -174,9 +174,6 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
                 pads = None
             if pads is not None and runs_uncached(self.store, pads, length):  # (model_info: a bias, a RoPE)
                 pads = None
-            # one token at a row's pad: transformers masks no pad out of a one-token forward, it enters the states
-            if pads is not None and length == 1 and PADS_ONLY in pads and self.store.layout.state_layers:
-                pads = None
         self._started = True
         if pads is None:  # not plain left padding, or positions other than the real ones: run uncached, admit nothing
             self._admit_rows, self._pads, self.rows_reused = [], [0] * batch, [0] * batch
@@ -185,7 +182,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
                                          admission="not admitted (refused input)")
             self.store.record_request(self._report.rows)
             return 0
-        self._admit_rows, self._pads = list(range(batch)), pads
+        # one token at a row's pad: transformers masks no pad out of a one-token forward, it enters the row's states
+        pad_fed = length == 1 and bool(self.store.layout.state_layers)
+        self._admit_rows, self._pads = [r for r in range(batch) if not (pad_fed and pads[r] == PADS_ONLY)], pads
         self.store.check_weights()
         self._generation = self.store.generation
         self._admit_limit = min(float("inf") if reusable is None else reusable,
@@ -350,9 +349,13 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         is never committed: the cache is committed between its forwards."""
         if not self._started or self._pending or not self._admit_rows:
             return 0
-        if self._mask_plain is not None and not bool(self._mask_plain):  # (one device sync, as the flags below)
-            self.admit_nothing()
-            return 0
+        if self._mask_plain is not None:  # rows a one-token forward fed a pad or masked otherwise (one device sync)
+            plain = self._mask_plain.tolist()
+            self._admit_rows, self._mask_plain = [row for row in self._admit_rows if plain[row]], None
+            if not self._admit_rows:
+                self._report.admission = "not admitted (refused input)"
+                self.store.drop(self)
+                return 0
         if self._generation != self.store.generation:  # the store was cleared since: maybe other weights' tensors
             if not self._committed:
                 self._report.admission = "not admitted (the store was cleared after the request began)"

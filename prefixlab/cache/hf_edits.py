@@ -42,6 +42,7 @@ class TensorEdits:
         super().reorder_cache(beam_idx)
         self._fed = [torch.cat(self._fed, dim=1).index_select(0, beam_idx.cpu())] if self._fed else []
         self._pads = [self._pads[i] for i in beam_idx.tolist()] if self._pads else []
+        self._rows_edited()
 
     @under_store_lock
     def batch_repeat_interleave(self, repeats: int):
@@ -49,6 +50,7 @@ class TensorEdits:
         self._fed = [torch.cat(self._fed, dim=1).repeat_interleave(repeats, dim=0)] if self._fed else []
         self._admit_rows = [r * repeats + k for r in self._admit_rows for k in range(repeats)]
         self._pads = [pad for pad in self._pads for _ in range(repeats)]
+        self._rows_edited()
 
     @under_store_lock
     def batch_select_indices(self, indices: torch.Tensor):
@@ -56,6 +58,11 @@ class TensorEdits:
         self._fed = [torch.cat(self._fed, dim=1)[indices.cpu()]] if self._fed else []
         self._pads = [self._pads[i] for i in torch.as_tensor(indices).reshape(-1).tolist()] if self._pads else []
         self._admit_rows = list(range(len(self._fed[0]))) if self._admit_rows and self._fed else []
+        self._rows_edited()
+
+    def _rows_edited(self) -> None:  # rows moved: a row's one-token mask check (check_one_token) now holds for all
+        if self._mask_plain is not None and self._fed:
+            self._mask_plain = self._mask_plain.all().expand(len(self._fed[0])).clone()
 
     @property
     def is_croppable(self) -> bool:  # transformers asks before it defers a stop check by a step (then crops)

@@ -59,10 +59,10 @@ class ModelGuard:
 
     def check_one_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
         """A one-token forward continuing the request (a decode step, a one-token piece of a prompt): its rows must
-        be the request's (InvalidInputError; the cache is reset); a pad fed as its token (transformers masks no pad
-        out of a one-token forward: it enters a recurrent layer's states) or a mask other than the request's left
-        pads computes other KV and states: the request is then not admitted. The mask is compared on its device and
-        read at the next commit (no host sync per decode step)."""
+        be the request's (InvalidInputError; the cache is reset); a row fed a pad as its token (transformers masks
+        no pad out of a one-token forward: it enters a recurrent layer's states) or masked otherwise than by its
+        left pads has other KV and states: that row is then not admitted. The mask is compared on its device, row by
+        row, and read at the next commit (no host sync per decode step)."""
         rows = self._fed[0].shape[0] if self._fed else input_ids.shape[0]
         if input_ids.shape[0] != rows:
             raise InvalidInputError(f"this HybridPrefixCache holds a request of {rows} rows and this forward has "
@@ -79,6 +79,7 @@ class ModelGuard:
             self._pads_on = ((device, key), known, pads)
         _, known, pads = self._pads_on
         real = attention_mask.bool()
-        plain = (real[:, -1].all() & (real[:, 1:] >= real[:, :-1]).all()
-                 & ((real.shape[1] - real.sum(dim=1) == pads) | ~known).all())
-        self._mask_plain = plain if self._mask_plain is None else self._mask_plain & plain
+        plain = (real[:, 1:] >= real[:, :-1]).all(dim=1) & ((real.shape[1] - real.sum(dim=1) == pads) | ~known)
+        if self.store.layout.state_layers:  # (attention stores no pad column's KV: rows are stored from their pads)
+            plain &= real[:, -1]
+        self._mask_plain = plain if self._mask_plain is None else self._mask_plain & plain  # per row
