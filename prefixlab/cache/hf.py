@@ -45,11 +45,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
+from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hf_resume import RowResume
-from prefixlab.cache.hooks import ModelDrivenCache
 from prefixlab.cache.model_info import runs_uncached
 from prefixlab.cache.multimodal import first_key
 from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads, right_padded
@@ -132,7 +132,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
         self._decode_start, self._decode_differs = None, {}
-        self._mask_plain: torch.Tensor | None = None  # one-token forwards' masks were the left pads' (check_one_token)
+        self._mask_plain: torch.Tensor | None = None  # per row: one-token forwards' masks were its pads' (hf_guard)
+        self._pads_on: tuple | None = None  # the pads on the mask's device: ((device, pads), known, counts)
 
     @property
     def started(self) -> bool:

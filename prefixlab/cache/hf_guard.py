@@ -73,7 +73,7 @@ class ModelGuard:
         # every row's mask: pads, then real tokens up to this one (a row of pads only so far: where its first real
         # token is, a later forward resolves), as many pads as the row began with
         device, key = attention_mask.device, tuple(self._pads)
-        if getattr(self, "_pads_on", (None, None))[0] != (device, key):  # (one copy to the device a request)
+        if self._pads_on is None or self._pads_on[0] != (device, key):  # (one copy to the device a request)
             known = torch.tensor([p != PADS_ONLY for p in key], device=device)
             pads = torch.tensor([0 if p == PADS_ONLY else p for p in key], device=device)
             self._pads_on = ((device, key), known, pads)

@@ -2,7 +2,7 @@
 
 `generate()` never shows a cache the prompt before its first forward, so the model carries a forward pre-hook and an
 always-called post-hook (one pair per model, shared by every store and cache on it). The hooks know only the
-`ModelDrivenCache` protocol below:
+`ModelDrivenCache` protocol (driven.py):
 - pre-hook, first forward of a cache: `prefixlab_bind(model)` (an unbound cache picks the model's default store, a
   bound one checks it belongs to this model), `begin(...)` -> columns already cached;
 - pre-hook, a later forward: it must continue what the cache holds (`held_tokens()` fed again are cut off,
@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from prefixlab.cache.align import prime_rows, release_primes
+from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
 from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
@@ -44,50 +45,6 @@ from prefixlab.cache.multimodal import (
 )
 from prefixlab.cache.rows import continues_at, continues_plainly
 from prefixlab.errors import InvalidInputError
-
-
-class ModelDrivenCache:
-    """The protocol the hooks drive (HybridPrefixCache implements it)."""
-
-    started: bool
-    in_flight: bool  # a forward over it started (record) and has not ended (forward_done / forward_failed)
-    row_pads: list[int] | None  # per row, the left pads of its request (None: rows whose positions are not checked)
-
-    def prefixlab_bind(self, model: torch.nn.Module) -> None:
-        raise NotImplementedError
-
-    def begin(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-              position_ids: torch.Tensor | None, logits_tokens: int, reusable: int | None) -> int:
-        raise NotImplementedError
-
-    def capture_splits(self, start: int, stop: int) -> list[int]:
-        raise NotImplementedError
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:  # tokens the cache holds (continuing forwards start there)
-        raise NotImplementedError
-
-    def record(self, input_ids: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def held_tokens(self) -> torch.Tensor:  # [batch, n] the tokens the cache's tensors describe
-        raise NotImplementedError
-
-    def resume_further(self, input_ids: torch.Tensor, logits_tokens: int, reusable: int | None,
-                       attention_mask: torch.Tensor | None,
-                       position_ids: torch.Tensor | None) -> int:  # columns of input_ids now held
-        raise NotImplementedError
-
-    def admit_nothing(self) -> None:  # a forward not continuing it plainly (rows.continues_plainly)
-        raise NotImplementedError
-
-    def check_one_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        raise NotImplementedError
-
-    def forward_done(self) -> None:
-        raise NotImplementedError
-
-    def forward_failed(self) -> None:
-        raise NotImplementedError
 
 
 class _ModelHooks:
