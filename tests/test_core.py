@@ -338,3 +338,33 @@ def test_fork_with_a_live_match_is_refused():
         core.fork()
     core.release(match)
     assert core.fork().match([1, 2, 3, 4]).length == 4
+
+
+@pytest.mark.parametrize("policy", ["dp", "marconi", "sglang+", "vllm+", "marconi+block"])
+def test_one_conversation_that_fills_a_strict_budget_keeps_resuming_its_last_turn(policy):
+    """Its path is locked while each turn is admitted, so nothing else could be evicted: its own shallower states
+    are dropped for the new turn's (they were kept and every later turn refused, reusing turn 3 for good)."""
+    core = _core(capacity_bytes=3 * STATE_BYTES + 150 * KV_BYTES_PER_TOKEN, policy=policy)
+    tokens, block_cut = list(range(1, 11)), 4 if policy == "vllm+" else 0  # (vllm+ may cut an entry at a block)
+    for turn in range(12):
+        match = request(core, tokens, [500 + turn], release=False)
+        last_turn_end = len(tokens) - 9 if turn else 0  # its output included
+        assert last_turn_end - block_cut <= match.length <= last_turn_end, f"turn {turn}"
+        core.release(match)
+        assert core.used_bytes <= core.capacity_bytes and core.rejected == 0
+        core.check_invariants()
+        tokens = [*tokens, 500 + turn, *range(100 + 10 * turn, 109 + 10 * turn)]
+
+
+@pytest.mark.parametrize("policy", ["dp", "marconi"])
+def test_the_state_an_entry_extends_and_live_requests_resume_from_are_not_dropped_for_it(policy):
+    core = _core(capacity_bytes=2 * STATE_BYTES + 30 * KV_BYTES_PER_TOKEN, policy=policy)
+    system = list(range(1, 11))
+    request(core, system)
+    live = request(core, system, release=False)  # another request resuming from the same state
+    assert live.length == len(system)
+    question = [*system, *range(100, 125)]  # a long question: only dropping the system prompt's state would fit it
+    request(core, question)
+    assert core.match(system).length == len(system) and core.rejected == 1
+    core.release(live)
+    core.check_invariants()

@@ -354,3 +354,18 @@ def test_any_request_sequence_is_exact_under_any_budget(model, cuts, tails, capa
             store.flush()
             store.core.check_invariants()
     store.close()
+
+
+def test_a_conversation_that_fills_the_store_keeps_reusing_its_last_turn(model):
+    """Each turn's path is locked while it is admitted: once the store was full every later turn was refused for
+    capacity and reused the same early turn for good; the path's shallower states now make room for the new one's."""
+    store = new_store(model, capacity=300_000, policy="dp")
+    seq = tokens(1, 20, seed=3)
+    for turn in range(7):
+        cache = HybridPrefixCache(store)
+        out = model.generate(seq, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, model.generate(seq, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        assert cache.reused_tokens == (seq.shape[1] - 41 if turn else 0), f"turn {turn}"  # (up to the last fed token)
+        assert store.stats()["used_bytes"] <= 300_000
+        seq = torch.cat([out, tokens(1, 40, seed=10 + turn)], 1)
+    assert store.stats()["rejected"] == 0

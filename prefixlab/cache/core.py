@@ -15,6 +15,7 @@ import numpy as np
 
 from prefixlab.cache.alpha import AlphaBootstrap, check_tuning_lag
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.eviction import thin_path
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
 from prefixlab.cache.match import Admission, Match
@@ -197,6 +198,8 @@ class PrefixCacheCore:
             # every prompt enters a little, e.g. past a chat template, fills the cache and refuses all admissions)
             top, inside_edge = self.tree.split(top, shared, self.clock), False
             fits = self._make_room(entry_bytes(new_kv, new_states), top)
+        if not fits and not self.overflow and not restore:
+            fits = self._thin_own_path(top, new_kv, new_states, shared, keep_end)
         if not fits and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
             room, ends = self.capacity_bytes - self.used_bytes, self._cut_points(new_states, shared, keep_end)
@@ -290,6 +293,29 @@ class PrefixCacheCore:
             return True
         finally:
             self.tree.lock(keep, -1)
+
+    def _thin_own_path(self, top: Node, new_kv: KVPayload | None, new_states: list, shared: int,
+                       keep_end: int) -> bool:
+        """Before an entry is cut for a budget its own locked path fills (one long conversation): drop the path's
+        states other than the deepest one the entry extends and those live requests resume from, least saving
+        first, if that makes room for at least the entry's first cut. Whether the whole entry fits now."""
+        keep = {(id(m.state), m.length) for m in self._live.values() if m.state is not None}
+        path = top.ancestors()[-2::-1]
+        resumed = [(id(s), p) for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True) if p <= shared]
+        keep.update(resumed[-1:])
+        thinnable = sum(s.nbytes for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)
+                        if (id(s), p) not in keep)
+        room = self.capacity_bytes - self.used_bytes + thinnable
+        kv, states, _ = fitting_prefix(room, self._cut_points(new_states, shared, keep_end), new_kv, new_states,
+                                       shared, keep_end)
+        if not thinnable or (kv is None and not states):
+            return False
+        needed = self.used_bytes + entry_bytes(new_kv, new_states) - self.capacity_bytes
+        for node, position in thin_path(self.tree, path, keep, needed, self.spec):
+            self.evictions += 1
+            if self.evicted is not None:
+                self.evicted.record(node.namespace, path_tokens(node), [position])
+        return self.used_bytes + entry_bytes(new_kv, new_states) <= self.capacity_bytes
 
     def _cut_points(self, new_states: list, shared: int, keep_end: int) -> list[int]:
         """Where an entry may be cut to fit: at a kept state (hybrid) or a block boundary (KV-only)."""

@@ -339,3 +339,27 @@ class ThinningFlopAware(FlopAware):
         if freed or len(node.children) > self._max_children:
             return freed
         return super().free(node, want_bytes)
+
+
+def thin_path(tree: RadixTree, path: list[Node], keep: set[tuple[int, int]], want_bytes: int,
+              spec: ModelSpec) -> list[tuple[Node, int]]:
+    """Drop states on `path` (root-first nodes) until `want_bytes` are freed, those saving the least prefill over
+    the state kept before them first, never a state in `keep` ((id(state), position) pairs). Returns the (node,
+    position) pairs dropped."""
+    dropped, freed = [], 0
+    while freed < want_bytes:
+        below, cheapest = 0, None
+        for node in path:
+            for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
+                if (id(state), position) not in keep:
+                    saved = spec.prefill_flops(position - below, below) / max(state.nbytes, 1)
+                    if cheapest is None or saved < cheapest[0]:
+                        cheapest = (saved, node, position)
+                below = position
+        if cheapest is None:
+            break
+        _, node, position = cheapest
+        at = node.ckpt_pos.index(position)
+        freed += tree.drop_checkpoints(node, at, at + 1)
+        dropped.append((node, position))
+    return dropped
