@@ -356,11 +356,13 @@ def test_any_request_sequence_is_exact_under_any_budget(model, cuts, tails, capa
     store.close()
 
 
-def test_a_conversation_that_fills_the_store_keeps_reusing_its_last_turn(model):
+@pytest.mark.parametrize("offload", [None, "64MB"])
+def test_a_conversation_that_fills_the_store_keeps_reusing_its_last_turn(model, offload):
     """Each turn's path is locked while it is admitted: once the store was full every later turn was refused for
-    capacity and reused the same early turn for good; the path's shallower states now make room for the new one's."""
-    store = new_store(model, capacity=300_000, policy="dp")
-    seq = tokens(1, 20, seed=3)
+    capacity and reused the same early turn for good; the path's shallower states now make room for the new one's
+    (moved to the host tier if there is one)."""
+    store = new_store(model, capacity=300_000, policy="dp", offload_capacity=offload)
+    seq = first = tokens(1, 20, seed=3)
     for turn in range(7):
         cache = HybridPrefixCache(store)
         out = model.generate(seq, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -369,3 +371,8 @@ def test_a_conversation_that_fills_the_store_keeps_reusing_its_last_turn(model):
         assert store.stats()["used_bytes"] <= 300_000
         seq = torch.cat([out, tokens(1, 40, seed=10 + turn)], 1)
     assert store.stats()["rejected"] == 0
+    if offload:  # the first turn's thinned states: a prompt leaving the conversation there resumes from the host
+        cache, edited = HybridPrefixCache(store), torch.cat([first, tokens(1, 6, seed=99)], 1)
+        out = model.generate(edited, past_key_values=cache, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(out, model.generate(edited, max_new_tokens=4, do_sample=False, pad_token_id=0))
+        assert cache.reused_tokens > 0 and cache.report().rows[0].from_host

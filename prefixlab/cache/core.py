@@ -311,7 +311,7 @@ class PrefixCacheCore:
         if not thinnable or (kv is None and not states):
             return False
         needed = self.used_bytes + entry_bytes(new_kv, new_states) - self.capacity_bytes
-        for node, position in thin_path(self.tree, path, keep, needed, self.spec):
+        for node, position in thin_path(path, keep, needed, self.spec, self.eviction.drop_state):
             self.evictions += 1
             if self.evicted is not None:
                 self.evicted.record(node.namespace, path_tokens(node), [position])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+from collections.abc import Callable
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
@@ -74,6 +75,10 @@ class EvictionPolicy:
     def free(self, node: Node, want_bytes: int) -> int:
         """Evict (part of) the picked `node`; `want_bytes` is how much is still needed. Returns bytes freed."""
         return self.tree.remove_leaf(node)
+
+    def drop_state(self, node: Node, index: int) -> int:
+        """Drop `node`'s state `index` alone (the core's strict-budget thinning of a locked path); bytes freed."""
+        return self.tree.drop_checkpoints(node, index, index + 1)
 
 
 class LeafLRU(EvictionPolicy):
@@ -341,11 +346,11 @@ class ThinningFlopAware(FlopAware):
         return super().free(node, want_bytes)
 
 
-def thin_path(tree: RadixTree, path: list[Node], keep: set[tuple[int, int]], want_bytes: int,
-              spec: ModelSpec) -> list[tuple[Node, int]]:
-    """Drop states on `path` (root-first nodes) until `want_bytes` are freed, those saving the least prefill over
-    the state kept before them first, never a state in `keep` ((id(state), position) pairs). Returns the (node,
-    position) pairs dropped."""
+def thin_path(path: list[Node], keep: set[tuple[int, int]], want_bytes: int, spec: ModelSpec,
+              drop_state: Callable[[Node, int], int]) -> list[tuple[Node, int]]:
+    """Drop states on `path` (root-first nodes) with `drop_state(node, index)` until `want_bytes` are freed, those
+    saving the least prefill over the state kept before them first, never a state in `keep` ((id(state), position)
+    pairs). Returns the (node, position) pairs dropped."""
     dropped, freed = [], 0
     while freed < want_bytes:
         below, cheapest = 0, None
@@ -359,7 +364,6 @@ def thin_path(tree: RadixTree, path: list[Node], keep: set[tuple[int, int]], wan
         if cheapest is None:
             break
         _, node, position = cheapest
-        at = node.ckpt_pos.index(position)
-        freed += tree.drop_checkpoints(node, at, at + 1)
+        freed += drop_state(node, node.ckpt_pos.index(position))
         dropped.append((node, position))
     return dropped

@@ -174,24 +174,31 @@ def owning_kv(kv: TensorKV) -> TensorKV:
 
 
 def spill_evictions(eviction, host) -> None:
-    """Wrap a device tier's `eviction.free`: before it frees a victim, its whole path (tokens up to the victim's end,
-    the KV the `host` tier lacks of them, the victim's checkpoints) goes to the host tier (a PrefixCacheCore),
-    which admits or drops it under its own budget."""
-    free_on_device, pin = eviction.free, torch.cuda.is_available()
+    """Wrap a device tier's `eviction.free` and `eviction.drop_state`: before a victim is freed, its path (tokens up
+    to the victim's end, the KV the `host` tier lacks of them, the victim's checkpoints; up to the state for a
+    dropped state) goes to the host tier (a PrefixCacheCore), which admits or drops it under its own budget."""
+    free_on_device, drop_on_device, pin = eviction.free, eviction.drop_state, torch.cuda.is_available()
 
-    def free(node, want_bytes: int) -> int:
+    def spill(node, positions: list[int], states: list) -> None:
         path = []
         while not node.is_root:
             path.append(node)
             node = node.parent
         path.reverse()
-        tokens = [t for n in path for t in n.tokens.tolist()]
-        states = {p: s.to("cpu", pin) for p, s in zip(path[-1].ckpt_pos, path[-1].ckpt_state, strict=True)}
-        host.admit(tokens, kv=path_kv([n.kv for n in path], "cpu", pin), states=states,
+        tokens = [t for n in path for t in n.tokens.tolist()][: max(positions, default=path[-1].end)]
+        host.admit(tokens, kv=path_kv([n.kv for n in path], "cpu", pin),
+                   states={p: s.to("cpu", pin) for p, s in zip(positions, states, strict=True)},
                    namespace=path[-1].namespace, restore=True)
-        return free_on_device(path[-1], want_bytes)
 
-    eviction.free = free
+    def free(node, want_bytes: int) -> int:
+        spill(node, node.ckpt_pos, node.ckpt_state)
+        return free_on_device(node, want_bytes)
+
+    def drop_state(node, index: int) -> int:
+        spill(node, node.ckpt_pos[index : index + 1], node.ckpt_state[index : index + 1])
+        return drop_on_device(node, index)
+
+    eviction.free, eviction.drop_state = free, drop_state
 
 
 # Flat names for safetensors files: one string key per tensor.
