@@ -296,13 +296,16 @@ class PrefixCacheCore:
 
     def _thin_own_path(self, top: Node, new_kv: KVPayload | None, new_states: list, shared: int,
                        keep_end: int) -> bool:
-        """Before an entry is cut for a budget its own locked path fills (one long conversation): drop the path's
-        states other than the deepest one the entry extends and those live requests resume from, least saving
-        first, if that makes room for at least the entry's first cut. Whether the whole entry fits now."""
-        keep = {(id(m.state), m.length) for m in self._live.values() if m.state is not None}
+        """Before an entry is cut for a budget its own locked path fills (one long conversation, an agent's
+        history): drop the states of that sequence's earlier stages (on path edges no request branched off: a
+        branch point, e.g. a document many questions resume from, keeps its states) other than the deepest one the
+        entry extends and those live requests resume from, least saving first, if that makes room for at least the
+        entry's first cut. Whether the whole entry fits now."""
         path = top.ancestors()[-2::-1]
-        resumed = [(id(s), p) for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True) if p <= shared]
-        keep.update(resumed[-1:])
+        on_path = [(id(s), p, n.branched) for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)]
+        keep = {(id(m.state), m.length) for m in self._live.values() if m.state is not None}
+        keep.update((i, p) for i, p, branched in on_path if branched)
+        keep.update([(i, p) for i, p, _ in on_path if p <= shared][-1:])
         thinnable = sum(s.nbytes for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)
                         if (id(s), p) not in keep)
         room = self.capacity_bytes - self.used_bytes + thinnable

@@ -24,7 +24,7 @@ class Node:
     """One edge of the tree: tokens [start, end), their KV, checkpoints inside (start, end]."""
 
     __slots__ = ("id", "parent", "children", "tokens", "start", "kv", "ckpt_pos", "ckpt_state", "last_access",
-                 "lock_count", "namespace")
+                 "lock_count", "namespace", "branched")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray, start: int, kv: KVPayload | None,
                  last_access: int, namespace: str):
@@ -39,6 +39,7 @@ class Node:
         self.last_access = last_access
         self.lock_count = 0
         self.namespace = namespace
+        self.branched = False  # its end was a divergence point (it is the upper part of a split)
 
     @property
     def end(self) -> int:
@@ -129,6 +130,7 @@ class RadixTree:
         def clone(node: Node, parent: Node | None) -> Node:
             new = Node(node.id, parent, node.tokens, node.start, node.kv, node.last_access, node.namespace)
             new.ckpt_pos, new.ckpt_state, new.lock_count = list(node.ckpt_pos), list(node.ckpt_state), node.lock_count
+            new.branched = node.branched
             nodes[node.id] = new
             return new
 
@@ -208,7 +210,7 @@ class RadixTree:
         at = position - node.start
         upper_kv, lower_kv = node.kv.split(at) if node.kv is not None else (None, None)
         upper = Node(self._new_id(), node.parent, node.tokens[:at], node.start, upper_kv, now, node.namespace)
-        upper.lock_count = node.lock_count
+        upper.lock_count, upper.branched = node.lock_count, True
         cut = bisect.bisect_right(node.ckpt_pos, position)
         upper.ckpt_pos, node.ckpt_pos = node.ckpt_pos[:cut], node.ckpt_pos[cut:]
         upper.ckpt_state, node.ckpt_state = node.ckpt_state[:cut], node.ckpt_state[cut:]
