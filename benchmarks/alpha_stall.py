@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.replay import replay_request
 from prefixlab.sim import formats
 from prefixlab.sim.cli import load_spec
 

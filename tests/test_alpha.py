@@ -7,7 +7,8 @@ import pytest
 from prefix_helpers import tiny_spec
 
 from prefixlab.cache.alpha import AlphaBootstrap
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.replay import replay_request
 from prefixlab.errors import InvalidInputError
 
 

@@ -239,7 +239,7 @@ def test_marconi_7b_sizes_flow_through():
 def test_fork_is_an_independent_copy_that_replays_like_a_deep_copy(policy):
     import copy
 
-    from prefixlab.cache.core import replay_request
+    from prefixlab.cache.replay import replay_request
 
     rng = np.random.default_rng(3)
     streams = [(rng.integers(0, 4, rng.integers(3, 25)), rng.integers(0, 4, 3)) for _ in range(60)]
@@ -255,7 +255,7 @@ def test_fork_is_an_independent_copy_that_replays_like_a_deep_copy(policy):
 
 
 def test_the_alpha_tuning_record_is_bounded_and_alpha_is_still_tuned():
-    from prefixlab.cache.core import replay_request
+    from prefixlab.cache.replay import replay_request
 
     rng = np.random.default_rng(5)
     core, held = _core(capacity_bytes=3_000, history_tokens=200), []
@@ -271,7 +271,7 @@ def test_the_alpha_tuning_record_is_bounded_and_alpha_is_still_tuned():
 
 
 def test_namespaces_that_hold_nothing_keep_no_root():
-    from prefixlab.cache.core import replay_request
+    from prefixlab.cache.replay import replay_request
 
     core = _core(capacity_bytes=2 * STATE_BYTES + 64)
     for i in range(100):  # looked up only

@@ -35,9 +35,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.payload import SizedKV, SizedState
 from prefixlab.cache.policies import POLICY_NAMES
+from prefixlab.cache.replay import replay_request
 
 NAMESPACES = ("default", "a", "b")
 # tight (a few short entries) ... loose (never evicts)

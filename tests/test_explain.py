@@ -140,8 +140,9 @@ def test_one_namespace_per_request_keeps_no_bookkeeping_of_namespaces_gone(polic
     flat."""
     from hf_models import config
 
-    from prefixlab.cache.core import PrefixCacheCore, replay_request
+    from prefixlab.cache.core import PrefixCacheCore
     from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.cache.replay import replay_request
 
     spec = ModelSpec.from_config(config("qwen3_5"))
     core = PrefixCacheCore(200 * spec.kv_bytes_per_token + 4 * spec.state_bytes, policy, spec, alpha=0.5,

@@ -5,8 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.replay import replay_request
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.router import ROUTING_NAMES, AffinityRouter, Choice, make_router
 from prefixlab.fleet.schedule import (

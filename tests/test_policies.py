@@ -16,9 +16,10 @@ from prefix_helpers import (
 )
 
 from prefixlab.cache.alpha import ALPHA_GRID, AlphaBootstrap
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.policies import POLICY_NAMES, check_policy_name
+from prefixlab.cache.replay import replay_request
 from prefixlab.errors import InvalidInputError
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request

@@ -9,10 +9,11 @@ from hypothesis import strategies as st
 from prefix_helpers import STATE_BYTES, picks_under_a_live_match, request, tiny_spec, version_families
 
 from prefixlab.cache.alpha import ALPHA_GRID, tune_alpha
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.eviction import FlopAware, ThinningFlopAware
 from prefixlab.cache.law import EntryLaw
 from prefixlab.cache.priced import PricedAdmission
+from prefixlab.cache.replay import replay_request
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
 

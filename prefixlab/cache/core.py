@@ -19,8 +19,9 @@ from prefixlab.cache.eviction import thin_path
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
 from prefixlab.cache.match import Admission, Match
-from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState, entry_bytes, fitting_prefix
+from prefixlab.cache.payload import KVPayload, Payload, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
+from prefixlab.cache.replay import replay_tokens
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError, is_finite_number, is_int
@@ -343,7 +344,7 @@ class PrefixCacheCore:
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
         self.bootstrap.record(tokens, match.input_length if match else len(tokens))
-        tuned = self.bootstrap.advance(self.requests, self._fresh, _replay, self.eviction.provisional_grid)
+        tuned = self.bootstrap.advance(self.requests, self._fresh, replay_tokens, self.eviction.provisional_grid)
         if tuned is not None:
             self.eviction.alpha, keep, seconds, waited = tuned
             self.bootstrap = self.bootstrap if keep else None
@@ -390,24 +391,3 @@ class PrefixCacheCore:
     def check_invariants(self) -> None:
         """Recompute bytes, locks and the eviction index from scratch; AssertionError on any drift."""
         check_core_invariants(self)
-
-def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_tokens: np.ndarray,
-                   namespace: str = "default") -> int:
-    """One simulated request with size-only payloads: match the input, admit input + output with the states the
-    policy plans (the simulator's and the alpha tuner's step, as in Marconi's replay). Returns the hit length."""
-    input_tokens, output_tokens = as_tokens(input_tokens, "input_tokens"), as_tokens(output_tokens, "output_tokens")
-    tokens = np.concatenate([input_tokens, output_tokens]) if len(output_tokens) else input_tokens
-    return _replay(core, tokens, len(input_tokens), check_namespace(namespace))
-
-
-def _replay(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namespace: str = "default") -> int:
-    """replay_request of validated `tokens` (input followed by output), skipping the public entry checks."""
-    spec = core.spec
-    match = core._match(tokens[:input_length], namespace, with_kv=False)
-    walk = core.tree.walk(tokens, namespace, resume=match.walk)
-    positions = core.admission.plan(walk, len(tokens), match.length, input_length) if core.hybrid else []
-    state = SizedState(spec.state_bytes)
-    core._admit(tokens, walk, lambda a, b: SizedKV(b - a, spec.kv_bytes_per_token), dict.fromkeys(positions, state),
-                match)
-    core._release(match)
-    return match.length

@@ -20,8 +20,9 @@ from itertools import islice
 
 import numpy as np
 
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.replay import replay_request
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.router import ROUTING_NAMES, make_router
 

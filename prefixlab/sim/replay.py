@@ -12,8 +12,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from prefixlab.cache.alpha import check_tuning_lag
-from prefixlab.cache.core import PrefixCacheCore, replay_request
+from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
+from prefixlab.cache.replay import replay_request
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import RadixTree
 from prefixlab.errors import InvalidInputError
