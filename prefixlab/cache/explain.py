@@ -19,8 +19,10 @@ import numpy as np
 REASONS = {
     "hit": "reused everything the store shares with the prompt (the rest is new to the store; the last token runs)",
     "cold": "nothing cached shares a prefix with this prompt",
-    "no_checkpoint": "the store shares more tokens than its deepest checkpoint: no state was captured there yet "
-                     "(first sight of this branch point: its prefill captures one, so the next such request hits)",
+    "no_checkpoint": "the store shares more tokens than its deepest checkpoint: no state was captured there yet (on "
+                     "first sight of a branch point, dp / marconi / sglang+ capture one in this prefill, so the next "
+                     "such request hits, unless the model cannot split its prefill there: patch=False on Nemotron-H "
+                     "/ Zamba2; vllm+ and +block placements keep states at block ends only)",
     "evicted": "a deeper checkpoint or prefix of this prompt was cached and evicted for capacity",
     "other_namespace": "another namespace holds a longer prefix of this prompt; namespaces never share entries",
     "too_short": "the prompt has fewer than 2 tokens: its last token always runs, so nothing can be reused",
