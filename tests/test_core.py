@@ -383,3 +383,31 @@ def test_a_question_branching_off_a_document_does_not_thin_the_document_for_itse
         assert core.used_bytes <= core.capacity_bytes
         core.check_invariants()
     assert naive_match(core, [*document, 7, 99])[0] == len(document) + 1  # the branch point after the document
+
+
+@pytest.mark.parametrize("policy", ["dp", "marconi", "sglang+", "vllm+", "marconi+block"])
+def test_a_turn_whose_entry_alone_fits_a_budget_of_one_state_is_stored_in_place_of_the_last(policy):
+    """The state a turn extends went last of all but never went: from turn 6 every turn reused turn 5 for good."""
+    core = _core(capacity_bytes=STATE_BYTES + STATE_BYTES // 2 + 80 * KV_BYTES_PER_TOKEN, policy=policy)
+    sequence = []
+    for turn in range(8):
+        tokens = [*sequence, *range(1000 + 20 * turn, 1010 + 20 * turn), 2000 + turn, 2100 + turn]
+        match = core.match(tokens[:-3])  # (the HF path: all but the prompt's last token; no live match at admit)
+        assert match.length == len(sequence), f"turn {turn}"
+        plan = core.plan(tokens, match)
+        core.release(match)
+        core.admit(tokens, lambda a, b, t=tokens: TokenKV(tuple(t[a:b])),
+                   {p: PrefixState(tuple(tokens[:p])) for p in {*plan, len(tokens)}})
+        assert [n for n in core.tree.nodes() if not n.is_root and not n.ckpt_pos and len(n.children) == 1] == []
+        core.check_invariants()
+        sequence = tokens
+
+
+@pytest.mark.parametrize("policy", ["marconi", "sglang+", "vllm+"])
+def test_an_entry_no_store_could_hold_is_refused_before_anything_is_evicted_for_it(policy):
+    core = PrefixCacheCore(3 * STATE_BYTES, policy, tiny_spec(), block_size=64)
+    request(core, [1, 2, 3, 4, 5])
+    before = (core.used_bytes, core.stats()["nodes"], core.evictions)
+    request(core, list(range(100, 300)))  # 800 bytes of KV before its first state: more than the whole budget
+    assert (core.used_bytes, core.stats()["nodes"], core.evictions) == before and core.rejected == 1
+    assert core.match([1, 2, 3, 4, 5, 6]).length == 5

@@ -76,12 +76,13 @@ def test_vllm_keeps_a_partial_block_state_when_the_extension_is_cut():
     # Room for one more state but not for the KV and state of the next block: the entry is cut to its state at 5,
     # so nothing fills the block past the old end state at 6, which stays (it went, and 5 with it, when the cut was
     # not looked at); 5 is superseded by 6, the deepest state of the block on its path.
-    # (a live request resumes from 4, so the path's states may not be thinned for the entry: it is cut)
+    # (live requests resume from 4 and 6, so no state on the path may be thinned for the entry: it is cut)
     core = _core("vllm+", capacity_bytes=24 + 3 * STATE_BYTES + 50)
     request(core, [1, 2, 3, 4, 5, 6])
-    live = core.match([1, 2, 3, 4, 5, 99])
+    live = [core.match([1, 2, 3, 4, 5, 99]), core.match([1, 2, 3, 4, 5, 6, 99])]
     assert _offer(core, list(range(1, 21)), [5, 8, 12, 16, 20])
-    core.release(live)
+    for match in live:
+        core.release(match)
     assert _checkpoints(core) == [4, 6]
     assert naive_match(core, [1, 2, 3, 4, 5, 6, 99]) == (6, 6)
     core.check_invariants()

@@ -15,13 +15,13 @@ import numpy as np
 
 from prefixlab.cache.alpha import AlphaBootstrap, check_tuning_lag
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.eviction import thin_path
 from prefixlab.cache.explain import EvictionLog, path_tokens
 from prefixlab.cache.invariants import check_core_invariants
 from prefixlab.cache.match import Admission, Match
 from prefixlab.cache.payload import KVPayload, Payload, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.replay import replay_tokens
+from prefixlab.cache.strict import cheapest_cut_bytes, extends_sequence, fit_strictly, path_kv_bytes
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError, is_finite_number, is_int
@@ -84,6 +84,7 @@ class PrefixCacheCore:
         self.tuning_seconds = 0.0  # wall time of the alpha tuner's replays (a one-off cost; benchmarks report it)
         self.tuning_wait_seconds = 0.0  # of which admissions waited for (all of it unless tuning_lag_requests)
         self._live: dict[int, Match] = {}
+        self._thinned_locked: list[Node] = []  # path nodes the strict budget thinned while a match held them
         # the requests admitted until alpha is tuned (None once tuned, or when alpha is fixed)
         lag = check_tuning_lag(tuning_lag_requests)
         self.bootstrap = (AlphaBootstrap(bootstrap_multiplier, history_tokens, lag)
@@ -193,21 +194,27 @@ class PrefixCacheCore:
         self.admission.before_admit(walk)
         self.clock += 1
         top, inside_edge = walk.path[-1], walk.ends_inside_edge  # the path's deepest node is kept while evicting
+        sequence, thinned = extends_sequence(top, inside_edge), []
+        ends = self._cut_points(new_states, shared, keep_end)
+        if (not self.overflow and ends and path_kv_bytes(top, shared)
+                + cheapest_cut_bytes(new_kv, new_states, shared, ends[0]) > self.capacity_bytes):
+            self.rejected += 1  # not even an empty store could hold it: evict nothing for it
+            return Admission(0, 0, refused=True)
         fits = self._make_room(entry_bytes(new_kv, new_states), top)
         if not fits and not self.overflow and inside_edge:
             # only `shared` tokens of that node are the path: split it there so its tail may go too (else an entry
             # every prompt enters a little, e.g. past a chat template, fills the cache and refuses all admissions)
             top, inside_edge = self.tree.split(top, shared, self.clock), False
             fits = self._make_room(entry_bytes(new_kv, new_states), top)
-        if not fits and not self.overflow and not restore:
-            fits = self._thin_own_path(top, new_kv, new_states, shared, keep_end)
+        if not fits and not self.overflow and not restore:  # (strict.py)
+            fits, new_states, thinned = fit_strictly(self, top, new_kv, new_states, shared, keep_end, sequence)
         if not fits and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
             room, ends = self.capacity_bytes - self.used_bytes, self._cut_points(new_states, shared, keep_end)
             new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
             if new_kv is None and not new_states:
                 self.rejected += 1
-                self._compact(top)  # evicting its children may have left it a useless leaf
+                self._compact_all([top, *thinned])  # evicting its children may have left it a useless leaf
                 return Admission(0, 0, refused=True)
         admitted = Admission(keep_end - shared if new_kv is not None else 0, len(new_states))
         deepest = top
@@ -231,7 +238,8 @@ class PrefixCacheCore:
         locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
         held = keep_end if new_kv is not None else shared
         self.admission.after_admit(self.tree, deepest, held, locked, restore)
-        self._compact(top)  # locked while evicting: its children may have gone, and its use with them
+        self._compact_all([top, *thinned])  # locked while evicting: its children or states may have gone, its use too
+        self._thinned_locked += [node for node in thinned if node.lock_count]  # compacted once released
         return admitted
 
     def release(self, match: Match) -> None:
@@ -243,6 +251,10 @@ class PrefixCacheCore:
         del self._live[id(match)]
         self.tree.lock(match.node, -1)
         self._compact(match.node)
+        if self._thinned_locked:
+            self._thinned_locked, thinned = [], self._thinned_locked
+            self._compact_all(thinned)
+            self._thinned_locked = [node for node in thinned if node.lock_count]
 
     # internals ---------------------------------------------------------------------------------------------------
 
@@ -295,32 +307,6 @@ class PrefixCacheCore:
         finally:
             self.tree.lock(keep, -1)
 
-    def _thin_own_path(self, top: Node, new_kv: KVPayload | None, new_states: list, shared: int,
-                       keep_end: int) -> bool:
-        """Before an entry is cut for a budget its own locked path fills (one long conversation, an agent's
-        history): drop the states of that sequence's earlier stages (on path edges no request branched off: a
-        branch point, e.g. a document many questions resume from, keeps its states) other than the deepest one the
-        entry extends and those live requests resume from, least saving first, if that makes room for at least the
-        entry's first cut. Whether the whole entry fits now."""
-        path = top.ancestors()[-2::-1]
-        on_path = [(id(s), p, n.branched) for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)]
-        keep = {(id(m.state), m.length) for m in self._live.values() if m.state is not None}
-        keep.update((i, p) for i, p, branched in on_path if branched)
-        keep.update([(i, p) for i, p, _ in on_path if p <= shared][-1:])
-        thinnable = sum(s.nbytes for n in path for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)
-                        if (id(s), p) not in keep)
-        room = self.capacity_bytes - self.used_bytes + thinnable
-        kv, states, _ = fitting_prefix(room, self._cut_points(new_states, shared, keep_end), new_kv, new_states,
-                                       shared, keep_end)
-        if not thinnable or (kv is None and not states):
-            return False
-        needed = self.used_bytes + entry_bytes(new_kv, new_states) - self.capacity_bytes
-        for node, position in thin_path(path, keep, needed, self.spec, self.eviction.drop_state):
-            self.evictions += 1
-            if self.evicted is not None:
-                self.evicted.record(node.namespace, path_tokens(node), [position])
-        return self.used_bytes + entry_bytes(new_kv, new_states) <= self.capacity_bytes
-
     def _cut_points(self, new_states: list, shared: int, keep_end: int) -> list[int]:
         """Where an entry may be cut to fit: at a kept state (hybrid) or a block boundary (KV-only)."""
         if self.hybrid:
@@ -340,6 +326,12 @@ class PrefixCacheCore:
             if len(node.children) == 1:
                 self.tree.merge_into_child(node)
             return
+
+    def _compact_all(self, nodes: list[Node]) -> None:
+        """`_compact` each of `nodes` still in the tree (compacting one may merge or remove another)."""
+        for node in dict.fromkeys(nodes):
+            if node.parent is not None and node.parent.children.get(int(node.tokens[0])) is node:
+                self._compact(node)
 
     def _record(self, tokens: np.ndarray, match: Match | None) -> None:
         """Keep the bootstrap window; once it is complete, tune alpha by replaying it (Marconi section 4.2)."""
@@ -369,7 +361,7 @@ class PrefixCacheCore:
         twin.tree.on_change, twin.tree.on_remove = twin.eviction.update, twin.eviction.forget
         twin.admission = copy.deepcopy(self.admission)
         twin.eviction.link(twin.admission)
-        twin._live, twin._last_walk = {}, None
+        twin._live, twin._last_walk, twin._thinned_locked = {}, None, []
         twin.bootstrap = self.bootstrap.copy() if self.bootstrap is not None else None
         twin.evicted = copy.deepcopy(self.evicted)
         return twin

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections.abc import Callable
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
@@ -345,25 +344,3 @@ class ThinningFlopAware(FlopAware):
             return freed
         return super().free(node, want_bytes)
 
-
-def thin_path(path: list[Node], keep: set[tuple[int, int]], want_bytes: int, spec: ModelSpec,
-              drop_state: Callable[[Node, int], int]) -> list[tuple[Node, int]]:
-    """Drop states on `path` (root-first nodes) with `drop_state(node, index)` until `want_bytes` are freed, those
-    saving the least prefill over the state kept before them first, never a state in `keep` ((id(state), position)
-    pairs). Returns the (node, position) pairs dropped."""
-    dropped, freed = [], 0
-    while freed < want_bytes:
-        below, cheapest = 0, None
-        for node in path:
-            for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
-                if (id(state), position) not in keep:
-                    saved = spec.prefill_flops(position - below, below) / max(state.nbytes, 1)
-                    if cheapest is None or saved < cheapest[0]:
-                        cheapest = (saved, node, position)
-                below = position
-        if cheapest is None:
-            break
-        _, node, position = cheapest
-        freed += drop_state(node, node.ckpt_pos.index(position))
-        dropped.append((node, position))
-    return dropped
