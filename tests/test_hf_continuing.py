@@ -131,3 +131,27 @@ def test_a_later_turn_after_the_weights_changed_loads_nothing_of_the_old_weights
     store = PrefixStore(model, capacity="64MB")
     with pytest.warns(RuntimeWarning, match="weights changed"):
         assert torch.equal(two_turns(HybridPrefixCache(store), store), want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_a_prefill_chunk_starting_at_a_pad_token_runs_as_given(family):
+    """A pad token id mid-prompt (generate masks it and counts positions over unmasked tokens) at a chunk's first
+    column: that column's position says nothing, and the chunk was refused as a new prompt mid-generate."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi")
+    ids = tokens(1, 30, seed=4)
+    ids[0, 15] = 0  # pad_token_id, at the first column of the fourth chunk of 5
+    want = generate(model, ids, prefill_chunk_size=5)
+    assert torch.equal(generate(model, ids, HybridPrefixCache(store), prefill_chunk_size=5), want)
+
+
+def test_a_new_prompt_whose_first_column_is_masked_is_still_refused():
+    model = build("qwen3_5")
+    cache = HybridPrefixCache(PrefixStore(model, capacity="64MB", policy="marconi"))
+    generate(model, tokens(1, 10, seed=5), cache)
+    seen = cache.get_seq_length()
+    mask = torch.ones(1, seen + 4, dtype=torch.long)
+    mask[0, seen] = 0
+    with pytest.raises(InvalidInputError, match="does not continue"), torch.no_grad():
+        model(input_ids=tokens(1, 4, seed=6), attention_mask=mask, position_ids=torch.tensor([[1, 0, 1, 2]]),
+              past_key_values=cache)

@@ -59,7 +59,7 @@ class RequestReport:
     admission: str = "pending (admitted on the store's next use)"
     admitted_tokens: int = 0  # new tokens (KV) stored
     admitted_states: int = 0  # new recurrent-state checkpoints stored
-    refused_rows: int = 0  # rows the budget could not hold at all (they ran uncached; store.stats()['rejected'])
+    refused_rows: int = 0  # rows the budget could not hold at all (not stored; store.stats()['rejected'])
     # decoded tokens held but not admitted: a decode step computed what a prefill would not (model_info.py)
     decoded_left_out: int = 0
 

@@ -43,7 +43,7 @@ from prefixlab.cache.multimodal import (
     text_only,
     with_model_positions,
 )
-from prefixlab.cache.rows import continues_at, continues_plainly
+from prefixlab.cache.rows import continues_at, continues_past_masked, continues_plainly
 from prefixlab.errors import InvalidInputError
 
 
@@ -239,7 +239,9 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
             fed = kwargs.get(TOKEN_KEYS, input_ids)
         if held.shape == (fed.shape[0], seen) and torch.equal(fed[:, :seen].cpu(), held):
             kwargs = _slice_inputs(kwargs, seen, length, length, media=media)
-    if not continues_at(kwargs.get("position_ids"), seen, cache.row_pads, mrope):
+    positions = kwargs.get("position_ids")
+    if not continues_at(positions, seen, cache.row_pads, mrope) and (
+            mrope or not continues_past_masked(positions, kwargs.get("attention_mask"), seen, cache.row_pads)):
         raise InvalidInputError(
             f"this HybridPrefixCache holds {seen} tokens of a request and this forward does not "
             "continue them (its positions start elsewhere: a new prompt would run on the old one's states); use a "

@@ -124,6 +124,24 @@ def continues_at(position_ids: torch.Tensor | None, seen: int, pads: list[int] |
                if want >= 0)  # a row still in its left pads there has a pad's position (whatever the model fills in)
 
 
+def continues_past_masked(position_ids: torch.Tensor | None, mask: torch.Tensor | None, seen: int,
+                          pads: list[int] | None) -> bool:
+    """Whether a forward over a cache holding `seen` columns, whose first columns its 2-D `mask` masks (a pad token
+    fed mid-prompt, a prefill chunk starting there), goes on at each row's real position `seen - pad` from its
+    first unmasked column: generate counts positions over unmasked tokens only."""
+    if position_ids is None or pads is None or mask is None or mask.dim() != 2 or position_ids.dim() != 2:
+        return False
+    length = position_ids.shape[-1]
+    if mask.shape != (len(pads), seen + length) or position_ids.shape[0] not in (1, len(pads)):
+        return False
+    new = mask[:, seen:].bool().cpu()
+    for row, pad in enumerate(pads):
+        unmasked = new[row].nonzero()
+        if len(unmasked) and int(position_ids[min(row, position_ids.shape[0] - 1), int(unmasked[0])]) != seen - pad:
+            return False
+    return True
+
+
 def continues_plainly(kwargs: dict, seen: int, pads: list[int] | None, mrope: bool, row_ends: list[int] | None) -> bool:
     """Whether a multi-token forward over a cache holding `seen` columns continues it plainly: every column at its
     real position (continues_at) and, unless rows are right-padded (`row_ends`), a 2-D mask over the held and new

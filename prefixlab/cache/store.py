@@ -340,8 +340,8 @@ class PrefixStore:
     def admit(self, tokens: Sequence[int], kv: Callable[[int, int], TensorKV], states: dict[int, TensorState],
               namespace: str = "default"):
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
-        Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request simply ran
-        uncached) when the budget cannot hold it."""
+        Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request ran, its
+        entry is not stored) when the budget cannot hold it."""
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
         for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
@@ -354,7 +354,8 @@ class PrefixStore:
         if not admitted:
             warnings.warn(
                 f"PrefixStore: a {len(tokens)}-token entry does not fit in capacity={self.capacity_bytes} bytes "
-                "(or everything else is in use); that request ran uncached. Raise the capacity to reuse it",
+                "(or everything else is in use); it was not stored (the request itself ran, reusing what it "
+                "could). Raise the capacity to reuse it",
                 RuntimeWarning,
                 stacklevel=2,
             )
