@@ -21,7 +21,7 @@ from prefixlab.cache.match import Admission, Match
 from prefixlab.cache.payload import KVPayload, Payload, entry_bytes, fitting_prefix
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.replay import replay_tokens
-from prefixlab.cache.strict import cheapest_cut_bytes, extends_sequence, fit_strictly, path_kv_bytes
+from prefixlab.cache.strict import extends_sequence, fit_strictly, never_fits
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk
 from prefixlab.errors import InvalidInputError, is_finite_number, is_int
@@ -113,6 +113,7 @@ class PrefixCacheCore:
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
         node, length, state = self._resumable(walk)
+        node.resumed += node.branched and length == node.end  # (a branch point in use: strict.py keeps its state)
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk, length)
         self.tree.lock(node, +1)
@@ -194,10 +195,8 @@ class PrefixCacheCore:
         self.admission.before_admit(walk)
         self.clock += 1
         top, inside_edge = walk.path[-1], walk.ends_inside_edge  # the path's deepest node is kept while evicting
-        sequence, thinned = extends_sequence(top, inside_edge), []
-        ends = self._cut_points(new_states, shared, keep_end)
-        if (not self.overflow and ends and path_kv_bytes(top, shared)
-                + cheapest_cut_bytes(new_kv, new_states, shared, ends[0]) > self.capacity_bytes):
+        sequence, thinned, truncated = extends_sequence(top, inside_edge), [], False
+        if not self.overflow and never_fits(self, top, new_kv, new_states, shared, keep_end):
             self.rejected += 1  # not even an empty store could hold it: evict nothing for it
             return Admission(0, 0, refused=True)
         fits = self._make_room(entry_bytes(new_kv, new_states), top)
@@ -210,8 +209,10 @@ class PrefixCacheCore:
             fits, new_states, thinned = fit_strictly(self, top, new_kv, new_states, shared, keep_end, sequence)
         if not fits and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
-            room, ends = self.capacity_bytes - self.used_bytes, self._cut_points(new_states, shared, keep_end)
-            new_kv, new_states, keep_end = fitting_prefix(room, ends, new_kv, new_states, shared, keep_end)
+            room, whole = self.capacity_bytes - self.used_bytes, keep_end
+            new_kv, new_states, keep_end = fitting_prefix(room, self._cut_points(new_states, shared, keep_end), new_kv,
+                                                          new_states, shared, keep_end)
+            truncated = keep_end < whole
             if new_kv is None and not new_states:
                 self.rejected += 1
                 self._compact_all([top, *thinned])  # evicting its children may have left it a useless leaf
@@ -223,6 +224,7 @@ class PrefixCacheCore:
             on_leaf = [(p, s) for p, s in new_states if p > shared]
             new_states = new_states[: len(new_states) - len(on_leaf)]
             deepest = self.tree.add_leaf(parent, tokens[shared:keep_end].copy(), new_kv, self.clock, on_leaf)
+            deepest.truncated = truncated
         node, on_node = deepest, []
         for position, state in reversed(new_states):
             while position <= node.start:

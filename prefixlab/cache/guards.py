@@ -52,6 +52,11 @@ _IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> the
 _IN_USE_LOCK = threading.Lock()
 
 
+def in_generate(cache) -> bool:
+    """Whether a generate() call over `cache` is running (in any thread)."""
+    return cache in _IN_USE
+
+
 def _checked_call(generate, cache, cut: bool, args: tuple, kwargs: dict):
     if cache.started and not cache.in_flight:
         input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))

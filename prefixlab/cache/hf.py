@@ -47,6 +47,7 @@ from transformers.cache_utils import DynamicCache
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.explain import RequestReport, RowReport
+from prefixlab.cache.guards import in_generate
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hf_resume import RowResume
@@ -132,6 +133,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
         self._decode_start, self._decode_differs = None, {}
+        self._prompt_end: int | None = None  # columns held at the request's first one-token forward
         self._mask_plain: torch.Tensor | None = None  # per row: one-token forwards' masks were its pads' (hf_guard)
         self._pads_on: tuple | None = None  # the pads on the mask's device: ((device, pads), known, counts)
 
@@ -277,6 +279,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         """A forward is about to run over `input_ids` [batch, t] (as the store sees them: images keyed by content,
         multimodal.py); offsets to record are set for patched layers."""
         self._require_started()
+        if input_ids.shape[1] == 1 and self._prompt_end is None:
+            self._prompt_end = self._seen
         if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
             # the first decode step: if any computes what a prefill would not (patched layers tell, through
             # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
@@ -343,6 +347,12 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         flags[device] = flags[device] | differs if device in flags else differs
 
     # -- moving tensors in and out ----------------------------------------------------------------------------------
+    def only_decoded_since_commit(self) -> bool:
+        """Whether all this cache holds past its last commit is decode steps of a generate() call still running:
+        another request's lookup leaves it (a state per lookup per decoding request would pile up); it is admitted
+        on the store's first use after the call."""
+        return self._prompt_end is not None and self._committed >= self._prompt_end and in_generate(self)
+
     @under_store_lock
     def commit(self) -> int:
         """Admit the sequences this cache holds (prompt + output fed so far) with the captured and final states.

@@ -255,7 +255,7 @@ class PrefixStore:
     @serialized
     def match(self, tokens: Sequence[int], namespace: str = "default"):
         """Longest reusable prefix of `tokens` on the device (locked until `release`); admits open caches first."""
-        self.flush()
+        self.flush(lookup=True)
         return self.core.match(tokens, namespace=namespace)
 
     @serialized
@@ -362,10 +362,14 @@ class PrefixStore:
         return admitted
 
     @serialized
-    def flush(self) -> None:
-        """Admit everything open caches hold now (their requests may go on; later tokens are admitted later)."""
+    def flush(self, lookup: bool = False) -> None:
+        """Admit everything open caches hold now (their requests may go on; later tokens are admitted later); for a
+        `lookup`, not the decode steps of generate() calls still running."""
         open_caches, self._open = list(self._open.values()), {}
         for cache in open_caches:
+            if lookup and getattr(cache, "only_decoded_since_commit", bool)():
+                self._open[id(cache)] = cache
+                continue
             try:
                 cache.commit()
             except InvalidInputError as error:  # that request's tensors do not fit the store: the others still go in

@@ -2,14 +2,17 @@
 fit once everything unlocked is evicted, before it is cut to its longest prefix that fits or refused.
 
 An entry's path stays locked while it is admitted (its KV is the entry's prefix), so a budget that path fills
-leaves nothing to evict. What may still go depends on what the entry is:
-- the next stage of one sequence (it extends a leaf no request branched off: a conversation's next turn, an agent's
-  next step): the states of that sequence's earlier stages, least prefill saved first, then its own states inside
-  it (its end is what the next stage resumes from), and last the state it extends, which its end supersedes;
-- an entry that branches off a path (a question after a document many questions share): nothing on the path; the
-  entry is cut to its longest prefix, which keeps the branch point's state.
-States a live match resumes from, and those at branch points (the upper edge of a split), never go. An entry whose
-cheapest cut cannot fit beside its path's KV even in an empty store is refused before anything is evicted for it.
+leaves nothing to evict. What may still go, in this order:
+- the path's states, least prefill saved first, other than the deepest one the entry extends and those at branch
+  points in use (the end of the upper edge of a split, where requests diverged, once two requests resumed from it:
+  after a document many questions share; a conversation whose history is re-rendered branches at each turn, where
+  its next turn alone resumes);
+- for a sequence's next stage (an entry extending a leaf that ends where an earlier request's sequence did, not cut
+  short, and that no request branched off: a conversation's next turn, an agent's next step), its own states
+  inside it (its end is what the next stage resumes from), and last of all the state it extends, which its end
+  supersedes.
+States a live match resumes from never go. An entry whose cheapest cut cannot fit beside its path's KV even in an
+empty store is refused before anything is evicted for it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,17 @@ def path_kv_bytes(top: Node, shared: int) -> int:
     return inside + sum(node.kv_bytes for node in top.ancestors()[1:])
 
 
+def never_fits(core, top: Node, new_kv: KVPayload | None, new_states: list[tuple[int, Payload]], shared: int,
+               keep_end: int) -> bool:
+    """Whether an entry below `top` that does not fit `core` now could not fit even an empty one: its cheapest cut
+    and its path's KV are over the budget (looked at only when it does not fit: the path is walked)."""
+    if core.used_bytes + entry_bytes(new_kv, new_states) <= core.capacity_bytes:
+        return False
+    ends = core._cut_points(new_states, shared, keep_end)
+    return bool(ends) and path_kv_bytes(top, shared) + cheapest_cut_bytes(
+        new_kv, new_states, shared, ends[0]) > core.capacity_bytes
+
+
 def thin_states(states: list[tuple[object, int, Payload]], keep: set[tuple[int, int]], want_bytes: int,
                 spec: ModelSpec, drop: Callable[[object, int, Payload], int]) -> int:
     """Drop `states` (root-first (key, position, state) triples) with `drop` until `want_bytes` are freed, those
@@ -58,9 +72,10 @@ def thin_states(states: list[tuple[object, int, Payload]], keep: set[tuple[int, 
 
 
 def extends_sequence(top: Node, inside_edge: bool) -> bool:
-    """Whether an entry whose walk ended at `top` is a sequence's next stage (extends a leaf no request branched
-    off) rather than a branch off a shared path."""
-    return not inside_edge and not top.children and not top.is_root and not top.branched
+    """Whether an entry whose walk ended at `top` is a sequence's next stage (extends a leaf that ends where an
+    earlier request's sequence did, not cut short, and that no request branched off) rather than a branch off a
+    shared path."""
+    return not inside_edge and not top.children and not top.is_root and not top.branched and not top.truncated
 
 
 def fit_strictly(core, top: Node, new_kv: KVPayload | None, new_states: list[tuple[int, Payload]], shared: int,
@@ -70,7 +85,7 @@ def fit_strictly(core, top: Node, new_kv: KVPayload | None, new_states: list[tup
     returned, fits now; those states; the path nodes that lost states)."""
     on_path = [(n, p, s) for n in top.ancestors()[-2::-1] for p, s in zip(n.ckpt_pos, n.ckpt_state, strict=True)]
     protected = {(id(m.state), m.length) for m in core._live.values() if m.state is not None}
-    protected |= {(id(s), p) for n, p, s in on_path if n.branched}
+    protected |= {(id(s), p) for n, p, s in on_path if n.resumed > 1 and p == n.end}  # a branch point in use
     extended = [(n, p, s) for n, p, s in on_path if p <= shared][-1:]  # the state the entry extends
     keep = protected | {(id(s), p) for _, p, s in extended}
     last_resort = [t for t in extended if sequence and (id(t[2]), t[1]) not in protected]
@@ -92,7 +107,7 @@ def fit_strictly(core, top: Node, new_kv: KVPayload | None, new_states: list[tup
         return core.used_bytes + entry_bytes(new_kv, states) - core.capacity_bytes
 
     thin_states(on_path, keep, excess(new_states), core.spec, drop)
-    if excess(new_states) <= 0 or not sequence:
+    if excess(new_states) <= 0 or not sequence or not new_states:  # (a KV-only model's entry: no states)
         return excess(new_states) <= 0, new_states, thinned
     left_out: set[int] = set()
 
