@@ -281,13 +281,16 @@ class ThinningFlopAware(FlopAware):
         weight = self.admission.law.leaf_weight() if self.admission is not None else 1.0
         if weight != self.leaf_weight:
             scale, self.leaf_weight, self.leaf_recency = weight / self.leaf_weight, weight, SortedIndex()
+            efficiencies, recencies = {}, {}  # (re-indexed in one sort each: a put per node is quadratic)
             for node_id, node in self.nodes.items():
                 if self._weighted(node):  # indexed with the old weight
                     efficiency = self.efficiency[node_id] = self.efficiency[node_id] * scale
-                    self.by_efficiency.put(node_id, (efficiency,))
+                    efficiencies[node_id] = (efficiency,)
                     self._shapes[node_id] = (self._shapes[node_id][0], efficiency)
                     if weight != 1.0:
-                        self.leaf_recency.put(node_id, (node.last_access, -node.end))
+                        recencies[node_id] = (node.last_access, -node.end)
+            self.by_efficiency.put_many(efficiencies)
+            self.leaf_recency.put_many(recencies)
         if weight == 1.0 or len(self.nodes) <= 1:
             return super()._pick(now)
         best = pick_weighted(now, self.nodes, self.by_recency, self.leaf_recency, weight, self.by_efficiency,

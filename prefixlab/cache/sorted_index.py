@@ -22,6 +22,14 @@ class SortedIndex:
         bisect.insort(self._entries, (*key, node_id))
         self._key_of[node_id] = key
 
+    def put_many(self, items: dict[int, tuple]) -> None:
+        """`put` of many ids at once: one sort instead of an insertion (a list move) each."""
+        entries = [entry for entry in self._entries if entry[-1] not in items]
+        entries.extend((*key, node_id) for node_id, key in items.items())
+        entries.sort()
+        self._entries = entries
+        self._key_of.update(items)
+
     def discard(self, node_id: int) -> None:
         key = self._key_of.pop(node_id, None)
         if key is not None:
