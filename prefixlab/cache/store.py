@@ -365,11 +365,9 @@ class PrefixStore:
     def flush(self, lookup: bool = False) -> None:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later); for a
         `lookup`, not the decode steps of generate() calls still running."""
-        open_caches, self._open = list(self._open.values()), {}
+        decoding = {i: c for i, c in self._open.items() if lookup and getattr(c, "only_decoded_since_commit", bool)()}
+        open_caches, self._open = [c for i, c in self._open.items() if i not in decoding], decoding
         for cache in open_caches:
-            if lookup and getattr(cache, "only_decoded_since_commit", bool)():
-                self._open[id(cache)] = cache
-                continue
             try:
                 cache.commit()
             except InvalidInputError as error:  # that request's tensors do not fit the store: the others still go in
