@@ -187,3 +187,34 @@ def test_lookups_during_a_generate_store_nothing_of_its_decode_steps():
         store.close()
     # (+1: the state where the request stood at the first lookup, which admits its prompt)
     assert torch.equal(outputs[0], outputs[1]) and states[1] <= states[0] + 1
+
+
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_a_lookup_during_a_later_generate_finds_that_calls_prompt(chunk):
+    """The decode steps a lookup leaves are those of the generate() call running: a conversation's next call on the
+    same cache (or a prompt fed one token at a time) still has its prompt admitted at the first lookup."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    model = build("llama" if chunk else "qwen3_5")  # (one-token prefill chunks: an attention-only model)
+    store, reused = PrefixStore(model, capacity="64MB", policy="marconi"), []
+
+    class Lookup(LogitsProcessor):  # another request extending this call's prompt arrives while it decodes
+        def __init__(self, prompt):
+            self.prompt, self.steps = prompt, 0
+
+        def __call__(self, input_ids, scores):
+            self.steps += 1
+            if self.steps == 3:
+                match = store.match([*self.prompt[0].tolist(), 5, 6, 7])
+                reused.append(match.length)
+                store.release(match)
+            return scores
+
+    cache, prompt = HybridPrefixCache(store), tokens(24, 8)
+    options = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
+    for turn in range(2):
+        out = model.generate(prompt, past_key_values=cache, logits_processor=LogitsProcessorList([Lookup(prompt)]),
+                             **options)
+        assert torch.equal(out, model.generate(prompt, **options))
+        prompt = torch.cat([out, tokens(20, 9 + turn)], dim=1)
+    assert reused[0] >= 23 and reused[1] >= 24 + 6 + 20 - 1, reused

@@ -52,17 +52,17 @@ _IN_USE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> the
 _IN_USE_LOCK = threading.Lock()
 
 
-def in_generate(cache) -> bool:
-    """Whether a generate() call over `cache` is running (in any thread)."""
-    return cache in _IN_USE
-
-
 def _checked_call(generate, cache, cut: bool, args: tuple, kwargs: dict):
     if cache.started and not cache.in_flight:
         input_ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
         check_continues(cache, input_ids, kwargs.get("attention_mask"), cut)
         cache.commit()  # the request so far is stored now: a refusal or failure of this call loses none of it
     held_before = cache.get_seq_length() if cache.started else None
+    # the columns of this call's input: lookups of other requests meanwhile leave only its decode steps (store.flush)
+    prompt = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    outer = getattr(cache, "generate_prompt", None)
+    if hasattr(cache, "generate_prompt"):
+        cache.generate_prompt = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else None
     try:
         return generate(*args, **kwargs)
     except BaseException:
@@ -72,6 +72,9 @@ def _checked_call(generate, cache, cut: bool, args: tuple, kwargs: dict):
         if cache.started and not cache.in_flight and cache.get_seq_length() != held_before:
             cache.forward_failed()
         raise
+    finally:
+        if hasattr(cache, "generate_prompt"):
+            cache.generate_prompt = outer
 
 
 def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,

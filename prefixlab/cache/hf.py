@@ -47,7 +47,6 @@ from transformers.cache_utils import DynamicCache
 from prefixlab.cache.defaults import cache_store_options, check_bound_store
 from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.explain import RequestReport, RowReport
-from prefixlab.cache.guards import in_generate
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
 from prefixlab.cache.hf_resume import RowResume
@@ -87,6 +86,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self.store = store
         self.namespace = namespace
         self.reused_tokens = 0  # tokens of the prompt that came from the store (the most of any row)
+        self.generate_prompt: int | None = None  # columns of the input of the generate() call running, if one is
         self.rows_reused: list[int] = []  # per row: its real tokens that came from the store
         self.prefixlab_capture_positions: list[int] | list[list[int]] | None = None
         # per row, the columns of its tokens, right padding after them: a batch of primes (align.py); None: left pads
@@ -133,7 +133,6 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         # on a model whose decode steps may differ from prefills (see record): where the first one started, and per
         # device (layers may sit on several) whether one differed
         self._decode_start, self._decode_differs = None, {}
-        self._prompt_end: int | None = None  # columns held at the request's first one-token forward
         self._mask_plain: torch.Tensor | None = None  # per row: one-token forwards' masks were its pads' (hf_guard)
         self._pads_on: tuple | None = None  # the pads on the mask's device: ((device, pads), known, counts)
 
@@ -279,8 +278,6 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         """A forward is about to run over `input_ids` [batch, t] (as the store sees them: images keyed by content,
         multimodal.py); offsets to record are set for patched layers."""
         self._require_started()
-        if input_ids.shape[1] == 1 and self._prompt_end is None:
-            self._prompt_end = self._seen
         if input_ids.shape[1] == 1 and self._seen and self._decode_start is None and self.store.decode_differs:
             # the first decode step: if any computes what a prefill would not (patched layers tell, through
             # prefixlab_decode_differs; transformers' cannot), the store gets the sequence up to here
@@ -351,7 +348,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         """Whether all this cache holds past its last commit is decode steps of a generate() call still running:
         another request's lookup leaves it (a state per lookup per decoding request would pile up); it is admitted
         on the store's first use after the call."""
-        return self._prompt_end is not None and self._committed >= self._prompt_end and in_generate(self)
+        return self.generate_prompt is not None and self._committed >= self.generate_prompt
 
     @under_store_lock
     def commit(self) -> int:
