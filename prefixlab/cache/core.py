@@ -195,7 +195,7 @@ class PrefixCacheCore:
         self.admission.before_admit(walk)
         self.clock += 1
         top, inside_edge = walk.path[-1], walk.ends_inside_edge  # the path's deepest node is kept while evicting
-        sequence, thinned, truncated = extends_sequence(top, inside_edge), [], False
+        thinned, truncated = [], False
         if not self.overflow and never_fits(self, top, new_kv, new_states, shared, keep_end):
             self.rejected += 1  # not even an empty store could hold it: evict nothing for it
             return Admission(0, 0, refused=True)
@@ -206,7 +206,8 @@ class PrefixCacheCore:
             top, inside_edge = self.tree.split(top, shared, self.clock), False
             fits = self._make_room(entry_bytes(new_kv, new_states), top)
         if not fits and not self.overflow and not restore:  # (strict.py)
-            fits, new_states, thinned = fit_strictly(self, top, new_kv, new_states, shared, keep_end, sequence)
+            fits, new_states, thinned = fit_strictly(self, top, new_kv, new_states, shared, keep_end,
+                                                     extends_sequence(top, inside_edge))
         if not fits and not self.overflow:
             # Like a serving engine under pressure, keep the longest prefix of the entry that fits.
             room, whole = self.capacity_bytes - self.used_bytes, keep_end
@@ -240,8 +241,11 @@ class PrefixCacheCore:
         locked = {id(m.state) for m in self._live.values() if m is not match and m.state is not None}
         held = keep_end if new_kv is not None else shared
         self.admission.after_admit(self.tree, deepest, held, locked, restore)
-        self._compact_all([top, *thinned])  # locked while evicting: its children or states may have gone, its use too
-        self._thinned_locked += [node for node in thinned if node.lock_count]  # compacted once released
+        if thinned:  # path nodes that lost states while locked: compacted now, or once released
+            self._compact_all([top, *thinned])
+            self._thinned_locked += [node for node in thinned if node.lock_count]
+        else:
+            self._compact(top)  # locked while evicting: its children may have gone, and its use with them
         return admitted
 
     def release(self, match: Match) -> None:
