@@ -199,7 +199,7 @@ def test_store_rejects_what_is_not_a_model():
 
 
 @pytest.mark.parametrize("offload,change", [(None, "step"), ("64MB", "step"), (None, "data"), (None, "buffer"),
-                                            (None, "inference")])
+                                            (None, "inference"), (None, "assign"), (None, "layer"), (None, "dict")])
 def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offload, change):
     """An optimizer step between requests (RL rollouts, online fine-tuning), or new tensors assigned to `.data` (weight
     syncing code does): before, the next request resumed KV and states of the old weights. Now the store notices
@@ -228,6 +228,14 @@ def test_entries_computed_with_other_weights_are_dropped_before_any_reuse(offloa
     elif change == "inference":
         with torch.inference_mode():
             model.load_state_dict(recurrent_patch_models.build("qwen3_5_text", seed=4).state_dict())
+    elif change in ("assign", "layer", "dict"):  # new tensor or module objects (the store keeps its walk of the model)
+        other = recurrent_patch_models.build("qwen3_5_text", seed=4)
+        if change == "assign":
+            model.load_state_dict(other.state_dict(), assign=True)
+        elif change == "layer":
+            model.model.layers[0].mlp = other.model.layers[0].mlp
+        else:
+            model.lm_head._parameters["weight"] = other.lm_head.weight
     else:
         noise = torch.Generator().manual_seed(1)
         for param in model.parameters():

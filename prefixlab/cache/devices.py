@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from prefixlab.cache.walk import model_walk
 from prefixlab.errors import is_int
 
 
@@ -24,12 +25,38 @@ def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     attention and linear-attention modules), the first such module of an index deciding: a hook on the module or
     one of its submodules (each hooked where it has parameters: `cpu_offload`), else its nearest hooked ancestor's
     (one hook places a whole block: `device_map`), else its parameters' device."""
-    named = list(model.named_modules())
+    walk = model_walk(model)
+    if walk.hooked:
+        return _hooked_layer_devices([("", model), *walk.submodules])
+    devices: dict[int, torch.device] = {}
+    # each index's modules' parameters, kept with the walk: only where they are now is read at each call
+    for index, params in walk.derived("layer_params", lambda: _params_per_index([model, *walk.modules()])):
+        device = next((param.device for param in params if param.device.type != "meta"), None)
+        if device is not None:
+            devices[index] = device
+    return devices
+
+
+def _layer_index(module: torch.nn.Module) -> int | None:
+    index = module.__dict__.get("layer_idx")  # (not getattr: nn.Module's __getattr__ is slow)
+    return index if is_int(index) else None
+
+
+def _params_per_index(modules: list[torch.nn.Module]) -> list[tuple[int, list[torch.nn.Parameter]]]:
+    """[(layer_idx, the parameters of its modules in order)]: the first one not on meta gives the layer's device."""
+    found: dict[int, list[torch.nn.Parameter]] = {}
+    for module in modules:
+        if (index := _layer_index(module)) is not None:
+            found.setdefault(index, []).extend(module.parameters())
+    return list(found.items())
+
+
+def _hooked_layer_devices(named: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.device]:
     hooked = {name: device for name, module in named if (device := _hook_device(module)) is not None}
     devices: dict[int, torch.device] = {}
     for name, module in named:
-        index = module.__dict__.get("layer_idx")  # (not getattr: nn.Module's __getattr__ costs each hit's walk)
-        if not is_int(index) or index in devices:
+        index = _layer_index(module)
+        if index is None or index in devices:
             continue
         device = _hooked_at(name, hooked) if hooked else None
         if device is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import operator
 import re
 from dataclasses import dataclass
 
@@ -20,11 +21,13 @@ from transformers.cache_utils import (
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
 from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
+from prefixlab.cache.walk import model_walk
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_VERSION = operator.attrgetter("_version")
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -147,13 +150,18 @@ def weights_version(model: torch.nn.Module) -> tuple:
     their place in the offload files. Not seen: writes through
     `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched without writing weights
     (PEFT's disable_adapter): call store.clear() after those."""
-    params, buffers, offloaded = _tensors(model)
-    versioned, sampled = [], list(buffers)
-    for param in params:
-        try:
-            versioned.append((id(param), param._version, param.data_ptr()))
-        except RuntimeError:  # an inference tensor
-            sampled.append(param)
+    walk = model_walk(model)
+    params, buffers, offloaded = _tensors(model) if walk.hooked else walk.derived("tensors", lambda: _tensors(model))
+    try:  # (maps: a model's hundreds of parameters are read at each request)
+        versioned, sampled = (tuple(map(id, params)), tuple(map(_VERSION, params)),
+                              tuple(map(torch.Tensor.data_ptr, params))), list(buffers)
+    except RuntimeError:  # an inference tensor, which has no version counter: count it by its values
+        versioned, sampled = [], list(buffers)
+        for param in params:
+            try:
+                versioned.append((id(param), param._version, param.data_ptr()))
+            except RuntimeError:
+                sampled.append(param)
     on_disk = tuple(value for value in offloaded if isinstance(value, tuple))
     # offloaded tensors' identities are not kept (a loader may build a new tensor at every access)
     offloaded = [value for value in offloaded if not isinstance(value, tuple)]
