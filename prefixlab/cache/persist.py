@@ -5,7 +5,7 @@ What a file holds
             "<tier>.n<node id>.s<position>.conv|recurrent.<layer>.<i>" (its checkpoints), tier "device" or "host"
             (the offload tier). A prefix shared by many entries is written once.
   metadata  "prefixlab": the JSON header: format, model identity (config + dtype, cache/model_info.py), the weights
-            fingerprint, the store's options, each tier's nodes (id, parent, namespace, tokens, checkpoints), and
+            fingerprint, the store's options, each tier's nodes (id, parent, namespace, tokens, checkpoints, marks), and
             each tensor's dtype, shape and BLAKE2b digest of its bytes as written;
             "prefixlab.blake2b": the digest of the header text.
 
@@ -15,12 +15,11 @@ file for another model or other weights ModelMismatchError; never a raw safetens
 left without hooks or patches. Digests catch corruption; they are not signatures (a crafted file can hold any KV).
 
 Weights fingerprint: one BLAKE2b digest per parameter and buffer (name, dtype, shape and bytes), so a fine-tune with
-the same config is told apart and the message names the tensors that differ. Cost: every weight is copied to the
-host and hashed once, on up to 8 threads (BLAKE2b does roughly 0.4-1 GB/s per core; 0.38 GB/s measured on one
-loaded AMD EPYC core), i.e. seconds to tens of seconds for a 14 GB model. So a store computes it at its first save
-and keeps it (weights must not change under a live store: its entries would be wrong anyway); every `load` computes
-it for the model it is given. Weights on the meta device (accelerate disk offload) count by name, dtype and shape
-only. Per-tensor checksums cost the same per byte of cached entries, at save and at load.
+the same config is told apart and the message names the tensors that differ. Cost: every weight copied to the host
+and hashed once, on up to 8 threads (0.38 GB/s measured on one loaded AMD EPYC core): seconds to tens of seconds for
+a 14 GB model, so a store computes it at its first save and keeps it; every `load` computes it for its model.
+Weights on the meta device (accelerate disk offload) count by name, dtype and shape only. Per-tensor checksums cost
+the same per byte of cached entries, at save and at load.
 
 Atomic writes. `save` writes a temporary file in the target's directory, fsyncs it and renames it over the target
 (os.replace), so a failure or crash mid-write leaves the previous file intact; a failure leaves no temporary file
@@ -58,7 +57,7 @@ from prefixlab.cache.tensors import (
     state_from_flat,
     state_to_flat,
 )
-from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError
+from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError, is_int
 
 if TYPE_CHECKING:
     from prefixlab.cache.core import PrefixCacheCore
@@ -154,7 +153,8 @@ def _tier_to_flat(core: PrefixCacheCore, tier: str, tensors: dict[str, torch.Ten
         tensors.update({key: t.contiguous().cpu() for key, t in flat.items()})
         nodes.append({"id": node.id, "parent": None if node.parent.is_root else node.parent.id,
                       "namespace": node.namespace, "tokens": node.tokens.tolist(),
-                      "checkpoints": list(node.ckpt_pos), "leaf": not node.children})
+                      "checkpoints": list(node.ckpt_pos), "leaf": not node.children,
+                      "branched": node.branched, "truncated": node.truncated, "resumed": node.resumed})
     return nodes
 
 
@@ -330,7 +330,7 @@ def _entries(path: Path, nodes: list[dict], tensors: dict[str, torch.Tensor], ti
                 tokens += node["tokens"]
                 pieces.append(kv_from_flat(flat, name, len(node["tokens"])))
                 states.update({p: state_from_flat(flat, f"{name}.s{p}") for p in node["checkpoints"]})
-            entries.append((tokens, path_kv(pieces), states, chain[-1]["namespace"]))
+            entries.append((tokens, path_kv(pieces), states, chain[-1]["namespace"], _marks(chain)))
     except (ValueError, KeyError, TypeError, AttributeError) as err:  # InvalidInputError included: shapes disagree
         raise CorruptStoreError(f"the {tier} tier of {path} is inconsistent ({err}); save the store again") from None
     return entries
@@ -343,16 +343,42 @@ def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
     for tier, tier_entries in entries.items():
         core = store.offload if tier == "host" and store.offload is not None else store.core
         device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
-        for tokens, kv, states, namespace in tier_entries:
+        for tokens, kv, states, namespace, _ in tier_entries:
             for position, state in states.items():  # what PrefixStore.admit checks, and one shape per tensor kind
                 check_state(state, store.layout, f"the state at {position}")
                 _same_shapes(shapes, "conv", state.conv)
                 _same_shapes(shapes, "recurrent", state.recurrent)
             core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
                        states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
+        _restore_marks(core, tier_entries)
     tiers = [core for core in (store.core, store.offload) if core is not None]
     return sum(not any(core.peek(tokens, namespace)[1] == len(tokens) for core in tiers)
-               for tier_entries in entries.values() for tokens, _, _, namespace in tier_entries)
+               for tier_entries in entries.values() for tokens, _, _, namespace, _ in tier_entries)
+
+
+def _marks(chain: list[dict]) -> dict[int, tuple[bool, bool, int]]:
+    """{end position: (branched, truncated, resumed)} of the saved nodes on a leaf's path (files before these marks:
+    none), which strict budgets read (cache/strict.py): a branch point requests resumed from, a leaf cut short."""
+    marks, end = {}, 0
+    for node in reversed(chain):
+        end += len(node["tokens"])
+        saved = (bool(node.get("branched", False)), bool(node.get("truncated", False)), node.get("resumed", 0))
+        if saved != (False, False, 0):
+            if not is_int(saved[2]) or saved[2] < 0:
+                raise ValueError(f"node {node['id']} has resumed={saved[2]!r}")
+            marks[end] = saved
+    return marks
+
+
+def _restore_marks(core: PrefixCacheCore, tier_entries: list[tuple]) -> None:
+    """Put the saved marks back on the nodes that end where the saved ones ended (an entry refused or cut while
+    loading keeps none beyond what it holds)."""
+    for tokens, _, _, namespace, marks in tier_entries:
+        if marks:
+            walk = core.tree.walk(np.asarray(tokens, dtype=np.int64), namespace)
+            for node in walk.path[1:]:
+                if node.end in marks and node.end <= walk.shared_length:
+                    node.branched, node.truncated, node.resumed = marks[node.end]
 
 
 def _moved(kv, device: torch.device | str, pin: bool, store: PrefixStore, shapes: dict):
