@@ -15,7 +15,7 @@ import numpy as np
 
 from prefixlab.cache.alpha import AlphaBootstrap, check_tuning_lag
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.explain import EvictionLog, path_tokens
+from prefixlab.cache.explain import EvictionLog
 from prefixlab.cache.invariants import check_core_invariants
 from prefixlab.cache.match import Admission, Match
 from prefixlab.cache.payload import KVPayload, Payload, entry_bytes, fitting_prefix
@@ -23,7 +23,7 @@ from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_n
 from prefixlab.cache.replay import replay_tokens
 from prefixlab.cache.strict import extends_sequence, fit_strictly, never_fits
 from prefixlab.cache.tokens import as_tokens, check_namespace
-from prefixlab.cache.tree import Node, RadixTree, Walk
+from prefixlab.cache.tree import Node, RadixTree, Walk, path_tokens
 from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 

@@ -151,16 +151,10 @@ def why(core, tokens: np.ndarray, match) -> str:
     if match.shared_length < len(tokens):
         if log is not None and log.evicted_between(namespace, tokens, match.shared_length, len(tokens)):
             return "evicted"
-        if any(core.tree.walk(tokens, other).shared_length > match.shared_length
-               for other in list(core.tree.roots) if other != namespace):
+        if len(core.tree.roots) > (namespace in core.tree.roots) and core.tree.namespace_index().holds_other(
+                namespace, tokens, match.shared_length + 1):
             return "other_namespace"
     return "hit" if match.length else "cold"
-
-
-def path_tokens(node) -> np.ndarray:
-    """The tokens from the root of a radix-tree node's namespace to the end of its edge."""
-    edges = [n.tokens for n in reversed(node.ancestors())]
-    return np.concatenate(edges) if edges else np.zeros(0, dtype=np.int64)
 
 
 def _prefix_digests(tokens: np.ndarray, depths: list[int]) -> list[bytes]:

@@ -20,9 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.explain import path_tokens
 from prefixlab.cache.payload import KVPayload, Payload, entry_bytes
-from prefixlab.cache.tree import Node
+from prefixlab.cache.tree import Node, path_tokens
 
 
 def cheapest_cut_bytes(new_kv: KVPayload | None, new_states: list[tuple[int, Payload]], shared: int,

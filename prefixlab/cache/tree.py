@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixlab.cache.namespaces import NamespaceIndex
 from prefixlab.cache.payload import KVPayload, Payload
 
 
@@ -112,6 +113,7 @@ class RadixTree:
         self.version = 0  # bumped by every edit that can change a walk
         self.on_change: Callable[[Node], None] = lambda node: None
         self.on_remove: Callable[[Node], None] = lambda node: None
+        self._namespaces: NamespaceIndex | None = None  # built on first use (namespace_index)
 
     @property
     def used_bytes(self) -> int:
@@ -146,6 +148,15 @@ class RadixTree:
                 new.children[key] = clone(child, new)
                 stack.append((child, new.children[key]))
         return twin, nodes
+
+    def namespace_index(self) -> NamespaceIndex:
+        """Every namespace's leaf paths in one trie (cache/namespaces.py), built now if not yet, kept in step since."""
+        if self._namespaces is None:
+            self._namespaces = NamespaceIndex()
+            for node in self.nodes():
+                if not node.is_root and not node.children:
+                    self._namespaces.add(node.namespace, path_tokens(node))
+        return self._namespaces
 
     def root(self, namespace: str) -> Node:
         """The namespace's root; an empty, unregistered one if it holds nothing (`add_leaf` registers it)."""
@@ -233,6 +244,10 @@ class RadixTree:
         if parent.is_root and self.roots.setdefault(parent.namespace, parent) is not parent:
             raise AssertionError(f"{parent} is a stale root of namespace {parent.namespace!r}: walk again")
         leaf = Node(self._new_id(), parent, tokens, parent.end, kv, now, parent.namespace)
+        if self._namespaces is not None:
+            if not parent.is_root and not parent.children:
+                self._namespaces.remove(parent.namespace, path_tokens(parent))
+            self._namespaces.add(leaf.namespace, path_tokens(leaf))
         parent.children[int(tokens[0])] = leaf
         self.kv_bytes += leaf.kv_bytes
         self._store(leaf, checkpoints)
@@ -260,6 +275,10 @@ class RadixTree:
         freed = self._drop(node, 0, None) + node.kv_bytes
         self.kv_bytes -= node.kv_bytes
         parent = node.parent
+        if self._namespaces is not None:
+            self._namespaces.remove(node.namespace, path_tokens(node))
+            if not parent.is_root and len(parent.children) == 1:
+                self._namespaces.add(parent.namespace, path_tokens(parent))
         del parent.children[int(node.tokens[0])]
         if parent.is_root and not parent.children and self.roots.get(parent.namespace) is parent:
             del self.roots[parent.namespace]  # an empty namespace keeps no root (matches holding it still work)
@@ -277,6 +296,9 @@ class RadixTree:
     def trim_tail(self, node: Node, position: int) -> int:
         """Cut a leaf's edge back to end at `position` (start < position < end); returns the bytes freed."""
         self.version += 1
+        if self._namespaces is not None:
+            self._namespaces.remove(node.namespace, path_tokens(node))
+            self._namespaces.add(node.namespace, path_tokens(node)[:position])
         cut = bisect.bisect_right(node.ckpt_pos, position)
         freed = self._drop(node, cut, None)
         kept_kv, dropped_kv = node.kv.split(position - node.start) if node.kv is not None else (None, None)
@@ -362,3 +384,9 @@ class RadixTree:
             f"accounting drift: recomputed kv={kv_bytes} state={state_bytes} ckpts={checkpoints}, tracked "
             f"kv={self.kv_bytes} state={self.state_bytes} ckpts={self.num_checkpoints}"
         )
+
+
+def path_tokens(node: Node) -> np.ndarray:
+    """The tokens from the root of a radix-tree node's namespace to the end of its edge."""
+    edges = [n.tokens for n in reversed(node.ancestors())]
+    return np.concatenate(edges) if edges else np.zeros(0, dtype=np.int64)
