@@ -1,25 +1,23 @@
 """The module walk a store keeps between requests (prefixlab/cache/walk.py): reused while the model's tree is the
-same, walked again after any change of its tree, never keeping the model alive."""
+same, walked again after any change of its tree."""
 
 from __future__ import annotations
-
-import gc
-import weakref
 
 import torch
 from hf_models import build
 
 from prefixlab.cache.devices import layer_devices
 from prefixlab.cache.model_info import weights_version
-from prefixlab.cache.walk import model_walk
+from prefixlab.cache.walk import KeptWalk
 
 
 def test_the_walk_is_kept_while_only_weights_values_change():
     model = build("qwen3_5")
-    walk, version = model_walk(model), weights_version(model)
+    kept = KeptWalk()
+    walk, version = kept.of(model)[0], weights_version(model, kept)
     with torch.no_grad():
         model.lm_head.weight.mul_(1.0)  # an in-place write: same tree, a new version
-    assert model_walk(model) is walk and weights_version(model) != version
+    assert kept.of(model)[0] is walk and weights_version(model, kept) != version
 
 
 def test_every_change_of_the_tree_starts_a_new_walk():
@@ -33,42 +31,58 @@ def test_every_change_of_the_tree_starts_a_new_walk():
         lambda: model.model.layers.append(torch.nn.Identity()),
         lambda: delattr(model.model.layers[0].mlp, "up_proj"),
     ]
+    kept = KeptWalk()
     for number, edit in enumerate(edits):
-        walk, version = model_walk(model), weights_version(model)
+        walk, version = kept.of(model)[0], weights_version(model, kept)
         edit()
-        assert model_walk(model) is not walk
-        assert (weights_version(model) == version) == (number == 5)
+        assert kept.of(model)[0] is not walk
+        assert (weights_version(model, kept) == version) == (number == 5)
 
 
 def test_a_changed_parameter_changes_the_version_as_a_fresh_walk_finds():
     model = build("bamba")
-    weights_version(model)
+    kept = KeptWalk()
+    weights_version(model, kept)
     model.model.layers[0].mamba.out_proj.weight = torch.nn.Parameter(torch.zeros_like(
         model.model.layers[0].mamba.out_proj.weight))
-    cached = weights_version(model)
-    model_walk(model).__init__(model)  # a fresh walk of the same tree gives the same version
-    assert weights_version(model) == cached
+    assert weights_version(model, kept) == weights_version(model)  # as a fresh walk finds it
 
 
 def test_layer_devices_follow_a_layer_moved_after_the_walk():
-    model = build("qwen3_5")
-    before = layer_devices(model)
+    model, kept = build("qwen3_5"), KeptWalk()
+    before = layer_devices(model, kept)
     assert set(before) == {0, 1, 2, 3} and all(device.type == "cpu" for device in before.values())
-    walk = model_walk(model)
+    walk = kept.of(model)[0]
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # .to() keeps the parameter objects: same tree
     try:
         model.model.layers[2].to("meta")
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
-    assert model_walk(model) is walk
-    assert set(layer_devices(model)) == {0, 1, 3}
+    assert kept.of(model)[0] is walk
+    assert set(layer_devices(model, kept)) == {0, 1, 3}
 
 
-def test_the_walk_does_not_keep_the_model_alive():
-    model = build("llama")
-    weights_version(model), layer_devices(model)
-    alive = weakref.ref(model)
-    del model
+def test_a_store_keeps_neither_weights_replaced_under_it_nor_a_swap_from_working():
+    """The kept walk holds no tensor: weights a sync replaced (`load_state_dict(assign=True)`) are freed at once,
+    not at the store's next request, and `torch.utils.swap_tensors` (which `module.to()` may use, and which a weak
+    reference to a tensor stops) still works on the store's model."""
+    import gc
+    import weakref
+
+    from prefixlab import HybridPrefixCache, PrefixStore
+
+    model = build("qwen3_5")
+    store = PrefixStore(model)
+    model.generate(torch.randint(3, 100, (1, 12)), past_key_values=HybridPrefixCache(store), max_new_tokens=2)
+    old = [weakref.ref(param) for param in model.parameters()]
+    model.load_state_dict(build("qwen3_5", seed=1).state_dict(), assign=True)
     gc.collect()
-    assert alive() is None
+    assert not any(ref() is not None for ref in old)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.float64).to(torch.float32)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+    store.close()

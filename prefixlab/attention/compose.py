@@ -86,7 +86,7 @@ def hydragen_cache_from_store(
     store.check_weights()
     match, source = store.lookup(probe, namespace)
     try:
-        shared = _prefix_tensors(source, attention, layer_devices(model), store.device)
+        shared = _prefix_tensors(source, attention, layer_devices(model, store.walk), store.device)
     finally:
         store.release_lookup(match, source)
     cache.load_shared_prefix(**shared, batch_size=batch_size)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from prefixlab.cache.walk import model_walk
+from prefixlab.cache.walk import KeptWalk, ModuleWalk, at
 from prefixlab.errors import is_int
 
 
@@ -20,18 +20,19 @@ def execution_device(model: torch.nn.Module) -> torch.device:
     return next((device for device in found if device is not None), device)
 
 
-def layer_devices(model: torch.nn.Module) -> dict[int, torch.device]:
+def layer_devices(model: torch.nn.Module, kept: KeptWalk | None = None) -> dict[int, torch.device]:
     """{layer_idx: the device that layer computes on} for the modules that carry a `layer_idx` (transformers'
     attention and linear-attention modules), the first such module of an index deciding: a hook on the module or
     one of its submodules (each hooked where it has parameters: `cpu_offload`), else its nearest hooked ancestor's
-    (one hook places a whole block: `device_map`), else its parameters' device."""
-    walk = model_walk(model)
-    if walk.hooked:
-        return _hooked_layer_devices([("", model), *walk.submodules])
+    (one hook places a whole block: `device_map`), else its parameters' device. `kept`: the model's walk kept
+    between calls (cache/walk.py)."""
+    walk, values = (kept or KeptWalk()).of(model)
+    if values is None:
+        return _hooked_layer_devices(walk.named())
     devices: dict[int, torch.device] = {}
     # each index's modules' parameters, kept with the walk: only where they are now is read at each call
-    for index, params in walk.derived("layer_params", lambda: _params_per_index([model, *walk.modules()])):
-        device = next((param.device for param in params if param.device.type != "meta"), None)
+    for index, positions in walk.derived("layer_params", lambda: _params_per_index(walk)):
+        device = next((param.device for param in at(values, positions) if param.device.type != "meta"), None)
         if device is not None:
             devices[index] = device
     return devices
@@ -42,13 +43,14 @@ def _layer_index(module: torch.nn.Module) -> int | None:
     return index if is_int(index) else None
 
 
-def _params_per_index(modules: list[torch.nn.Module]) -> list[tuple[int, list[torch.nn.Parameter]]]:
-    """[(layer_idx, the parameters of its modules in order)]: the first one not on meta gives the layer's device."""
+def _params_per_index(walk: ModuleWalk) -> list[tuple[int, list[int]]]:
+    """[(layer_idx, its modules' parameters in order, as positions in the walk's values)]: the first one not on
+    meta gives the layer's device."""
     found: dict[int, list[torch.nn.Parameter]] = {}
-    for module in modules:
+    for module in walk.modules():
         if (index := _layer_index(module)) is not None:
             found.setdefault(index, []).extend(module.parameters())
-    return list(found.items())
+    return [(index, walk.positions(params)) for index, params in found.items()]
 
 
 def _hooked_layer_devices(named: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.device]:

@@ -59,7 +59,7 @@ class RowResume:
                 self._provisional = (self._provisional & planned) | set(self._plan)
             if common > held:
                 load_rows(self.layers, self.store.layout, common, [source for _, source in found],
-                          layer_devices(self.store.model), self.store.device)
+                          layer_devices(self.store.model, self.store.walk), self.store.device)
         finally:
             for pair in filter(None, found):
                 self.store.release_lookup(*pair)

@@ -21,7 +21,7 @@ from transformers.cache_utils import (
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
 from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
-from prefixlab.cache.walk import model_walk
+from prefixlab.cache.walk import KeptWalk, at
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
@@ -141,7 +141,7 @@ def check_config_still_served(model: torch.nn.Module, layout: CacheLayout) -> No
                                  "does not serve as built: store.close() and build a new PrefixStore(model, ...)")
 
 
-def weights_version(model: torch.nn.Module) -> tuple:
+def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tuple:
     """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
     storage (`param.data = ...`, moved to another device): each one's identity, version counter and storage address.
     Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
@@ -149,9 +149,13 @@ def weights_version(model: torch.nn.Module) -> tuple:
     (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
     their place in the offload files. Not seen: writes through
     `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched without writing weights
-    (PEFT's disable_adapter): call store.clear() after those."""
-    walk = model_walk(model)
-    params, buffers, offloaded = _tensors(model) if walk.hooked else walk.derived("tensors", lambda: _tensors(model))
+    (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between calls."""
+    walk, values = (kept or KeptWalk()).of(model)
+    if values is None:  # (accelerate's hooks)
+        params, buffers, offloaded = _tensors(model)
+    else:
+        positions = walk.derived("tensors", lambda: [walk.positions(tensors) for tensors in _tensors(model)])
+        params, buffers, offloaded = (at(values, where) for where in positions)
     try:  # (maps: a model's hundreds of parameters are read at each request)
         versioned, sampled = (tuple(map(id, params)), tuple(map(_VERSION, params)),
                               tuple(map(torch.Tensor.data_ptr, params))), list(buffers)

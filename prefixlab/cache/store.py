@@ -58,6 +58,7 @@ from prefixlab.cache.tensors import (
     spill_evictions,
 )
 from prefixlab.cache.tokens import as_tokens
+from prefixlab.cache.walk import KeptWalk
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 
 # PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
@@ -133,6 +134,7 @@ class PrefixStore:
                                                                                                    media_cache),
                         **core_options}
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
+        self.walk = KeptWalk()  # the model's module walk, read by the per-request checks (cache/walk.py)
         self._build_tiers()
         self._note_weights()
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
@@ -218,7 +220,7 @@ class PrefixStore:
                                 "PrefixStore.load(path, model) reads them back")
 
     def _note_weights(self) -> None:  # what the entries are computed with (and what only runs exactly uncached)
-        self._weights, self.pads_change_states = weights_version(self.model), pads_change_states(self.model)
+        self._weights, self.pads_change_states = weights_version(self.model, self.walk), pads_change_states(self.model)
         self.rope_limit, self._numerics = rope_limit(self.model), numeric_context()
         self.identity = model_identity(self.model)
 
@@ -239,7 +241,7 @@ class PrefixStore:
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
         changed = ("the model's config" if identity != self.identity else
-                   "the model's weights" if weights_version(self.model) != self._weights else
+                   "the model's weights" if weights_version(self.model, self.walk) != self._weights else
                    "the float32 matmul precision (TF32 / bf16 settings)" if numeric_context() != self._numerics else
                    None)
         if changed:
