@@ -158,10 +158,12 @@ def test_one_cache_in_two_threads_refuses_the_second_generate():
     assert torch.equal(outputs["first"], model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0))
 
 
-def test_lookups_during_a_generate_store_nothing_of_its_decode_steps():
+@pytest.mark.parametrize("call", ["lookup", "stats"])
+def test_lookups_during_a_generate_store_nothing_of_its_decode_steps(call):
     """Every other request's lookup committed the requests still decoding: a state per lookup per decoding request
-    (27 along one 200-token generation, 0.8 ms per open request per lookup; here 10 states against 3). Its prompt is
-    admitted at the first lookup; its decode steps when the call returns."""
+    (27 along one 200-token generation, 0.8 ms per open request per lookup; here 10 states against 3); so did
+    store.stats() (a monitor polling it at each streamed token: 69 states against 7). Its prompt is admitted at the
+    first lookup; its decode steps when the call returns."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
     model, prompt = build("qwen3_5"), tokens(20, 7)
@@ -172,8 +174,10 @@ def test_lookups_during_a_generate_store_nothing_of_its_decode_steps():
 
         def __call__(self, input_ids, scores):
             self.steps += 1
-            if self.steps % 3 == 0:
+            if self.steps % 3 == 0 and call == "lookup":
                 self.store.release(self.store.match(tokens(8, self.steps).flatten().tolist()))
+            elif self.steps % 3 == 0:
+                self.store.stats()
             return scores
 
     states, outputs = [], []

@@ -45,7 +45,7 @@ def prime_rows(model: torch.nn.Module, cache, input_ids: torch.Tensor, attention
     def peek(tokens: torch.Tensor) -> int:
         return store.core.peek(tokens.numpy(), cache.namespace)[0] if len(tokens) else 0
 
-    store.flush()  # the caches of earlier requests are admitted on the store's next use: now
+    store.flush(lookup=True)  # earlier requests' caches are admitted at the store's next use: now (not running calls')
     with store.lock:  # (no forward runs under it)
         own = [peek(row[: column - pad]) if column > pad else 0 for row, pad in zip(rows, pads, strict=True)]
         if sum(own) <= sum(aligned_reuse(peek, rows, pads, column)):

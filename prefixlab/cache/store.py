@@ -366,7 +366,7 @@ class PrefixStore:
     @serialized
     def flush(self, lookup: bool = False) -> None:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later); for a
-        `lookup`, not the decode steps of generate() calls still running."""
+        `lookup` (and stats(), a batch's priming), not the decode steps of generate() calls still running."""
         decoding = {i: c for i, c in self._open.items() if lookup and getattr(c, "only_decoded_since_commit", bool)()}
         open_caches, self._open = [c for i, c in self._open.items() if i not in decoding], decoding
         for cache in open_caches:
@@ -385,7 +385,7 @@ class PrefixStore:
         decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill),
         `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
         without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
-        self.flush()
+        self.flush(lookup=True)  # (a monitor polling while generate() decodes: its steps are admitted at its end)
         host = self.offload.stats() if self.offload else {}
         offload = {f"offload_{k}": v for k, v in host.items() if k.endswith("bytes")}
         reasons = dict(self._reasons)
