@@ -138,6 +138,9 @@ def test_use_cache_false_is_refused_where_decode_steps_differ_from_prefills(patc
                     with pytest.raises(InvalidInputError, match="use_cache=False"):
                         model.generate(prompt, past_key_values=cache, **options)
                     assert store.stats() == before
+                    first = model.generate(prompt, past_key_values=cache, **GREEDY)  # a chat's next turn too
+                    with pytest.raises(InvalidInputError, match="use_cache=False"):  # (was 9e-5 off)
+                        model.generate(torch.cat([first, tokens(1, 6, seed=8)], 1), past_key_values=cache, **options)
                     continue
                 got, expected = (m.generate(prompt, **options, **kw) for m, kw in
                                  ((model, {"past_key_values": cache}), (reference, {})))

@@ -124,8 +124,8 @@ class _ModelHooks:
         if not cache.started or kwargs["input_ids"].shape[1] > 1:  # before any lookup (a later turn looks up too)
             check_token_ids(kwargs["input_ids"], module)  # (decode steps feed generate's own tokens: unchecked)
         check_deterministic(module)  # every forward: a later turn on a started cache may run in training mode
-        if not cache.started:  # every row, before any row is looked up or a default store is created
-            check_use_cache(module, kwargs.get("use_cache"))
+        if not cache.started or cache.store.decode_differs:  # (a later call continuing the cache too)
+            check_use_cache(module, kwargs.get("use_cache"))  # every row, before any lookup or a default store
         cache.prefixlab_bind(module)  # after the input checks: refused input creates no default store
         if kwargs.get("labels") is not None:
             raise InvalidInputError(
