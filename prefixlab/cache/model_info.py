@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import operator
 import re
@@ -141,15 +142,37 @@ def check_config_still_served(model: torch.nn.Module, layout: CacheLayout) -> No
                                  "does not serve as built: store.close() and build a new PrefixStore(model, ...)")
 
 
+# the optimizer step (a process-wide count) after which each parameter, by id, was last stepped: fused optimizers
+# (torch's `fused=True` Adam / AdamW / SGD / Adagrad, HF Trainer's default) write weights without a version count
+_STEPPED_AT: dict[int, int] = {}
+_optimizer_steps = itertools.count(1)
+
+
+def _note_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    step = next(_optimizer_steps)
+    for group in optimizer.param_groups:
+        _STEPPED_AT.update(dict.fromkeys(map(id, group["params"]), step))
+
+
+@functools.cache
+def watch_optimizer_steps() -> None:
+    """Count every torch optimizer's steps from now on, once per process (a store's first build calls it)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_note_optimizer_step)
+
+
 def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tuple:
-    """Changes whenever a parameter is written in place (an optimizer step, load_state_dict), replaced, or given new
-    storage (`param.data = ...`, moved to another device): each one's identity, version counter and storage address.
+    """Changes whenever a parameter is written in place (an optimizer step, fused or not, load_state_dict), replaced,
+    or given new storage (`param.data = ...`, moved to another device): each one's identity, version counter,
+    storage address and last torch optimizer step (watch_optimizer_steps).
     Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
     without a version counter (made under torch.inference_mode) and weights accelerate offloads to CPU memory
     (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
-    their place in the offload files. Not seen: writes through
-    `.data` (`param.data.copy_(...)`: autograd counts no version there) and adapters switched without writing weights
-    (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between calls."""
+    their place in the offload files. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no
+    version there) or by torch.distributed collectives (`broadcast` into parameters), and adapters switched without
+    writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
+    calls."""
     walk, values = (kept or KeptWalk()).of(model)
     if values is None:  # (accelerate's hooks)
         params, buffers, offloaded = _tensors(model)
@@ -157,13 +180,14 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
         positions = walk.derived("tensors", lambda: [walk.positions(tensors) for tensors in _tensors(model)])
         params, buffers, offloaded = (at(values, where) for where in positions)
     try:  # (maps: a model's hundreds of parameters are read at each request)
-        versioned, sampled = (tuple(map(id, params)), tuple(map(_VERSION, params)),
-                              tuple(map(torch.Tensor.data_ptr, params))), list(buffers)
+        ids = tuple(map(id, params))
+        versioned, sampled = (ids, tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params)),
+                              tuple(map(_STEPPED_AT.get, ids))), list(buffers)
     except RuntimeError:  # an inference tensor, which has no version counter: count it by its values
         versioned, sampled = [], list(buffers)
         for param in params:
             try:
-                versioned.append((id(param), param._version, param.data_ptr()))
+                versioned.append((id(param), param._version, param.data_ptr(), _STEPPED_AT.get(id(param))))
             except RuntimeError:
                 sampled.append(param)
     on_disk = tuple(value for value in offloaded if isinstance(value, tuple))

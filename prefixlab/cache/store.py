@@ -43,6 +43,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     pads_change_states,
     parse_capacity,
     rope_limit,
+    watch_optimizer_steps,
     weights_version,
 )
 from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
@@ -135,6 +136,7 @@ class PrefixStore:
                         **core_options}
         self._host_matches: set[int] = set()  # ids of live matches that came from the host tier
         self.walk = KeptWalk()  # the model's module walk, read by the per-request checks (cache/walk.py)
+        watch_optimizer_steps()  # (fused optimizers write weights without a version count)
         self._build_tiers()
         self._note_weights()
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
