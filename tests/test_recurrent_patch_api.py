@@ -186,3 +186,30 @@ def test_a_cache_recording_its_past_keeps_the_whole_conv_history(qwen):
         cache.activate_past_recording()
         pieces = [forward(qwen, ids[:, a:b], cache, start=a) for a, b in [(0, 2), (2, 3), (3, 15)]]
     assert_close(torch.cat(pieces, dim=1), reference)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_a_copy_of_a_patched_model_runs_its_own_layers_and_pickles(family):
+    """The patched forward closed over the layer it patched: a deepcopy (TRL's reference model) ran the original's
+    layers (logits 0.8-0.9 off its own weights, gradients into the original) and torch.save failed on a local
+    function. Now the copy and an unpickled model run their own layers, patched."""
+    import copy
+    import io
+
+    model, ids = patch(build(family, seed=3)), tokens(1, 12)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.mul_(1.1)
+    plain = copy.deepcopy(twin)
+    unpatch(plain)
+    assert is_patched(twin) and not is_patched(plain)
+    assert_close(forward(twin, ids), forward(plain, ids))
+    twin(input_ids=ids).logits.sum().backward()
+    assert all(param.grad is None for param in model.parameters())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert is_patched(loaded)
+    assert_close(forward(loaded, ids), forward(model, ids))

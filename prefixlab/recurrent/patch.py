@@ -18,6 +18,7 @@ is never undone by them.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -55,7 +56,7 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
         attribute = "_old_forward" if hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer) else "forward"
         if _ORIGINAL not in vars(layer):
             setattr(layer, _ORIGINAL, (attribute, vars(layer).get(attribute)))
-        setattr(layer, vars(layer)[_ORIGINAL][0], _patched_forward(family, layer, backend))
+        setattr(layer, vars(layer)[_ORIGINAL][0], _PatchedForward(layer, backend, family))
     if targets:
         model.prefixlab_patched = True  # what PrefixStore checks to let the layers record states mid-forward
     return model
@@ -159,22 +160,31 @@ def looks_linear_attention(layer: nn.Module) -> bool:
     return depthwise and hasattr(layer, "layer_idx")
 
 
-def _patched_forward(family: Family, layer: nn.Module, backend: str):
-    run = force_accelerate_hooks(list(family.read_directly))(run_layer)
+class _PatchedForward:
+    """A patched layer's forward: prefixlab's kernels on `layer`. An object, not a closure, so that a copy of the
+    model (`copy.deepcopy`: TRL's reference models) runs its own layers, not the original's, and a patched model
+    pickles (`torch.save(model)`): both rebuild it around the copied layer."""
 
-    def forward(
-        hidden_states: torch.Tensor,
-        cache_params: Any = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,  # LFM2 passes its cache under this name
-        **kwargs: Any,
-    ) -> torch.Tensor:
+    def __init__(self, layer: nn.Module, backend: str, family: Family | None = None):
+        self.layer, self.backend, self._family, self._run = layer, backend, family, None
+
+    def __call__(self, hidden_states: torch.Tensor, cache_params: Any = None,
+                 attention_mask: torch.Tensor | None = None,
+                 past_key_values: Any = None,  # LFM2 passes its cache under this name
+                 **kwargs: Any) -> torch.Tensor:
         if kwargs.get("cu_seq_lens_q") is not None:
             raise InvalidInputError(
                 "packed sequences (cu_seq_lens_q) are not supported by prefixlab's patched layers: pass a padded "
                 "batch, or unpatch(model) first"
             )
+        if self._run is None:  # (after a copy or an unpickling: the layer is whole by its first call)
+            self._family = self._family or family_of(self.layer)
+            self._run = force_accelerate_hooks(list(self._family.read_directly))(run_layer)
         cache = cache_params if cache_params is not None else past_key_values
-        return run(layer, family, hidden_states, cache, attention_mask, backend)
+        return self._run(self.layer, self._family, hidden_states, cache, attention_mask, self.backend)
 
-    return forward
+    def __deepcopy__(self, memo: dict) -> _PatchedForward:
+        return _PatchedForward(copy.deepcopy(self.layer, memo), self.backend)
+
+    def __reduce__(self):
+        return _PatchedForward, (self.layer, self.backend)
