@@ -221,6 +221,32 @@ def test_training_mode_is_checked_on_every_forward_and_gradient_checkpointing_re
     assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
 
 
+def test_submodules_in_training_mode_are_refused_in_an_eval_model():
+    """Only `model.training` was read: Monte-Carlo dropout (`model.eval()`, then some modules `.train()`) stored
+    random KV that later eval requests reused (logits up to 0.57 off); decoder layers training with gradient
+    checkpointing dropped the cache the hooks had loaded (0.73 off)."""
+    model = build("qwen3_5")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 16, seed=12)
+    generate(model, prompt, HybridPrefixCache(store))
+    before = store.stats()
+    attention = next(m for m in model.modules() if hasattr(m, "attention_dropout"))
+    attention.train()
+    attention.attention_dropout = 0.1
+    with pytest.raises(InvalidInputError, match="some of its modules.*dropout active"):
+        generate(model, prompt, HybridPrefixCache(store))
+    attention.attention_dropout = 0.0
+    model.gradient_checkpointing_enable()
+    for layer in model.model.layers:
+        layer.train()
+    with pytest.raises(InvalidInputError, match="some of its modules.*gradient checkpointing on"):
+        generate(model, prompt, HybridPrefixCache(store))
+    after = store.stats()
+    assert all(after[key] == before[key] for key in ("hit_sequences", "used_bytes", "checkpoints", "nodes"))
+    model.eval()
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
+
+
 def test_a_model_converted_after_its_store_was_built_is_refused_with_what_to_do():
     from prefixlab.attention import hydragen_cache_from_store
     from prefixlab.errors import ModelMismatchError

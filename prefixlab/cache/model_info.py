@@ -28,7 +28,7 @@ from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_VERSION = operator.attrgetter("_version")
+_VERSION, _TRAINING = operator.attrgetter("_version"), operator.attrgetter("training")
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -357,11 +357,13 @@ def numeric_context() -> tuple:
             *(read(functools.partial(setting, path)) for path in _PRECISION_SETTINGS))
 
 
-def check_deterministic(model: torch.nn.Module) -> None:
+def check_deterministic(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> None:
     """InvalidInputError under torch.autocast (the model then computes in another precision than its dtype: entries
     would be exact for neither), or if `model` is in training mode with dropout active (its outputs are random then,
     so what it computes can neither be stored as the prefix's KV and states nor stand in for them) or gradient
-    checkpointing on (its layers then ignore the cache)."""
+    checkpointing on (its layers then ignore the cache). `modules` (all of the model's, e.g. a kept walk's): a model
+    in eval mode is checked for submodules in training mode too (Monte-Carlo dropout: `model.eval()`, then some
+    modules `.train()`)."""
     device_type = execution_device(model).type
     if torch.is_autocast_enabled(device_type):
         raise InvalidInputError(
@@ -369,11 +371,13 @@ def check_deterministic(model: torch.nn.Module) -> None:
             f" where its weights are {model.dtype}, so stored prefixes would match neither precision; convert the "
             "model instead (model.to(torch.bfloat16)) and run it outside autocast with a HybridPrefixCache"
         )
-    if not model.training:
+    if not model.training and (modules is None or not any(map(_TRAINING, modules))):
         return
-    if any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules()):
+    modules = list(model.modules()) if modules is None else modules
+    if any(module.training and getattr(module, "gradient_checkpointing", False) is True for module in modules):
         raise InvalidInputError(
-            "the model is in training mode with gradient checkpointing on: its layers then drop the cache "
+            "the model (or some of its modules) is in training mode with gradient checkpointing on: its layers then "
+            "drop the cache "
             "(transformers runs them with use_cache=False), so a reused prefix would be silently ignored; call "
             "model.eval() (or model.gradient_checkpointing_disable()) before running it with a HybridPrefixCache"
         )
@@ -382,7 +386,7 @@ def check_deterministic(model: torch.nn.Module) -> None:
         or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))]
     if active:
         raise InvalidInputError(
-            f"the model is in training mode with dropout active ({', '.join(active[:3])}"
+            f"the model (or some of its modules) is in training mode with dropout active ({', '.join(active[:3])}"
             f"{', ...' if len(active) > 3 else ''}): its outputs are random, so prefixes cannot be reused or stored "
             "exactly; call model.eval() before running it with a HybridPrefixCache"
         )

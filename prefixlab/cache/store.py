@@ -37,6 +37,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     STATE_DROPPING_MODEL_TYPES,
     CacheLayout,
     check_config_still_served,
+    check_deterministic,
     decode_differs_from_prefill,
     model_identity,
     numeric_context,
@@ -254,6 +255,7 @@ class PrefixStore:
             self.clear()
             warnings.warn(f"PrefixStore: {changed} changed since its entries were computed; the store was emptied "
                           "(its entries would not match what the model computes now)", RuntimeWarning, stacklevel=3)
+        check_deterministic(self.model, self.walk.modules(self.model))  # (submodules in training mode too)
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     @serialized

@@ -94,6 +94,10 @@ class KeptWalk:
     def __init__(self) -> None:
         self.walk: ModuleWalk | None = None
 
+    def modules(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The modules of the walk `of` last gave for `model` (a model with accelerate hooks: walked now)."""
+        return self.walk.modules() if self.walk is not None else list(model.modules())
+
     def of(self, model: torch.nn.Module) -> tuple[ModuleWalk, list | None]:
         """(the walk, its `current` objects; None for a model with accelerate hooks)."""
         if self.walk is not None and (values := self.walk.current(model)) is not None:
