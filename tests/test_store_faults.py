@@ -345,6 +345,27 @@ def test_a_store_collected_without_close_gives_its_hooks_and_patch_back(model):
     copy.deepcopy(model)
 
 
+def test_a_plain_forward_after_a_store_was_collected_runs_the_unpatched_model(model):
+    """The queue of collected stores was drained only at prefixlab's next call: the model kept its hooks and patch
+    (its logits not the unpatched model's bits, deepcopy refused) until then. A plain forward drains it first."""
+    import copy
+    import gc
+
+    from prefixlab.cache.hooks import is_attached
+
+    ids = tokens(1, 12, seed=5)
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    store = PrefixStore(model, capacity="1MB")
+    generate(model, ids, HybridPrefixCache(store))
+    del store
+    gc.collect()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, plain)
+    assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
+    copy.deepcopy(model)
+
+
 def test_collecting_a_store_takes_no_lock(model):
     """The collector runs a finalizer wherever the collecting thread is, e.g. inside the patch's hold() with its lock
     held (building another store): a finalizer that gave the patch back there deadlocked (the suite hung)."""

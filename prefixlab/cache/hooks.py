@@ -24,6 +24,7 @@ implements the protocol over a PrefixStore). The store never calls a cache excep
 
 from __future__ import annotations
 
+import collections
 import inspect
 import threading
 import weakref
@@ -45,6 +46,9 @@ from prefixlab.cache.multimodal import (
 )
 from prefixlab.cache.rows import continues_at, continues_past_masked, continues_plainly
 from prefixlab.errors import InvalidInputError
+
+# (model ref, store id, holds patch) of stores collected without close(), queued by their finalizers (ownership.py)
+COLLECTED: collections.deque = collections.deque()
 
 
 class _ModelHooks:
@@ -97,6 +101,10 @@ class _ModelHooks:
         cache = self._cache(kwargs)
         serve_namespace(getattr(cache, "namespace", None))  # the encoder memo's key (media_memo.py)
         if cache is None:
+            if COLLECTED:  # a store dropped without close(): its hooks and patch go now, not at prefixlab's next call
+                from prefixlab.cache.ownership import release_collected
+
+                release_collected()
             return None
         try:
             return self._prepare(module, cache, args, kwargs)

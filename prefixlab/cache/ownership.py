@@ -3,12 +3,11 @@ given back by close() or, for a store collected without it, by the garbage colle
 
 from __future__ import annotations
 
-import collections
 import weakref
 
 import torch
 
-from prefixlab.cache.hooks import detach
+from prefixlab.cache.hooks import COLLECTED, detach
 from prefixlab.errors import UnsupportedModelError
 
 
@@ -31,7 +30,7 @@ def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
 # What collected stores have to give back. The garbage collector runs a finalizer wherever the collected thread was,
 # possibly inside attach/detach or the patch's hold/let_go with their (non re-entrant) locks held: a finalizer that
 # took them deadlocked. So it only queues; the queue is drained at the next safe point (release_collected).
-_COLLECTED: collections.deque = collections.deque()
+_COLLECTED = COLLECTED  # (kept in hooks.py: a plain forward of the model drains it too)
 
 
 def release_when_collected(store: object, model: torch.nn.Module, holds_patch: bool) -> weakref.finalize:
@@ -45,7 +44,7 @@ def release_when_collected(store: object, model: torch.nn.Module, holds_patch: b
 
 def release_collected() -> None:
     """Give back what the queued stores held (called where no prefixlab lock is held: building and closing stores,
-    prefixlab.patch / unpatch)."""
+    prefixlab.patch / unpatch, a forward of a hooked model without a prefixlab cache)."""
     while _COLLECTED:
         try:
             model_ref, store_id, holds_patch = _COLLECTED.popleft()
