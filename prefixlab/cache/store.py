@@ -82,17 +82,13 @@ class PrefixStore:
             captured inside the one prefill pass and Jamba-style layers resume from cached states; `close()` undoes
             it. With patch=False transformers' layers run and planned states are captured by splitting the prefill
             (a model another store patched stays patched while this one is open).
-        media_cache: on models whose images are keyed by content (cache/multimodal.py: Qwen3.5), the bytes of encoded
-            images kept by their pixels so that a repeated image skips the vision tower (cache/media_memo.py; the
-            model's memo holds the most any open store asks for); default 256 MiB ("256MiB"; "256MB" is 256e6
-            bytes, another value); 0 keeps none.
+        media_cache: bytes of encoded images kept by their pixels, where images are keyed by content (Qwen3.5), so a
+            repeated image skips the vision tower (cache/media_memo.py); default "256MiB"; 0 keeps none.
         core_options: PrefixCacheCore's keyword options (alpha, checkpoint_budget, history_tokens, ...);
             tuning_lag_requests defaults to None here: alpha is tuned in a background thread and applied once found
             (an int n: n admissions later, deterministic; 0: inline, as the simulator).
 
-    Thread-safe: several threads may run `generate` with their own HybridPrefixCache over one store; model forwards
-    run concurrently, store bookkeeping is serialised by `lock` (see the module docstring). After `close()` every
-    method raises StoreClosedError.
+    Thread-safe (see the module docstring). After `close()` every method raises StoreClosedError.
     """
 
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
