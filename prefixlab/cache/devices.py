@@ -26,9 +26,9 @@ def layer_devices(model: torch.nn.Module, kept: KeptWalk | None = None) -> dict[
     one of its submodules (each hooked where it has parameters: `cpu_offload`), else its nearest hooked ancestor's
     (one hook places a whole block: `device_map`), else its parameters' device. `kept`: the model's walk kept
     between calls (cache/walk.py)."""
-    walk, values = (kept or KeptWalk()).of(model)
-    if values is None:
-        return _hooked_layer_devices(walk.named())
+    walk, values = kept.of(model) if kept is not None else (None, None)
+    if values is None:  # (no walk kept, accelerate's hooks)
+        return _walked_layer_devices(list(model.named_modules()) if walk is None else walk.named())
     devices: dict[int, torch.device] = {}
     # each index's modules' parameters, kept with the walk: only where they are now is read at each call
     for index, positions in walk.derived("layer_params", lambda: _params_per_index(walk)):
@@ -53,7 +53,7 @@ def _params_per_index(walk: ModuleWalk) -> list[tuple[int, list[int]]]:
     return [(index, walk.positions(params)) for index, params in found.items()]
 
 
-def _hooked_layer_devices(named: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.device]:
+def _walked_layer_devices(named: list[tuple[str, torch.nn.Module]]) -> dict[int, torch.device]:
     hooked = {name: device for name, module in named if (device := _hook_device(module)) is not None}
     devices: dict[int, torch.device] = {}
     for name, module in named:

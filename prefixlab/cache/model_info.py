@@ -173,8 +173,8 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
     version there) or by torch.distributed collectives (`broadcast` into parameters), and adapters switched without
     writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
     calls."""
-    walk, values = (kept or KeptWalk()).of(model)
-    if values is None:  # (accelerate's hooks)
+    walk, values = kept.of(model) if kept is not None else (None, None)
+    if values is None:  # (no walk kept, accelerate's hooks)
         params, buffers, offloaded = _tensors(model)
     else:
         positions = walk.derived("tensors", lambda: [walk.positions(tensors) for tensors in _tensors(model)])

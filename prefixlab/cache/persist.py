@@ -117,7 +117,7 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
     path = Path(path)
     if not path.parent.is_dir() or path.is_dir():
         raise InvalidInputError(f"path={str(path)!r} must be a file path in an existing directory")
-    store.check_weights()  # entries of weights changed since are dropped, not saved as the new weights'
+    store.check_weights(serving=False)  # entries of weights changed since are dropped, not saved as the new ones'
     store.flush()
     tensors: dict[str, torch.Tensor] = {}
     tiers = {tier: _tier_to_flat(core, tier, tensors)

@@ -227,11 +227,12 @@ class PrefixStore:
         return bool(self.core._live or (self.offload is not None and self.offload._live))
 
     @serialized
-    def check_weights(self) -> None:
+    def check_weights(self, serving: bool = True) -> None:
         """Entries computed with other weights (or float32 matmul precision) are stale: drop them all before anything
-        is admitted or reused
-        (once per request, before its lookups: HybridPrefixCache.begin, hydragen_cache_from_store). A model that
-        resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):` block ended)."""
+        is admitted or reused (once per request, before its lookups: HybridPrefixCache.begin,
+        hydragen_cache_from_store; `serving`: and refuse a model with modules in training mode, before anything is
+        dropped). A model that resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):`
+        block ended)."""
         identity = model_identity(self.model)
         if identity != self.identity:
             check_config_still_served(self.model, self.layout)
@@ -239,8 +240,11 @@ class PrefixStore:
             raise UnsupportedModelError(f"{type(self.model).__name__}: {self._patched_only}; its layers' patch was "
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
+        weights = weights_version(self.model, self.walk)
+        if serving:
+            check_deterministic(self.model, self.walk.modules(self.model))  # (submodules in training mode too)
         changed = ("the model's config" if identity != self.identity else
-                   "the model's weights" if weights_version(self.model, self.walk) != self._weights else
+                   "the model's weights" if weights != self._weights else
                    "the float32 matmul precision (TF32 / bf16 settings)" if numeric_context() != self._numerics else
                    None)
         if changed:
@@ -251,7 +255,6 @@ class PrefixStore:
             self.clear()
             warnings.warn(f"PrefixStore: {changed} changed since its entries were computed; the store was emptied "
                           "(its entries would not match what the model computes now)", RuntimeWarning, stacklevel=3)
-        check_deterministic(self.model, self.walk.modules(self.model))  # (submodules in training mode too)
 
     # -- what HybridPrefixCache calls -------------------------------------------------------------------------------
     @serialized
