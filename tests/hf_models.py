@@ -75,3 +75,16 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
 def cache_argument(model: torch.nn.Module) -> str:
     """The generate() keyword a family takes its cache under (Mamba2: cache_params)."""
     return "cache_params" if "mamba" in type(model).__name__.lower() else "past_key_values"
+
+
+def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Random token ids (none of the special ids 0-2) of `shape`, by seed."""
+    return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:
+    """Greedy generate of 4 tokens (`kwargs` override), through `cache` where given."""
+    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0) | kwargs
+    if cache is not None:
+        options[cache_argument(model)] = cache
+    return model.generate(input_ids, **options)

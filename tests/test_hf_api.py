@@ -4,23 +4,12 @@ and in direct forwards; the default store's options; the error that names the mi
 import pytest
 import recurrent_patch_models
 import torch
-from hf_models import build, cache_argument
+from hf_models import build, cache_argument, generate, tokens
 
 import prefixlab
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.hooks import is_attached
 from prefixlab.errors import InvalidInputError
-
-
-def tokens(*shape, seed=0):
-    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def generate(model, input_ids, cache=None, **kwargs):
-    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0) | kwargs
-    if cache is not None:
-        options[cache_argument(model)] = cache
-    return model.generate(input_ids, **options)
 
 
 def test_the_cards_line_reuses_exactly_in_generate_and_direct_forwards():

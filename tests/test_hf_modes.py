@@ -3,21 +3,10 @@ checkpointing are refused before anything is looked up or stored, on every forwa
 
 import pytest
 import torch
-from hf_models import build, cache_argument
+from hf_models import build, generate, tokens
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.errors import InvalidInputError
-
-
-def tokens(*shape, seed=0):
-    return torch.randint(3, 128, shape, generator=torch.Generator().manual_seed(seed))
-
-
-def generate(model, input_ids, cache=None, **kwargs):
-    options = dict(max_new_tokens=4, do_sample=False, pad_token_id=0) | kwargs
-    if cache is not None:
-        options[cache_argument(model)] = cache
-    return model.generate(input_ids, **options)
 
 
 def test_a_model_with_active_dropout_is_refused_before_anything_is_looked_up_or_stored():
