@@ -3,17 +3,14 @@
     store = PrefixStore(model, capacity="4GB", policy="dp")
     model.generate(input_ids, past_key_values=HybridPrefixCache(store), max_new_tokens=64)
 
-The store owns a `PrefixCacheCore` (radix tree + admission/eviction policy + byte budget; cache/core.py) whose
-payloads are tensors (cache/tensors.py) and an optional host-memory tier for entries evicted from the device. It puts
-the forward hooks (cache/hooks.py) on the model, through which the model drives every `HybridPrefixCache` (see
-cache/hf.py for the request life cycle), but never calls a cache itself except `commit()` on those it holds for
-admission. Policy lives in the core only; this file moves tensors and counts bytes.
+The store owns a `PrefixCacheCore` (radix tree + policy + byte budget; cache/core.py) of tensor payloads
+(cache/tensors.py) and an optional host-memory tier for entries evicted from the device. Its forward hooks
+(cache/hooks.py) let the model drive every `HybridPrefixCache` (cache/hf.py); it calls a cache only to `commit()`
+those it holds for admission. Policy lives in the core only; this file moves tensors and counts bytes.
 
-Threads: one store may serve `generate` calls from several threads at once (a threaded server). Every change to the
-core, the host tier, the open caches and the counters happens under the store's re-entrant `lock`, held only for
-bookkeeping and tensor copies, never across a model forward, so forwards run concurrently (cache/sharing.py). A
-cache is committed by whichever thread uses the store next, but only between its forwards (never mid-forward).
-One HybridPrefixCache serves one request: never pass the same cache object to two threads at once.
+Threads: one store may serve `generate` calls from several threads at once. Every change to its state happens under
+its re-entrant `lock`, never held across a model forward (cache/sharing.py); a cache is committed by whichever
+thread uses the store next, between its forwards. Never pass one HybridPrefixCache to two threads at once.
 """
 
 from __future__ import annotations
