@@ -32,12 +32,10 @@ positions and taken at padded columns; each row is admitted as its real tokens (
 states at column - p_b. Beam search and num_return_sequences reorder / repeat the token record and pad counts.
 More in docs/ARCHITECTURE.md "HF flow".
 
-Direct forwards work the same way, outputs covering the tokens run (at least the last `logits_to_keep`). A later
-multi-token forward (chunked prefill, a continued turn) resumes further where the store holds more. Mamba2 takes its
-cache as `cache_params=`. Assisted decoding crops rejected candidates (a cache with recurrent states refuses: they
-cannot roll back). Multimodal prompts: the ids a cache sees key images by content where the model allows it (reuse
-past them), elsewhere reuse stops at the first placeholder (multimodal.py). `cache.report()`: what each row reused
-and why, what was admitted."""
+Direct forwards work the same way (outputs cover the tokens run); a later multi-token forward (chunked prefill, a
+continued turn) resumes further where the store holds more. Mamba2 takes its cache as `cache_params=`. Assisted
+decoding crops rejected candidates (refused with recurrent states: they cannot roll back). Images: multimodal.py.
+`cache.report()`: what each row reused and why, what was admitted."""
 
 from __future__ import annotations
 

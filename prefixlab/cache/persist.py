@@ -21,9 +21,8 @@ a 14 GB model, so a store computes it at its first save and keeps it; every `loa
 Weights on the meta device (accelerate disk offload) count by name, dtype and shape only. Per-tensor checksums cost
 the same per byte of cached entries, at save and at load.
 
-Atomic writes. `save` writes a temporary file in the target's directory, fsyncs it and renames it over the target
-(os.replace), so a failure or crash mid-write leaves the previous file intact; a failure leaves no temporary file
-behind, a process killed mid-write its `.NAME.*.tmp` beside the file (delete it).
+Atomic writes. `save` writes a temporary file beside the target, fsyncs it and renames it over the target, so a
+failure or crash mid-write leaves the previous file intact (a killed process: its `.NAME.*.tmp`, to delete).
 """
 
 from __future__ import annotations
