@@ -237,7 +237,8 @@ def kda_layers(
 
 
 def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:
-    """LFM2 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h` channels, out_proj."""
+    """LFM2 / LFM2-MoE / LFM3 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h`
+    channels, out_proj."""
     return _ssm_layers(
         "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes,
         _dims(hidden=hidden, conv_kernel=conv_kernel),
