@@ -25,6 +25,7 @@ _GDN = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_nu
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=16, mamba_chunk_size=8,
                mamba_n_groups=1)
+_LFM = ["conv", "conv", "conv", "full_attention"]  # (LFM3 checkpoints' sliding-window layers are not served)
 
 # family -> (config class, model class, config overrides); every model has attention and recurrent layers where
 # its family has them (3:1 for the GatedDeltaNet families, as Qwen3.5).
@@ -53,8 +54,16 @@ FAMILIES = {
     "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM, dict(
         num_hidden_layers=4, layers_block_type=["mamba", "mamba", "hybrid", "mamba"], mamba_d_state=16,
         mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=8, num_mem_blocks=1)),
+    "bailing_hybrid": (tf.BailingHybridConfig, tf.BailingHybridForCausalLM, dict(
+        num_hidden_layers=4, num_key_value_heads=4, layer_group_size=4, short_conv_kernel_size=4, n_group=1,
+        topk_group=1, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
     "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
-        num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], conv_L_cache=3)),
+        num_hidden_layers=4, layer_types=_LFM, conv_L_cache=3)),
+    "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, dict(
+        num_hidden_layers=4, layer_types=_LFM, conv_L_cache=3, num_dense_layers=1, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32)),
+    "lfm3": (tf.Lfm3Config, tf.Lfm3ForCausalLM, dict(num_hidden_layers=4, layer_types=_LFM, conv_L_cache=4)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
 }

@@ -7,6 +7,7 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    BailingHybridConfig,
     BambaConfig,
     FalconH1Config,
     GemmaConfig,
@@ -15,6 +16,8 @@ from transformers import (
     JambaConfig,
     KimiLinearConfig,
     Lfm2Config,
+    Lfm2MoeConfig,
+    Lfm3Config,
     LlamaConfig,
     Mamba2Config,
     MistralConfig,
@@ -46,6 +49,9 @@ KIMI = dict(**{**DIMS, "num_key_value_heads": 4}, pad_token_id=0, num_hidden_lay
             mlp_layer_types=["dense", "sparse", "sparse", "dense"], linear_num_heads=2, linear_head_dim=8,
             linear_conv_kernel_dim=3, kv_lora_rank=12, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=10,
             num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=2)
+# Ling: Kimi's layout (4-dim RoPE key, MLA needs kv heads == heads); one expert group
+BAILING = dict(**{k: v for k, v in KIMI.items() if not k.startswith("linear_")}, head_dim=8, short_conv_kernel_size=3,
+               n_group=1, topk_group=1)
 
 TINY = {
     "qwen3_5": lambda: Qwen3_5TextConfig(**DIMS, **GDN),
@@ -69,6 +75,12 @@ TINY = {
         n_mamba_heads=4, mamba_ngroups=2, use_mamba_kernels=False),
     "lfm2": lambda: Lfm2Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                conv_L_cache=3),
+    "lfm2_moe": lambda: Lfm2MoeConfig(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                                      conv_L_cache=3, num_dense_layers=1, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=16),
+    "lfm3": lambda: Lfm3Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
+                               conv_L_cache=5, head_dim=16, pad_token_id=0),
+    "bailing_hybrid": lambda: BailingHybridConfig(**BAILING),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                    state_size=8, n_groups=2, conv_kernel=3),
     "olmo_hybrid": lambda: OlmoHybridConfig(
@@ -136,6 +148,8 @@ VARIANTS = {  # config branches the TINY models do not take
         shared_intermediate_size=24, **MAMBA2),
     "qwen3_next sparse step 2": lambda: Qwen3NextConfig(**DIMS, **GDN, **QWEN_MOE, decoder_sparse_step=2),
     "kimi_linear low-rank Q": lambda: KimiLinearConfig(**KIMI, q_lora_rank=8),
+    "lfm3 without the attention gate": lambda: Lfm3Config(**{**TINY["lfm3"]().to_dict(), "use_attention_gate": False}),
+    "lfm2_moe all dense": lambda: Lfm2MoeConfig(**{**TINY["lfm2_moe"]().to_dict(), "num_dense_layers": 5}),
     "qwen3 sliding window off": lambda: Qwen3Config(**DIMS, num_hidden_layers=2, sliding_window=4,
                                                     use_sliding_window=False),
 }
@@ -156,7 +170,8 @@ def test_config_variants_bytes_and_flops(variant):
 
 def flops_from_weights(model, cache) -> float:
     """2 FLOPs per weight for every matmul a token meets (routers; routed experts scaled by top_k / E), 2 per
-    depthwise conv weight, 8 per recurrent-state element (the scan), 2 per channel for LFM2's B*x and C*y gates."""
+    depthwise conv weight, 8 per recurrent-state element (the scan), 2 per channel for the LFM short convs' B*x and
+    C*y gates."""
     config = model.config
     expected = 0.0
     for name, module in model.named_modules():
@@ -165,7 +180,7 @@ def flops_from_weights(model, cache) -> float:
         elif isinstance(module, torch.nn.Conv1d):
             expected += 2 * module.weight.numel()
     params = dict(model.named_parameters())
-    router_names = ("mlp.gate.weight", "mixer.gate.weight", "router.weight")
+    router_names = ("mlp.gate.weight", "mixer.gate.weight", "router.weight", "feed_forward.gate.weight")
     routers = [p for name, p in params.items() if name.endswith(router_names)]
     expected += 2 * sum(p.numel() for p in routers)
     experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name]
@@ -175,7 +190,7 @@ def flops_from_weights(model, cache) -> float:
         expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
     _, recurrent, _ = cache_tensors(cache)
     expected += 8 * sum(t.numel() for t in recurrent)
-    if config.model_type == "lfm2":
+    if config.model_type.startswith("lfm"):
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
     return expected
 
@@ -200,8 +215,9 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
 def test_default_configs_build():
     for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
                    GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
-                   OlmoHybridConfig(), KimiLinearConfig(), LlamaConfig(), Qwen2Config(), Qwen3Config(), GemmaConfig(),
-                   MistralConfig(sliding_window=None)):
+                   OlmoHybridConfig(), KimiLinearConfig(), Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16),
+                   BailingHybridConfig(), LlamaConfig(),
+                   Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None)):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)
         recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "kda", "short_conv"))
         assert (spec.state_bytes > 0) == (recurrent > 0), type(config).__name__  # default Lfm2Config: attention only
@@ -232,10 +248,17 @@ def test_unsupported_model_lists_supported_types():
     MistralConfig(),  # sliding_window=4096 on every layer
     Qwen2Config(use_sliding_window=True, sliding_window=8, max_window_layers=1, num_hidden_layers=2),
     Qwen3Config(layer_types=["full_attention", "sliding_attention"], num_hidden_layers=2, sliding_window=8),
-], ids=["mistral", "qwen2", "qwen3"])
-def test_windowed_kv_only_models_are_refused(config):
+    Lfm3Config(),  # LFM3-1.7B's layout: conv, sliding and full attention layers
+], ids=["mistral", "qwen2", "qwen3", "lfm3"])
+def test_windowed_models_are_refused(config):
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
         ModelSpec.from_config(config)
+
+
+def test_lfm2_moe_without_layer_types_is_refused():
+    """Lfm2MoeConfig() leaves layer_types None (its model cannot be built from it): a clear error, not a TypeError."""
+    with pytest.raises(InvalidInputError, match="layer_types"):
+        ModelSpec.from_config(Lfm2MoeConfig())
 
 
 @pytest.mark.parametrize(("config", "named"), [

@@ -221,7 +221,8 @@ def test_serve_runs_a_model_without_attention_exactly():
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "bamba",
-                                    "granitemoehybrid", "jamba", "lfm2"])  # (every family of batching mode "rows")
+                                    "granitemoehybrid", "jamba", "lfm2", "lfm2_moe",
+                                    "lfm3"])  # (every family of batching mode "rows")
 def test_hybrid_siblings_of_close_lengths_prefill_in_one_right_padded_forward(family, monkeypatch):
     """Rows whose own tokens (8, 7, 9 after the prefix) pad each other little are prefilled together: one forward
     over the batch, right-padded, each row's states captured at its own end by the patched layers; every row's

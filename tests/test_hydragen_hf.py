@@ -247,14 +247,16 @@ def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
         HydragenCache(standard.config)
 
 
-def test_latent_attention_models_are_refused_with_what_to_use():
-    """Kimi Linear's MLA layers expand their cached latents before attending: a shared view crashed inside the model
-    (AttributeError) on any batch with shared rows. Now refused up front; `--hydragen` serves such models one by one."""
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_latent_attention_models_are_refused_with_what_to_use(family):
+    """Kimi Linear's (and Ling's) MLA layers expand their cached latents before attending: a shared view crashed
+    inside the model (AttributeError) on any batch with shared rows. Now refused up front; `--hydragen` serves such
+    models one by one."""
     from hf_models import FAMILIES, config
 
     from prefixlab.fleet.siblings import batching_mode
 
-    model = FAMILIES["kimi_linear"][1](config("kimi_linear")).eval()
+    model = FAMILIES[family][1](config(family)).eval()
     model.set_attn_implementation("hydragen")
     with pytest.raises(InvalidInputError, match="multi-head latent attention.*HybridPrefixCache"):
         HydragenCache(model.config)

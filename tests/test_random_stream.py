@@ -56,6 +56,10 @@ CASES = [
     ("falcon_h1", "marconi", "tight", False),
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
+    ("lfm2_moe", "dp", "tight", True),
+    ("lfm3", "vllm+", "tight", False),
+    ("bailing_hybrid", "marconi", "tight", False),
+    ("bailing_hybrid", "sglang+", "loose", True),
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

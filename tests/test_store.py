@@ -143,9 +143,10 @@ def test_layout_and_bytes_match_the_models_own_cache():
     store.core.release(entry)
 
 
-def test_sliding_window_models_are_refused():
-    model = build("qwen3")
-    model.config.layer_types = ["sliding_attention", "full_attention"]
+@pytest.mark.parametrize("family", ["qwen3", "lfm3"])
+def test_sliding_window_models_are_refused(family):
+    model = build(family)
+    model.config.layer_types = ["sliding_attention", "full_attention", "conv", "conv"][:model.config.num_hidden_layers]
     model.config.sliding_window = 8
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         PrefixStore(model)

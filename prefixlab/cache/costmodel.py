@@ -40,7 +40,7 @@ Tokens = int | np.ndarray  # a token count, or an integer array of them (vectori
 LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe")
 # Dims that may be 0 (a flag, or a part the model may lack); every other dim of a group with layers must be >= 1.
 OPTIONAL_DIMS = frozenset({"gated", "output_gate", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-                           "shared_intermediate", "latent_size"})
+                           "shared_intermediate", "latent_size", "full_rank_gates"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +100,14 @@ def mla_attention_layers(
     dims = _dims(hidden=hidden, heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                  v_head_dim=v_head_dim, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank or 0)
     return LayerGroup("attention", count, projections, 2 * (q_dim + v_dim), latent * dtype_bytes, dims=dims)
+
+
+def head_gated(layers: LayerGroup) -> LayerGroup:
+    """Attention `layers` (either kind above) whose heads' outputs are scaled by a sigmoid gate projected from the
+    layer input, one scalar per head (LFM3, Ling's MLA): `2 h H` more per token."""
+    dims = dict(layers.dims)
+    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + 2 * dims["hidden"] * dims["heads"],
+                   dims=(*layers.dims, ("head_gate", 1)))
 
 
 def _dims(**dims: int) -> tuple[tuple[str, int], ...]:
@@ -212,22 +220,25 @@ def gated_deltanet_layers(
 
 def kda_layers(
     count: int, hidden: int, num_heads: int, head_dim: int, conv_kernel: int, dtype_bytes: int,
-    state_dtype_bytes: int = FP32_BYTES,
+    state_dtype_bytes: int = FP32_BYTES, full_rank_gates: bool = False,
 ) -> LayerGroup:
-    """Kimi Delta Attention (Kimi Linear): a delta rule with per-channel decay, `H` heads of width `d` for q, k and
-    v alike. Besides q, k, v the in_proj emits beta (one per head); the forget gate and the output gate are
-    low-rank, `h -> d -> H d` each (`2 h d + 2 d H d`)."""
+    """Kimi Delta Attention (Kimi Linear, Ling): a delta rule with per-channel decay, `H` heads of width `d` for q, k
+    and v alike. Besides q, k, v the in_proj emits beta (one per head); the forget gate and the output gate are
+    low-rank in Kimi, `h -> d -> H d` each (`2 h d + 2 d H d`), or `full_rank_gates` (Ling), `h -> H d` each."""
+    gate_inner = num_heads * head_dim if full_rank_gates else head_dim
     layers = _delta_rule_layers(
-        "kda", count, hidden, num_heads, num_heads, head_dim, head_dim, num_heads + 2 * head_dim, conv_kernel,
+        "kda", count, hidden, num_heads, num_heads, head_dim, head_dim, num_heads + 2 * gate_inner, conv_kernel,
         dtype_bytes, state_dtype_bytes,
-        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel),
+        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel,
+              full_rank_gates=full_rank_gates),
     )
-    gate_up_projections = 2 * 2 * head_dim * num_heads * head_dim
+    gate_up_projections = 0 if full_rank_gates else 2 * 2 * head_dim * num_heads * head_dim
     return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + gate_up_projections)
 
 
 def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: int) -> LayerGroup:
-    """LFM2 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h` channels, out_proj."""
+    """LFM2 / LFM2-MoE / LFM3 gated short convolution: in_proj to B, C, x (`3 h`), depthwise conv over `h`
+    channels, out_proj."""
     return _ssm_layers(
         "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes,
         _dims(hidden=hidden, conv_kernel=conv_kernel),

@@ -46,6 +46,15 @@ def _count_attention(layer_types) -> int:
     return sum(t in ATTENTION_TYPES for t in layer_types)
 
 
+def _refuse_windowed(c, windowed: list[str], what_to_do: str) -> None:
+    """UnsupportedModelError for layers that keep a bounded KV window (their per-token bytes are not a constant)."""
+    if windowed:
+        raise UnsupportedModelError(
+            f"{c.model_type}: layer types {sorted(set(windowed))} keep a bounded KV window, which the cost model does "
+            f"not price; {what_to_do}"
+        )
+
+
 def _gdn_and_attention(c, dtype_bytes: int, gated: bool) -> tuple[cm.LayerGroup, ...]:
     """GatedDeltaNet ("linear_attention") + full attention layers, from the `linear_*` config names."""
     n_attention = _count_attention(c.layer_types)
@@ -172,20 +181,48 @@ def _zamba2(c, dtype_bytes):
     )
 
 
+def _lfm_mixers(c, dtype_bytes: int, head_gate: bool = False) -> tuple[cm.LayerGroup, ...]:
+    """LFM2 / LFM2-MoE / LFM3: gated short convs ("conv") or attention layers (QK-norm; LFM3's may gate each head)."""
+    if c.layer_types is None:  # (Lfm2MoeConfig's default: its model cannot be built either)
+        raise InvalidInputError(f"{c.model_type} config has layer_types=None; set one of 'conv' / 'full_attention' "
+                                "per layer, as the model's checkpoint config does")
+    n_attention = _count_attention(c.layer_types)
+    attention = _attention(c, n_attention, dtype_bytes)
+    return (cm.short_conv_layers(c.num_hidden_layers - n_attention, c.hidden_size, c.conv_L_cache, dtype_bytes),
+            cm.head_gated(attention) if head_gate else attention)
+
+
 def _lfm2(c, dtype_bytes):
-    """LFM2: gated short convs or attention, each followed by a SwiGLU MLP (width auto-adjusted as Lfm2MLP does)."""
-    n, n_attention = c.num_hidden_layers, _count_attention(c.layer_types)
+    """LFM2: each mixer is followed by a SwiGLU MLP (width auto-adjusted as Lfm2MLP does)."""
     intermediate = c.intermediate_size
     if c.block_auto_adjust_ff_dim:
         intermediate = int(2 * intermediate / 3)
         if c.block_ffn_dim_multiplier is not None:
             intermediate = int(c.block_ffn_dim_multiplier * intermediate)
             intermediate = c.block_multiple_of * -(-intermediate // c.block_multiple_of)
+    return (*_lfm_mixers(c, dtype_bytes), cm.mlp_layers(c.num_hidden_layers, c.hidden_size, intermediate))
+
+
+def _lfm2_moe(c, dtype_bytes):
+    """LFM2-MoE: LFM2's mixers; the first `num_dense_layers` MLPs are dense (`intermediate_size`, not adjusted),
+    the rest sparse (sigmoid router, `num_experts_per_tok` of `num_experts`, no shared expert)."""
+    n = c.num_hidden_layers
+    n_dense = min(c.num_dense_layers, n)
     return (
-        cm.short_conv_layers(n - n_attention, c.hidden_size, c.conv_L_cache, dtype_bytes),
-        _attention(c, n_attention, dtype_bytes),
-        cm.mlp_layers(n, c.hidden_size, intermediate),
+        *_lfm_mixers(c, dtype_bytes),
+        cm.mlp_layers(n_dense, c.hidden_size, c.intermediate_size),
+        cm.moe_layers(n - n_dense, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok),
     )
+
+
+def _lfm3(c, dtype_bytes):
+    """LFM3: LFM2's mixers with a per-head sigmoid gate on attention (`use_attention_gate`), each followed by a
+    SwiGLU MLP of `intermediate_size`. Its sliding-window layers (in the default `layer_types`) are refused."""
+    _refuse_windowed(c, [t for t in c.layer_types if t == "sliding_attention"],
+                     "only configs whose layer_types are all 'conv' or 'full_attention' are served; turning the "
+                     "sliding layers into full ones changes the model (another RoPE per layer type)")
+    return (*_lfm_mixers(c, dtype_bytes, head_gate=c.use_attention_gate),
+            cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
 
 
 def _olmo_hybrid(c, dtype_bytes):
@@ -195,20 +232,33 @@ def _olmo_hybrid(c, dtype_bytes):
             cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
 
 
-def _kimi_linear(c, dtype_bytes):
-    """Kimi Linear: KDA ("linear_attention") or MLA ("full_attention", caching the latents); the MLP of each layer
-    is dense or ("sparse" in `mlp_layer_types`) a DeepSeek-V3 MoE with `n_shared_experts` always-on experts."""
+def _kda_and_mla(c, dtype_bytes: int, ling: bool) -> tuple[cm.LayerGroup, ...]:
+    """KDA ("linear_attention") or MLA ("full_attention", caching the latents) mixers; the MLP of each layer is
+    dense or ("sparse" in `mlp_layer_types`) a DeepSeek-V3 MoE with `n_shared_experts` always-on experts."""
     n = c.num_hidden_layers
     n_attention, n_sparse = _count_attention(c.layer_types[:n]), c.mlp_layer_types[:n].count("sparse")
+    mla = cm.mla_attention_layers(n_attention, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
+                                  c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, getattr(c, "q_lora_rank", None),
+                                  dtype_bytes)
     return (
         cm.kda_layers(n - n_attention, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
-                      dtype_bytes),
-        cm.mla_attention_layers(n_attention, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
-                                c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank, dtype_bytes),
+                      dtype_bytes, full_rank_gates=ling),
+        cm.head_gated(mla) if ling else mla,
         cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                       c.moe_intermediate_size * c.n_shared_experts),
         cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size),
     )
+
+
+def _kimi_linear(c, dtype_bytes):
+    """Kimi Linear: KDA with low-rank forget / output gates, MLA (optionally low-rank Q)."""
+    return _kda_and_mla(c, dtype_bytes, ling=False)
+
+
+def _bailing_hybrid(c, dtype_bytes):
+    """Ling hybrid (bailing_hybrid): Kimi's layout with full-rank KDA gates (f_proj, g_proj) and MLA (full-rank Q)
+    whose heads are gated by a sigmoid of g_proj (one scalar per head). Its optional MTP modules are not built."""
+    return _kda_and_mla(c, dtype_bytes, ling=True)
 
 
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
@@ -228,12 +278,8 @@ def _dense(c, dtype_bytes):
             layer_types = ["chunked_attention"] * n
         else:
             layer_types = ["full_attention"] * n
-    windowed = sorted({t for t in layer_types[:n] if t != "full_attention"})
-    if windowed:
-        raise UnsupportedModelError(
-            f"{c.model_type}: layer types {windowed} keep a bounded KV window, which the cost model does not price; "
-            "only full attention is supported (e.g. sliding_window=None, use_sliding_window=False)"
-        )
+    _refuse_windowed(c, [t for t in layer_types[:n] if t != "full_attention"],
+                     "only full attention is supported (e.g. sliding_window=None, use_sliding_window=False)")
     return _attention(c, n, dtype_bytes), cm.mlp_layers(n, c.hidden_size, c.intermediate_size)
 
 
@@ -264,7 +310,10 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "mamba2": ModelFamily(_mamba2_model, "Mamba2Mixer"),
     "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=(
         "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)")),
+    "bailing_hybrid": ModelFamily(_bailing_hybrid, "BailingHybridDeltaAttention"),
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
+    "lfm2_moe": ModelFamily(_lfm2_moe, "ShortConv"),
+    "lfm3": ModelFamily(_lfm3, "ShortConv"),
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}

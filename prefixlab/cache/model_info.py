@@ -66,7 +66,9 @@ class CacheLayout:
             if isinstance(layer, DynamicSlidingWindowLayer):
                 raise UnsupportedModelError(
                     f"layer {index} is a sliding-window attention layer ({type(layer).__name__}); its cache drops "
-                    "old tokens, so prefixes cannot be reused from it. Disable sliding windows to use prefixlab"
+                    "old tokens, so prefixes cannot be reused from it. Disable sliding windows to use prefixlab "
+                    "where the model allows it (sliding_window=None, use_sliding_window=False); a model built with "
+                    "sliding-window layer types (as LFM3 checkpoints are) is not served"
                 )
             if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
                 raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
