@@ -66,6 +66,8 @@ FAMILIES = {
     "lfm3": (tf.Lfm3Config, tf.Lfm3ForCausalLM, dict(num_hidden_layers=4, layer_types=_LFM, conv_L_cache=4)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
+    "mamba": (tf.MambaConfig, tf.MambaForCausalLM, dict(num_hidden_layers=2, state_size=16, expand=2)),
+    "falcon_mamba": (tf.FalconMambaConfig, tf.FalconMambaForCausalLM, dict(num_hidden_layers=2, state_size=16)),
 }
 
 
@@ -82,7 +84,7 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
 
 
 def cache_argument(model: torch.nn.Module) -> str:
-    """The generate() keyword a family takes its cache under (Mamba2: cache_params)."""
+    """The generate() keyword a family takes its cache under (Mamba, Falcon-Mamba, Mamba2: cache_params)."""
     return "cache_params" if "mamba" in type(model).__name__.lower() else "past_key_values"
 
 

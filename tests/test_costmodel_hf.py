@@ -10,6 +10,7 @@ from transformers import (
     BailingHybridConfig,
     BambaConfig,
     FalconH1Config,
+    FalconMambaConfig,
     GemmaConfig,
     GPT2Config,
     GraniteMoeHybridConfig,
@@ -20,6 +21,7 @@ from transformers import (
     Lfm3Config,
     LlamaConfig,
     Mamba2Config,
+    MambaConfig,
     MistralConfig,
     NemotronHConfig,
     OlmoHybridConfig,
@@ -83,6 +85,10 @@ TINY = {
     "bailing_hybrid": lambda: BailingHybridConfig(**BAILING),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                    state_size=8, n_groups=2, conv_kernel=3),
+    "mamba": lambda: MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=3,
+                                 conv_kernel=3, use_bias=True),
+    "falcon_mamba": lambda: FalconMambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=6,
+                                              conv_kernel=3, time_step_rank=5),
     "olmo_hybrid": lambda: OlmoHybridConfig(
         **DIMS, num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_conv_kernel_dim=3, pad_token_id=0),
@@ -214,9 +220,9 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
 
 def test_default_configs_build():
     for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
-                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
-                   OlmoHybridConfig(), KimiLinearConfig(), Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16),
-                   BailingHybridConfig(), LlamaConfig(),
+                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(), MambaConfig(),
+                   FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(),
+                   Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16), BailingHybridConfig(), LlamaConfig(),
                    Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None)):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)
         recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "kda", "short_conv"))

@@ -137,8 +137,9 @@ def test_a_ragged_hybrid_group_without_its_prefix_in_the_store_is_left_to_the_pl
         store.close()
 
 
-def test_a_model_without_shared_attention_is_not_batched():
-    assert siblings.batching_mode(build("mamba2")) is None
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_a_model_without_shared_attention_is_not_batched(family):
+    assert siblings.batching_mode(build(family)) is None
 
 
 def test_join_rows_refuses_rows_that_do_not_share_their_levels():
@@ -188,7 +189,7 @@ def test_serve_falls_back_to_one_by_one_where_the_cache_cannot_load_the_model(ca
             {p.id: serve.generate_uncached(model, p.tokens, 3) for p in prompts}
 
 
-@pytest.mark.parametrize("family", ["llama", "falcon_h1", "zamba2", "jamba", "mamba2"])
+@pytest.mark.parametrize("family", ["llama", "falcon_h1", "zamba2", "jamba", "mamba2", "falcon_mamba"])
 def test_kv_bytes_per_token_is_what_the_store_holds_per_token(family):
     """The decode-KV figures of `prefixlab run` count every attention layer the model has, however its config names
     them (Falcon-H1: attention in every layer; Zamba2: shared blocks; Mamba2: none)."""
@@ -202,9 +203,11 @@ def test_kv_bytes_per_token_is_what_the_store_holds_per_token(family):
         store.close()
 
 
-def test_serve_runs_a_model_without_attention_exactly():
-    """Pure Mamba2 (no attention layer, nothing to batch): every prompt served one by one, as the uncached model."""
-    model = recurrent_patch_models.build("mamba2")
+@pytest.mark.parametrize("family", ["mamba2", "mamba"])
+def test_serve_runs_a_model_without_attention_exactly(family):
+    """Pure Mamba2 / Mamba (no attention layer, nothing to batch): every prompt served one by one, as the uncached
+    model."""
+    model = recurrent_patch_models.build(family)
     rng = np.random.default_rng(5)
     prefix = rng.integers(3, 60, 12)
     prompts = [Prompt(k, k, np.concatenate([prefix, rng.integers(3, 60, 1 + k)]), 3) for k in range(3)]
@@ -214,7 +217,7 @@ def test_serve_runs_a_model_without_attention_exactly():
     finally:
         store.close()
     assert stats.kv_bytes_read == 0 and stats.reused_tokens > 0
-    reference = recurrent_patch_models.build("mamba2")
+    reference = recurrent_patch_models.build(family)
     with torch.inference_mode():
         assert {r["id"]: r["output_ids"] for r in records} == \
             {p.id: serve.generate_uncached(reference, p.tokens, 3) for p in prompts}

@@ -69,9 +69,10 @@ def test_bad_cache_options_are_refused_at_construction():
     store.close()
 
 
-@pytest.mark.parametrize("family", ["mamba2", "jamba", "llama"])
+@pytest.mark.parametrize("family", ["mamba2", "jamba", "falcon_mamba", "llama"])
 def test_the_cards_line_on_other_families(family):
-    """cache_params= (Mamba2), a Mamba1 hybrid served only patched (Jamba), a KV-only model."""
+    """cache_params= (Mamba2), Mamba1 served only patched (Jamba; Falcon-Mamba, with cache_params=), a KV-only
+    model."""
     model = build(family)
     prompt = tokens(1, 16, seed=3)
     reference = generate(model, prompt)
@@ -133,7 +134,7 @@ def test_a_forward_gets_every_logit_it_asks_for_and_hybrids_refuse_to_crop():
         cache.crop(-1)
 
 
-@pytest.mark.parametrize("family", ["mamba2", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["mamba2", "mamba", "qwen3_5_text"])
 def test_reset_admits_what_the_cache_holds_and_serves_a_new_request(family):
     """transformers' reset() empties a cache in place. Before the store admitted the request that cache held, that
     put zero states into the store (pure Mamba2) or crashed the next request of any cache (hybrids). Now reset
@@ -325,7 +326,7 @@ def test_a_compiled_model_reuses_exactly():
     assert serve() == eager and min(eager[1:]) > 0
 
 
-@pytest.mark.parametrize("family", ["mamba2", "qwen3_5_text"])
+@pytest.mark.parametrize("family", ["mamba2", "mamba", "qwen3_5_text"])
 def test_generate_never_auto_compiles_the_forward_over_the_cache(family, monkeypatch):
     """On CUDA, generate() compiles the forward over a cache whose layers are all compileable (only linear layers,
     e.g. Mamba2): seen on an H200, inductor traced the store's hooks. DynamicCache, which the cache replaces, is

@@ -21,7 +21,7 @@ def logits_over_store(model, store, ids):
     """(reused tokens, max |logits - the uncached model's|) of a plain request for `ids` over `store`."""
     cache = HybridPrefixCache(store)
     with torch.no_grad():
-        got = model(input_ids=ids, past_key_values=cache).logits
+        got = model(input_ids=ids, **{cache_argument(model): cache}).logits
         want = model(input_ids=ids).logits[:, cache.reused_tokens:]
     return cache.reused_tokens, float((got - want).abs().max())
 
@@ -63,7 +63,8 @@ def test_a_later_call_with_more_rows_is_refused_clearly_and_keeps_the_earlier_re
     assert reused == first.shape[1] - 1 and diff <= 1e-5
 
 
-@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias")])
+@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias"),
+                                               ("mamba", "use_bias")])
 def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bias_flag):
     """With a bias in a recurrent layer's input projection a left pad is not zero there: it enters the row's conv
     window and states. A padded row's states were stored as the row's alone (a later unpadded request 4e-3 off) and

@@ -42,7 +42,7 @@ def test_new_tokens_like_the_held_ones_without_positions_are_new_tokens(family):
 
 
 @pytest.mark.parametrize("family, pieces", [("qwen3_5_text", [0, 1, 7]), ("qwen3_5_text", [0, 2, 3, 7]),
-                                            ("mamba2", [0, 1, 7])])
+                                            ("mamba2", [0, 1, 7]), ("mamba", [0, 1, 7])])
 def test_a_one_token_forward_at_a_rows_pad_is_not_stored(family, pieces):
     """transformers masks no pad out of a one-token forward: the pad entered the short row's states, the row was
     admitted once a later forward resolved its pads, and a later unpadded request resumed it (up to 2.2 off)."""
@@ -54,7 +54,7 @@ def test_a_one_token_forward_at_a_rows_pad_is_not_stored(family, pieces):
     cache = HybridPrefixCache(store)
     with torch.no_grad():
         for start, stop in itertools.pairwise(pieces):
-            extra = {} if family == "mamba2" else {"position_ids": positions[:, start:stop]}
+            extra = {} if family in ("mamba2", "mamba") else {"position_ids": positions[:, start:stop]}
             model(input_ids=ids[:, start:stop], attention_mask=mask[:, :stop], **{cache_argument(model): cache},
                   **extra)
     assert cache.report().admission.startswith("admitted")  # the row without pads

@@ -35,7 +35,7 @@ DEVICE = hf_models.TEST_DEVICE
 NEW_TOKENS = 3
 
 # (family, policy, capacity, patch). Hybrid families come from recurrent_patch_models (weights at unit scale, so a
-# wrong state shows in the logits); llama (KV only) from hf_models. Jamba is served only patched.
+# wrong state shows in the logits); llama (KV only) from hf_models. Jamba, Mamba, Falcon-Mamba are served only patched.
 CASES = [
     ("qwen3_5_text", "dp", "tight+host", True),  # +host: evictions go to a host tier, and come back from it
     ("qwen3_5_text", "vllm+", "loose", False),
@@ -53,6 +53,8 @@ CASES = [
     ("olmo_hybrid", "dp", "tight", False),
     ("kimi_linear", "vllm+", "tight", True),
     ("mamba2", "dp", "tight", True),
+    ("mamba", "marconi", "tight", True),  # Mamba, Falcon-Mamba: like Jamba, served only patched
+    ("falcon_mamba", "vllm+", "tight", True),
     ("falcon_h1", "marconi", "tight", False),
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
@@ -66,8 +68,9 @@ CASES = [
 
 
 # Families whose transformers layers continue a DynamicCache exactly (chunked prefill's reference); generate chunks
-# only caches passed as past_key_values (not Mamba2's cache_params); Jamba's own layers restart from zeros.
-CHUNKED = {family for family, *_ in CASES} - {"mamba2", "jamba"}
+# only caches passed as past_key_values (not cache_params: Mamba, Falcon-Mamba, Mamba2); Mamba1 layers (Jamba too)
+# restart from zeros.
+CHUNKED = {family for family, *_ in CASES} - {"mamba2", "mamba", "falcon_mamba", "jamba"}
 
 
 def build(family: str) -> torch.nn.Module:

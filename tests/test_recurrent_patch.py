@@ -6,6 +6,7 @@ import pytest
 import torch
 from recurrent_patch_models import (
     CONFIGS,
+    TOL,
     RecordingCache,
     assert_close,
     assert_same_states,
@@ -100,7 +101,7 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
             assert_same_states(records[(layer, offset, None)], states(expected, layer))
 
 
-@pytest.mark.parametrize("name", ["jamba", "falcon_mamba"])
+@pytest.mark.parametrize("name", ["jamba", "falcon_mamba", "mamba"])
 def test_mamba1_models_need_the_patch_to_resume(name):
     """transformers' Mamba1 torch path restarts its scan from zeros for multi-token forwards, so a cached prefix
     is only resumed exactly once patched (if this starts failing on the unpatched side, transformers fixed it)."""
@@ -111,6 +112,6 @@ def test_mamba1_models_need_the_patch_to_resume(name):
         cache = new_cache(model)
         return torch.cat([forward(model, ids[:, :7], cache), forward(model, ids[:, 7:], cache, start=7)], dim=1)
 
-    assert (resumed() - reference).abs().max() > 1e-2
+    assert (resumed() - reference).abs().max() > 100 * TOL  # (Mamba, no dt / B / C norms: 4e-3; others > 1e-2)
     with patched(model):
         assert_close(resumed(), reference)

@@ -33,9 +33,9 @@ states at column - p_b. Beam search and num_return_sequences reorder / repeat th
 More in docs/ARCHITECTURE.md "HF flow".
 
 Direct forwards work the same way (outputs cover the tokens run); a later multi-token forward (chunked prefill, a
-continued turn) resumes further where the store holds more. Mamba2 takes its cache as `cache_params=`. Assisted
-decoding crops rejected candidates (refused with recurrent states: they cannot roll back). Images: multimodal.py.
-`cache.report()`: what each row reused and why, what was admitted."""
+continued turn) resumes further where the store holds more. Mamba, Falcon-Mamba and Mamba2 take it as
+`cache_params=`. Assisted decoding crops rejected candidates (refused with recurrent states: they cannot roll back).
+Images: multimodal.py. `cache.report()`: what each row reused and why, what was admitted."""
 
 from __future__ import annotations
 

@@ -163,6 +163,13 @@ def _jamba(c, dtype_bytes):
     )
 
 
+def _mamba_model(c, dtype_bytes):
+    """Mamba, Falcon-Mamba: Mamba1 mixers only (no attention, no MLP); Falcon-Mamba's dt / B / C norms are
+    weightless."""
+    return (cm.mamba_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.state_size, c.time_step_rank,
+                            c.conv_kernel, dtype_bytes),)
+
+
 def _zamba2(c, dtype_bytes):
     """Zamba2: every layer is Mamba2; "hybrid" layers first run a shared transformer block (attention reading
     [hidden, embeddings], 2h wide, own KV cache per layer; gated MLP with a LoRA adapter on gate_up) and an h x h
@@ -294,6 +301,10 @@ class ModelFamily:
     patched_only: str | None = None
 
 
+# transformers 5.23's Mamba1 mixers (Jamba, Mamba, Falcon-Mamba) never hand the cached recurrent state to a
+# multi-token scan (mamba_selective_scan and mamba_ssm's selective_scan_fn take none; the torch loop starts at zeros)
+_MAMBA1_RESTARTS = "{}'s multi-token scan starts from zeros, not from the cached state (transformers 5.23)"
+
 # Adding a family: its row here (and its reader above; a new kind of recurrent layer also needs a
 # prefixlab.recurrent.families class). tests/test_hf_families.py checks `layer_family` against a tiny model.
 MODEL_FAMILIES: dict[str, ModelFamily] = {
@@ -308,8 +319,10 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "granitemoehybrid": ModelFamily(_granitemoehybrid, "Mamba2Mixer"),
     "zamba2": ModelFamily(_zamba2, "Mamba2Mixer"),
     "mamba2": ModelFamily(_mamba2_model, "Mamba2Mixer"),
-    "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=(
-        "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)")),
+    "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=_MAMBA1_RESTARTS.format("JambaMambaMixer")),
+    "mamba": ModelFamily(_mamba_model, "MambaMixer", patched_only=_MAMBA1_RESTARTS.format("MambaMixer")),
+    "falcon_mamba": ModelFamily(_mamba_model, "NormalisedMambaMixer",
+                                patched_only=_MAMBA1_RESTARTS.format("FalconMambaMixer")),
     "bailing_hybrid": ModelFamily(_bailing_hybrid, "BailingHybridDeltaAttention"),
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
     "lfm2_moe": ModelFamily(_lfm2_moe, "ShortConv"),

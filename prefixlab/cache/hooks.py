@@ -349,7 +349,8 @@ def forward_parameters(module: torch.nn.Module) -> frozenset[str]:
 
 
 def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword a model takes its cache under in forward() and generate() (Mamba2: cache_params)."""
+    """The keyword a model takes its cache under in forward() and generate() (Mamba, Falcon-Mamba, Mamba2:
+    cache_params)."""
     return "cache_params" if "cache_params" in forward_parameters(model) else "past_key_values"
 
 

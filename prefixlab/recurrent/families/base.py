@@ -91,10 +91,15 @@ def mask_padding(hidden_states: torch.Tensor, mask: torch.Tensor | None) -> torc
 
 
 def padding_mask(attention_mask: Any, hidden_states: torch.Tensor) -> torch.Tensor | None:
-    """The 2D padding mask the model hands a linear-attention layer, checked against the layer input."""
+    """The 2D padding mask of the layer input's tokens, from the one the model hands the layer. Mamba and
+    Falcon-Mamba hand their input mask as given, which spans the cached tokens too when a forward continues a
+    cache (prefixlab's hooks pass such forwards): its last columns are this forward's, as transformers'
+    create_recurrent_attention_mask trims it for the other models."""
     if attention_mask is None:
         return None
     batch, length = hidden_states.shape[:2]
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.shape[1] > length:
+        attention_mask = attention_mask[:, -length:]
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != (batch, length):
         shape = list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise InvalidInputError(

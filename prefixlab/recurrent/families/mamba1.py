@@ -1,8 +1,10 @@
 """Mamba1 mixers (Jamba, Falcon-Mamba, Mamba): in_proj to x | z, a depthwise conv over x, x_proj to dt | B | C,
 the selective scan gated by SiLU(z), out_proj. Jamba and Falcon-Mamba RMS-normalise dt, B and C first.
 
-transformers' Jamba / Mamba torch path restarts the scan from zeros for any forward of more than one token, so
-without this patch a cached prefix cannot be resumed exactly by these models."""
+transformers 5.23's Mamba1 mixers (Jamba, Mamba, Falcon-Mamba) hand no cached state to the scan of a forward of more
+than one token (modeling_mamba.py mamba_selective_scan: its torch loop starts from zeros, mamba_ssm's
+selective_scan_fn takes no initial state), so without this patch a cached prefix cannot be resumed exactly by these
+models (hfspec marks them `patched_only`)."""
 
 from __future__ import annotations
 
