@@ -53,6 +53,10 @@ FAMILIES = {
     "zamba2": (tf.Zamba2Config, tf.Zamba2ForCausalLM, dict(
         num_hidden_layers=4, layers_block_type=["mamba", "mamba", "hybrid", "mamba"], mamba_d_state=16,
         mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=8, num_mem_blocks=1)),
+    # (transformers 5.23 cannot build a Zamba with a single hybrid layer: its tied-weights pattern matches nothing)
+    "zamba": (tf.ZambaConfig, tf.ZambaForCausalLM, dict(
+        num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid", "mamba"], mamba_d_state=8,
+        mamba_dt_rank=8, n_mamba_heads=2)),
     "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
         num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], conv_L_cache=3)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(

@@ -35,7 +35,7 @@ DEVICE = hf_models.TEST_DEVICE
 NEW_TOKENS = 3
 
 # (family, policy, capacity, patch). Hybrid families come from recurrent_patch_models (weights at unit scale, so a
-# wrong state shows in the logits); llama (KV only) from hf_models. Jamba is served only patched.
+# wrong state shows in the logits); llama (KV only) from hf_models. Jamba and Zamba are served only patched.
 CASES = [
     ("qwen3_5_text", "dp", "tight+host", True),  # +host: evictions go to a host tier, and come back from it
     ("qwen3_5_text", "vllm+", "loose", False),
@@ -53,6 +53,7 @@ CASES = [
     ("olmo_hybrid", "dp", "tight", False),
     ("kimi_linear", "vllm+", "tight", True),
     ("mamba2", "dp", "tight", True),
+    ("zamba", "vllm+", "tight", True),
     ("falcon_h1", "marconi", "tight", False),
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
@@ -62,8 +63,8 @@ CASES = [
 
 
 # Families whose transformers layers continue a DynamicCache exactly (chunked prefill's reference); generate chunks
-# only caches passed as past_key_values (not Mamba2's cache_params); Jamba's own layers restart from zeros.
-CHUNKED = {family for family, *_ in CASES} - {"mamba2", "jamba"}
+# only caches passed as past_key_values (not Mamba2's cache_params); Jamba's and Zamba's own layers restart from zeros.
+CHUNKED = {family for family, *_ in CASES} - {"mamba2", "jamba", "zamba"}
 
 
 def build(family: str) -> torch.nn.Module:
