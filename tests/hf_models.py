@@ -58,6 +58,10 @@ FAMILIES = {
         num_hidden_layers=4, num_key_value_heads=4, layer_group_size=4, short_conv_kernel_size=4, n_group=1,
         topk_group=1, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    # (transformers 5.23 cannot build a Zamba with a single hybrid layer: its tied-weights pattern matches nothing)
+    "zamba": (tf.ZambaConfig, tf.ZambaForCausalLM, dict(
+        num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid", "mamba"], mamba_d_state=8,
+        mamba_dt_rank=8, n_mamba_heads=2)),
     "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
         num_hidden_layers=4, layer_types=_LFM, conv_L_cache=3)),
     "lfm2_moe": (tf.Lfm2MoeConfig, tf.Lfm2MoeForCausalLM, dict(

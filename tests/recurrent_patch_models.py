@@ -150,6 +150,16 @@ CONFIGS: dict[str, dict] = {
         mamba_expand=2,
         mamba_dt_rank=4,
     ),
+    "zamba": dict(
+        **_COMMON,
+        num_hidden_layers=3,
+        layers_block_type=["hybrid", "mamba", "hybrid"],  # (one hybrid layer: transformers 5.23 cannot build it)
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_dt_rank=4,
+        n_mamba_heads=2,
+    ),
     "mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "falcon_mamba": dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2, conv_kernel=4),
     "lfm2": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3),

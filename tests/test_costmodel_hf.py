@@ -32,6 +32,7 @@ from transformers import (
     Qwen3Config,
     Qwen3NextConfig,
     Zamba2Config,
+    ZambaConfig,
 )
 
 from prefixlab.cache.costmodel import ModelSpec
@@ -75,6 +76,9 @@ TINY = {
     "zamba2": lambda: Zamba2Config(
         **DIMS, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=8, mamba_d_conv=3,
         n_mamba_heads=4, mamba_ngroups=2, use_mamba_kernels=False),
+    "zamba": lambda: ZambaConfig(
+        **DIMS, num_hidden_layers=4, layers_block_type=["hybrid", "mamba", "hybrid", "mamba"], mamba_d_state=8,
+        mamba_d_conv=3, mamba_dt_rank=4, n_mamba_heads=4),
     "lfm2": lambda: Lfm2Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                conv_L_cache=3),
     "lfm2_moe": lambda: Lfm2MoeConfig(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
@@ -189,7 +193,10 @@ def flops_from_weights(model, cache) -> float:
     router_names = ("mlp.gate.weight", "mixer.gate.weight", "router.weight", "feed_forward.gate.weight")
     routers = [p for name, p in params.items() if name.endswith(router_names)]
     expected += 2 * sum(p.numel() for p in routers)
-    experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name]
+    per_head = ("x_proj_weight", "dt_proj_weight")  # Zamba's per-head x_proj / dt_proj (3D parameters)
+    expected += 2 * sum(p.numel() for name, p in params.items() if name.endswith(per_head))
+    experts = [p for name, p in params.items()
+               if p.dim() == 3 and "conv" not in name and not name.endswith((*per_head, "A_log"))]
     if experts:
         n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
             or config.n_routed_experts
@@ -220,8 +227,8 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
 
 def test_default_configs_build():
     for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
-                   GraniteMoeHybridConfig(), JambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(), MambaConfig(),
-                   FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(),
+                   GraniteMoeHybridConfig(), JambaConfig(), ZambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
+                   MambaConfig(), FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(),
                    Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16), BailingHybridConfig(), LlamaConfig(),
                    Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None)):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)

@@ -189,10 +189,10 @@ def test_serve_falls_back_to_one_by_one_where_the_cache_cannot_load_the_model(ca
             {p.id: serve.generate_uncached(model, p.tokens, 3) for p in prompts}
 
 
-@pytest.mark.parametrize("family", ["llama", "falcon_h1", "zamba2", "jamba", "mamba2", "falcon_mamba"])
+@pytest.mark.parametrize("family", ["llama", "falcon_h1", "zamba2", "zamba", "jamba", "mamba2", "falcon_mamba"])
 def test_kv_bytes_per_token_is_what_the_store_holds_per_token(family):
     """The decode-KV figures of `prefixlab run` count every attention layer the model has, however its config names
-    them (Falcon-H1: attention in every layer; Zamba2: shared blocks; Mamba2: none)."""
+    them (Falcon-H1: attention in every layer; Zamba, Zamba2: shared blocks; Mamba2: none)."""
     model = hf_models.build(family) if family == "llama" else recurrent_patch_models.build(family)
     store = PrefixStore(model, capacity="64MB", policy="sglang+")
     try:

@@ -257,9 +257,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_the_lookup(pair, st
     _assert_untouched(store, before)
 
 
-@pytest.mark.parametrize("family", ["falcon_h1", "zamba2"])
+@pytest.mark.parametrize("family", ["falcon_h1", "zamba2", "zamba"])
 def test_models_without_a_shareable_attention_layer_are_refused_as_such(family):
-    """Falcon-H1 and Zamba2 keep attention KV in a cache layer shared with a recurrent one, which HydragenCache
+    """Falcon-H1, Zamba2 and Zamba keep attention KV in a cache layer shared with a recurrent one, which HydragenCache
     cannot share: the store built for the same model was refused as "another model" (ModelMismatchError)."""
     from prefixlab.errors import UnsupportedModelError
 

@@ -35,7 +35,8 @@ DEVICE = hf_models.TEST_DEVICE
 NEW_TOKENS = 3
 
 # (family, policy, capacity, patch). Hybrid families come from recurrent_patch_models (weights at unit scale, so a
-# wrong state shows in the logits); llama (KV only) from hf_models. Jamba, Mamba, Falcon-Mamba are served only patched.
+# wrong state shows in the logits); llama (KV only) from hf_models. Jamba, Zamba, Mamba, Falcon-Mamba are served only
+# patched.
 CASES = [
     ("qwen3_5_text", "dp", "tight+host", True),  # +host: evictions go to a host tier, and come back from it
     ("qwen3_5_text", "vllm+", "loose", False),
@@ -55,6 +56,7 @@ CASES = [
     ("mamba2", "dp", "tight", True),
     ("mamba", "marconi", "tight", True),  # Mamba, Falcon-Mamba: like Jamba, served only patched
     ("falcon_mamba", "vllm+", "tight", True),
+    ("zamba", "vllm+", "tight", True),
     ("falcon_h1", "marconi", "tight", False),
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
@@ -68,9 +70,9 @@ CASES = [
 
 
 # Families whose transformers layers continue a DynamicCache exactly (chunked prefill's reference); generate chunks
-# only caches passed as past_key_values (not cache_params: Mamba, Falcon-Mamba, Mamba2); Mamba1 layers (Jamba too)
-# restart from zeros.
-CHUNKED = {family for family, *_ in CASES} - {"mamba2", "mamba", "falcon_mamba", "jamba"}
+# only caches passed as past_key_values (not cache_params: Mamba, Falcon-Mamba, Mamba2); Mamba1 layers (Jamba, Zamba
+# too) restart from zeros.
+CHUNKED = {family for family, *_ in CASES} - {"mamba2", "mamba", "falcon_mamba", "jamba", "zamba"}
 
 
 def build(family: str) -> torch.nn.Module:

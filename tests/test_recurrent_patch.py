@@ -101,7 +101,7 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
             assert_same_states(records[(layer, offset, None)], states(expected, layer))
 
 
-@pytest.mark.parametrize("name", ["jamba", "falcon_mamba", "mamba"])
+@pytest.mark.parametrize("name", ["jamba", "falcon_mamba", "mamba", "zamba"])
 def test_mamba1_models_need_the_patch_to_resume(name):
     """transformers' Mamba1 torch path restarts its scan from zeros for multi-token forwards, so a cached prefix
     is only resumed exactly once patched (if this starts failing on the unpatched side, transformers fixed it)."""

@@ -7,7 +7,7 @@ import torch
 from recurrent_patch_models import build, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
-from prefixlab.cache.store import PrefixStore
+from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
 from prefixlab.recurrent import patch
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -47,6 +47,25 @@ def logits_and_tokens(model, ids, cache=None):
     with torch.no_grad():
         out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **GREEDY, **kwargs)
     return out.sequences, torch.stack(out.logits)
+
+
+@pytest.mark.parametrize("name", sorted(STATE_DROPPING_MODEL_TYPES))
+def test_families_served_only_patched_resume_repeated_and_extended_prompts_exactly(name):
+    """Jamba, Zamba (their own layers restart multi-token scans from zeros, 1e-2 off at this unit scale): a prompt
+    again, then extended by 9 tokens, through generate over the store: the uncached model's tokens and fp32 logits."""
+    reference, model = build(name, seed=5), build(name, seed=5)
+    store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
+    prompt = tokens(1, 23, seed=8)
+    extended = torch.cat([prompt, tokens(1, 9, seed=9)], dim=1)
+    try:
+        for ids, reusable in [(prompt, 0), (prompt, 20), (extended, 20)]:  # (vllm+: states at block ends)
+            cache = HybridPrefixCache(store)
+            got_tokens, got_logits = logits_and_tokens(model, ids, cache)
+            want_tokens, want_logits = logits_and_tokens(reference, ids)
+            assert torch.equal(got_tokens, want_tokens) and cache.reused_tokens == reusable
+            torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=0)
+    finally:
+        store.close()
 
 
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "transformers-layers"])

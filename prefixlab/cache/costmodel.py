@@ -177,7 +177,7 @@ def mamba_layers(
     count: int, hidden: int, d_inner: int, state_size: int, dt_rank: int, conv_kernel: int, dtype_bytes: int,
     state_dtype_bytes: int = FP32_BYTES,
 ) -> LayerGroup:
-    """Mamba1 (selective scan, Jamba): in_proj emits x and z, x_proj emits dt (rank r), B, C, dt_proj expands dt;
+    """Mamba1 (selective scan, Jamba, Zamba): in_proj emits x and z, x_proj emits dt (rank r), B, C, dt_proj expands dt;
     the conv runs over x only and the state is `d_inner * N`."""
     layers = _ssm_layers(
         "mamba", count, hidden, d_inner, 2 * d_inner, d_inner, conv_kernel, d_inner * state_size,

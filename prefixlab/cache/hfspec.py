@@ -170,21 +170,42 @@ def _mamba_model(c, dtype_bytes):
                             c.conv_kernel, dtype_bytes),)
 
 
-def _zamba2(c, dtype_bytes):
-    """Zamba2: every layer is Mamba2; "hybrid" layers first run a shared transformer block (attention reading
-    [hidden, embeddings], 2h wide, own KV cache per layer; gated MLP with a LoRA adapter on gate_up) and an h x h
-    `linear`. The optional attention adapters (`use_shared_attention_adapter`) are left out."""
-    h, n_hybrid = c.hidden_size, c.layers_block_type.count("hybrid")
-    heads = int(c.mamba_expand * h) // c.mamba_headdim
+def _zamba_shared_blocks(c, dtype_bytes: int, extra_flops: int) -> tuple[cm.LayerGroup, ...]:
+    """Zamba / Zamba2 "hybrid" layers: the shared transformer block (attention reading [hidden, embeddings],
+    `attention_hidden_size` wide, output h, its own KV cache per layer; a gated MLP), plus `extra_flops` per layer
+    (its own h x h `linear`, Zamba2's LoRA adapters)."""
+    n_hybrid = c.layers_block_type.count("hybrid")
     kv_heads = c.num_key_value_heads or c.num_attention_heads
-    mlp = cm.mlp_layers(n_hybrid, h, c.intermediate_size)
+    mlp = cm.mlp_layers(n_hybrid, c.hidden_size, c.intermediate_size)
+    return (
+        cm.attention_layers(n_hybrid, c.attention_hidden_size, c.num_attention_heads, kv_heads, c.attention_head_dim,
+                            dtype_bytes, output_size=c.hidden_size),
+        replace(mlp, linear_flops_per_token=mlp.linear_flops_per_token + extra_flops),
+    )
+
+
+def _zamba(c, dtype_bytes):
+    """Zamba: every layer is a Mamba1 mixer split into `n_mamba_heads` heads (per-head x_proj / dt_proj, together
+    the weights of one Mamba1 x_proj / dt_proj); "hybrid" layers first run the shared block (no RoPE) and a
+    `linear`."""
+    h = c.hidden_size
+    return (
+        cm.mamba_layers(c.num_hidden_layers, h, c.mamba_expand * h, c.mamba_d_state, c.mamba_dt_rank, c.mamba_d_conv,
+                        dtype_bytes),
+        *_zamba_shared_blocks(c, dtype_bytes, 2 * h * h),
+    )
+
+
+def _zamba2(c, dtype_bytes):
+    """Zamba2: every layer is Mamba2; "hybrid" layers first run the shared block (its MLP with a LoRA adapter on
+    gate_up) and a `linear`. The optional attention adapters (`use_shared_attention_adapter`) are left out."""
+    h = c.hidden_size
+    heads = int(c.mamba_expand * h) // c.mamba_headdim
     adapter_and_linear = 2 * c.adapter_rank * (h + 2 * c.intermediate_size) + 2 * h * h
     return (
         _mamba2(c.num_hidden_layers, c, heads, c.mamba_headdim, c.mamba_d_state, c.mamba_ngroups, c.mamba_d_conv,
                 dtype_bytes),
-        cm.attention_layers(n_hybrid, c.attention_hidden_size, c.num_attention_heads, kv_heads, c.attention_head_dim,
-                            dtype_bytes, output_size=h),
-        replace(mlp, linear_flops_per_token=mlp.linear_flops_per_token + adapter_and_linear),
+        *_zamba_shared_blocks(c, dtype_bytes, adapter_and_linear),
     )
 
 
@@ -318,6 +339,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "falcon_h1": ModelFamily(_falcon_h1, "FalconH1Mixer"),
     "granitemoehybrid": ModelFamily(_granitemoehybrid, "Mamba2Mixer"),
     "zamba2": ModelFamily(_zamba2, "Mamba2Mixer"),
+    "zamba": ModelFamily(_zamba, "MultiHeadMambaMixer", patched_only=_MAMBA1_RESTARTS.format("ZambaMambaMixer")),
     "mamba2": ModelFamily(_mamba2_model, "Mamba2Mixer"),
     "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=_MAMBA1_RESTARTS.format("JambaMambaMixer")),
     "mamba": ModelFamily(_mamba_model, "MambaMixer", patched_only=_MAMBA1_RESTARTS.format("MambaMixer")),

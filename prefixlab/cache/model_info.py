@@ -202,9 +202,9 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
 def pads_change_states(model: torch.nn.Module) -> bool:
     """Whether a left pad changes a row's recurrent states on this model: transformers zeroes padded positions
     before a linear-attention layer's input projection, but a non-zero bias there (Mamba2's `use_bias`, Bamba /
-    Falcon-H1 / Jamba `mamba_proj_bias`, Zamba2 `add_bias_linear`, LFM2 `conv_bias`) makes them non-zero again, and
-    they enter the conv window of the row's first tokens and every state after. A padded row's states then depend on
-    its pads: such rows can neither be stored nor resumed as the row alone."""
+    Falcon-H1 / Jamba / Zamba `mamba_proj_bias`, Zamba2 `add_bias_linear`, LFM2 `conv_bias`) makes them non-zero
+    again, and they enter the conv window of the row's first tokens and every state after. A padded row's states then
+    depend on its pads: such rows can neither be stored nor resumed as the row alone."""
     from prefixlab.recurrent.patch import looks_linear_attention
 
     return any(isinstance(child, torch.nn.Linear) and name.startswith("in_proj") and child.bias is not None

@@ -12,7 +12,7 @@ from prefixlab.recurrent.families.gated_delta import (
     OlmoHybridGatedDeltaNet,
     Qwen3NextGatedDeltaNet,
 )
-from prefixlab.recurrent.families.mamba1 import MambaMixer, NormalisedMambaMixer
+from prefixlab.recurrent.families.mamba1 import MambaMixer, MultiHeadMambaMixer, NormalisedMambaMixer
 from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
 from prefixlab.recurrent.families.short_conv import ShortConv
 
@@ -26,6 +26,7 @@ FAMILIES: tuple[Family, ...] = (
     FalconH1Mixer(),
     MambaMixer(),
     NormalisedMambaMixer(),
+    MultiHeadMambaMixer(),
     ShortConv(),
 )
 _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
