@@ -390,7 +390,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             states |= {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
                                         {k: t[0] for k, t in snap["recurrent"].items()})
                        for (of, pos), snap in self._row_captured.items() if of == row and pos <= stop}
-            kv = row_kv(self.layers, self.store.layout.kv_layers, row, pad)
+            kv = row_kv(self.layers, self.store.layout, row, pad)
             self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
         offered = end - self._committed
         self._committed = end

@@ -195,20 +195,44 @@ def _olmo_hybrid(c, dtype_bytes):
             cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
 
 
+def _kda(c, count: int, dtype_bytes: int) -> cm.LayerGroup:
+    return cm.kda_layers(count, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
+                         dtype_bytes)
+
+
+def _mla(c, count: int, dtype_bytes: int) -> cm.LayerGroup:
+    return cm.mla_attention_layers(count, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
+                                   c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank, dtype_bytes)
+
+
+def _deepseek_mlps(c, n: int) -> tuple[cm.LayerGroup, cm.LayerGroup]:
+    """Dense MLPs, or ("sparse" in `mlp_layer_types`) DeepSeek-V3 MoEs with `n_shared_experts` always-on experts."""
+    n_sparse = c.mlp_layer_types[:n].count("sparse")
+    return (cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts,
+                          c.num_experts_per_tok, c.moe_intermediate_size * c.n_shared_experts),
+            cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size))
+
+
 def _kimi_linear(c, dtype_bytes):
     """Kimi Linear: KDA ("linear_attention") or MLA ("full_attention", caching the latents); the MLP of each layer
     is dense or ("sparse" in `mlp_layer_types`) a DeepSeek-V3 MoE with `n_shared_experts` always-on experts."""
     n = c.num_hidden_layers
-    n_attention, n_sparse = _count_attention(c.layer_types[:n]), c.mlp_layer_types[:n].count("sparse")
-    return (
-        cm.kda_layers(n - n_attention, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
-                      dtype_bytes),
-        cm.mla_attention_layers(n_attention, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
-                                c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.q_lora_rank, dtype_bytes),
-        cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
-                      c.moe_intermediate_size * c.n_shared_experts),
-        cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size),
-    )
+    n_attention = _count_attention(c.layer_types[:n])
+    return _kda(c, n - n_attention, dtype_bytes), _mla(c, n_attention, dtype_bytes), *_deepseek_mlps(c, n)
+
+
+def _glm5_next(c, dtype_bytes):
+    """GLM-5-Next: Kimi Linear's KDA and MLPs, its MLA ("indexed_attention", NoPE) with a DSA indexer that caches
+    per-token keys (layers whose `indexer_types` is "full"; a "shared" layer reuses the previous one's selection),
+    and every mixer and MLP behind `hc_mult`-stream hyper-connections (counted with the MLPs)."""
+    n = c.num_hidden_layers
+    attention = [i for i in range(n) if c.layer_types[i] == "indexed_attention"]
+    n_indexed = sum(c.indexer_types[i] != "shared" for i in attention)
+    indexed = cm.with_dsa_indexer(_mla(c, n_indexed, dtype_bytes), c.hidden_size, c.q_lora_rank, c.index_n_heads,
+                                  c.index_head_dim, c.index_kpool, dtype_bytes)
+    mlps = (cm.with_hyper_connections(group, c.hidden_size, c.hc_mult) for group in _deepseek_mlps(c, n))
+    return (_kda(c, n - len(attention), dtype_bytes), indexed, _mla(c, len(attention) - n_indexed, dtype_bytes),
+            *mlps)
 
 
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
@@ -256,6 +280,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_next": ModelFamily(_qwen3_next, "Qwen3NextGatedDeltaNet"),
     "olmo_hybrid": ModelFamily(_olmo_hybrid, "OlmoHybridGatedDeltaNet"),
     "kimi_linear": ModelFamily(_kimi_linear, "KimiDeltaAttention"),
+    "glm5_next": ModelFamily(_glm5_next, "KimiDeltaAttention"),
     "nemotron_h": ModelFamily(_nemotron_h, "Mamba2Mixer"),
     "bamba": ModelFamily(_bamba, "Mamba2Mixer"),
     "falcon_h1": ModelFamily(_falcon_h1, "FalconH1Mixer"),

@@ -350,7 +350,7 @@ class PrefixStore:
             check_state(state, self.layout, f"states[{position}]")
         # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget
         admitted = self.core.admit(
-            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout.kv_layers, self.dtype)),
+            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout, self.dtype)),
             states={position: owning_state(state) for position, state in (states or {}).items()},
             namespace=namespace)
         if not admitted:
