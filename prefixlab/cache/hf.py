@@ -187,8 +187,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self._admit_rows, self._pads = [r for r in range(batch) if not (pad_fed and pads[r] == PADS_ONLY)], pads
         self.store.check_weights()
         self._generation = self.store.generation
-        self._admit_limit = min(float("inf") if reusable is None else reusable,
-                                float("inf") if self.store.rope_limit is None else self.store.rope_limit - 1)
+        self._admit_limit = min(float("inf") if reusable is None else reusable, self.store.admit_limit)
         tail = self._tail(logits_tokens, length, length)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)

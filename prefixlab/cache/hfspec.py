@@ -307,6 +307,20 @@ def keeps_recurrent_state(config) -> bool:
     return layer_family is None or layer_family.has_recurrent_state
 
 
+def selection_limit(config) -> int | None:
+    """The tokens up to which GLM-5-Next's DSA indexer selects every key a query may see, whatever the forward's
+    length; None for other models. From there on a query attends to `index_topk // index_kpool` of the complete pools
+    before it, picked by `index_scores.topk` over the forward's every pool (transformers 5.23 modeling_glm5_next.py
+    :889, masked future pools included), and its ReLU'd scores (:863) tie exactly (at 0) where no head scores a
+    pool positive: topk breaks such ties by the row's length, so the same tokens select other keys in a forward of
+    another length. A prefix stored from one request would then not be what another request's own prefill computes:
+    nothing past this limit is stored or resumed (a longer prompt still reuses its first `limit` tokens)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    topk, pool = getattr(text, "index_topk", None), getattr(text, "index_kpool", None)
+    # a query at position p sees (p + 1) // pool complete pools: all of them are selected while p + 1 < (K + 1) pool
+    return None if topk is None or pool is None else (topk // pool + 1) * pool - 1
+
+
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:
     """ModelSpec of a transformers config (multimodal configs use their text config)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
