@@ -366,9 +366,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
                 self._report.admission = "not admitted (the store was cleared after the request began)"
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
-        end = min(self._seen if self._decode_start is None or not differed else self._decode_start, self._admit_limit)
+        decoded = self._seen if self._decode_start is None or not differed else self._decode_start
+        end = min(decoded, self._admit_limit)
         self.store.count_left_out((self._seen - end - self._report.decoded_left_out) * len(self._admit_rows))
-        self._report.leave_out_decoded(self._seen - end)
+        self._report.leave_out_decoded(self._seen - end, limited=end < decoded)
         if end <= self._committed:
             return 0
         tokens = self.held_tokens()
