@@ -15,6 +15,7 @@ from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.hfspec import selection_limit
 from prefixlab.cache.model_info import CacheLayout
 from prefixlab.cache.store import PrefixStore
+from prefixlab.errors import InvalidInputError
 
 LIMIT = 11  # (8 // 4 + 1) * 4 - 1
 
@@ -89,3 +90,26 @@ def test_indexer_keys_survive_save_and_load(tmp_path):
     cache = HybridPrefixCache(loaded)
     assert_same(served(model, prompt, cache), served(model, prompt))
     assert cache.reused_tokens == prompt.shape[1] - 1
+
+
+def test_an_image_prompt_reuses_the_text_before_the_image():
+    """NoPE, no M-RoPE: images are not keyed by content (multimodal.py), a prompt is reused up to its first one."""
+    model = build(index_topk=32, image_token_id=120, video_token_id=121, image_start_token_id=122,
+                  image_end_token_id=123, video_start_token_id=124, video_end_token_id=125)
+    store = PrefixStore(model, capacity="64MB", policy="dp")
+    ids = torch.tensor([list(range(5, 17)) + [122] + [120] * 4 + [123] + list(range(30, 36))])
+    image = dict(pixel_values=torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(1)),
+                 image_grid_thw=torch.tensor([[1, 4, 4]]))  # 16 patches of 14, merged 2 x 2: 4 placeholders
+    want = generate(model, ids, max_new_tokens=4, output_logits=True, return_dict_in_generate=True, **image)
+    for expected_reuse in (0, 12):
+        cache = HybridPrefixCache(store)
+        assert_same(generate(model, ids, cache, max_new_tokens=4, output_logits=True, return_dict_in_generate=True,
+                             **image), want)
+        assert cache.reused_tokens == expected_reuse
+
+
+def test_a_direct_admission_past_the_limit_is_refused():
+    model = build()
+    store = PrefixStore(model, capacity="64MB")
+    with pytest.raises(InvalidInputError, match="admit at most that many"):
+        store.admit(list(range(3, 3 + LIMIT + 1)), kv=lambda a, b: None, states={})

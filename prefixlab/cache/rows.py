@@ -193,11 +193,10 @@ def stack_states(states: list[torch.Tensor | None], device: torch.device) -> tor
 
 def load_rows(layers: list, layout, common: int, sources: list, devices: dict[int, torch.device],
               default: torch.device) -> None:
-    """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated;
-    DSA indexer keys too)
-    placed at the last columns before `common` (pad columns before it: zeros, masked out) and each row's states
-    (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device (`devices`, else
-    `default`)."""
+    """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated; a DSA
+    indexer's keys too) placed at the last columns before `common` (pad columns before it: zeros, masked out) and
+    each row's states (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device
+    (`devices`, else `default`)."""
     from transformers.cache_utils import DynamicLayer
 
     for layer_idx in layout.kv_layers:

@@ -351,6 +351,10 @@ class PrefixStore:
         entry is not stored) when the budget cannot hold it."""
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
+        if len(tokens) > self.admit_limit:
+            raise InvalidInputError(f"a {len(tokens)}-token entry: this model computes tokens past its first "
+                                    f"{self.admit_limit} otherwise in forwards of other lengths (store.admit_limit); "
+                                    "admit at most that many")
         for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
             check_state(state, self.layout, f"states[{position}]")
         # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget

@@ -3,8 +3,8 @@
 `TensorKV` is the attention KV of a run of tokens for one sequence (every attention layer's K and V, no batch axis;
 a sparse-attention (DSA) indexer's keys too); it follows the `KVPayload` protocol, so the tree can split an edge or
 join two. `TensorState` is one checkpoint: every recurrent layer's conv and recurrent state after a given position
-(no batch axis). Both are immutable by convention:
-nothing in prefixlab writes into their tensors, and requests resume from copies (see `cache/hf.py`).
+(no batch axis). Both are immutable by convention: nothing in prefixlab writes into their tensors, and requests resume
+from copies (see `cache/hf.py`).
 
 Byte sizes are exact (`numel * element_size`), and `split` / `concat` allocate fresh storage, so evicting a payload
 frees exactly the bytes it reported.
