@@ -72,6 +72,18 @@ FAMILIES = {
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
     "mamba": (tf.MambaConfig, tf.MambaForCausalLM, dict(num_hidden_layers=2, state_size=16, expand=2)),
     "falcon_mamba": (tf.FalconMambaConfig, tf.FalconMambaForCausalLM, dict(num_hidden_layers=2, state_size=16)),
+    # KDA + MLA with a DSA indexer (a "shared" layer reusing the previous one's selection) over 4-token pools, 8 of
+    # which (+ the tail) a query attends to: tokens from 35 on attend sparsely, and are never stored
+    # (hfspec.selection_limit; the workloads here reuse up to 34). A tiny vision tower, unused.
+    "glm5_next": (tf.Glm5NextConfig, tf.Glm5NextForConditionalGeneration, dict(
+        num_hidden_layers=4, num_key_value_heads=4,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+        indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        linear_num_heads=4, linear_head_dim=16, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=0,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        index_topk=32, index_kpool=4, index_head_dim=16, index_n_heads=2, hc_mult=2, hc_sinkhorn_iters=4,
+        vision_config=dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64,
+                           projection_intermediate_size=32))),
 }
 
 

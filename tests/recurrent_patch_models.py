@@ -13,7 +13,10 @@ import torch
 import transformers
 from transformers import DynamicCache
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from prefixlab.recurrent import patch, unpatch
 
@@ -100,6 +103,32 @@ CONFIGS: dict[str, dict] = {
         conv_kernel=4,
         chunk_size=8,
     ),
+    # KDA + MLA with a DSA indexer selecting 4 pools of 4 (+ the tail): sparse from token 19 on (hfspec.selection_limit)
+    "glm5_next": dict(
+        **{**_COMMON, "num_key_value_heads": 4},
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+        indexer_types=["full", "full", "shared"],
+        mlp_layer_types=["dense", "sparse", "dense"],
+        linear_head_dim=8,
+        linear_num_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=0,
+        v_head_dim=8,
+        qk_nope_head_dim=8,
+        index_topk=16,
+        index_kpool=4,
+        index_head_dim=8,
+        index_n_heads=2,
+        hc_mult=2,
+        hc_sinkhorn_iters=4,
+        vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
+                           projection_intermediate_size=16),
+    ),
     "bamba": dict(**_COMMON, **_MAMBA, num_hidden_layers=2, attn_layer_indices=[1]),
     "nemotron_h": dict(
         **_COMMON,
@@ -184,8 +213,9 @@ def transformers_classes(name: str) -> tuple[type, type]:
     """transformers' own config and causal-LM classes for model type `name`, by their names. Not the Auto mappings:
     importing fla (transformers does, for its GatedDeltaNet layers, on a CUDA machine with fla installed) registers
     fla's own models under "mamba" and "mamba2" there, and AutoModel then builds those (seen on an H200, fla 0.6)."""
-    return (getattr(transformers, CONFIG_MAPPING_NAMES[name]),
-            getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[name]))
+    # (GLM-5-Next has no causal-LM class: its image-text-to-text one)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(name) or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[name]
+    return getattr(transformers, CONFIG_MAPPING_NAMES[name]), getattr(transformers, model)
 
 
 def build(name: str, seed: int = 0, scale: float = 0.5, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

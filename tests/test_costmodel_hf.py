@@ -7,11 +7,14 @@ import torch
 import transformers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     BailingHybridConfig,
     BambaConfig,
     FalconH1Config,
     FalconMambaConfig,
     GemmaConfig,
+    Glm5NextConfig,
+    Glm5NextTextConfig,
     GPT2Config,
     GraniteMoeHybridConfig,
     JambaConfig,
@@ -55,6 +58,17 @@ KIMI = dict(**{**DIMS, "num_key_value_heads": 4}, pad_token_id=0, num_hidden_lay
 # Ling: Kimi's layout (4-dim RoPE key, MLA needs kv heads == heads); one expert group
 BAILING = dict(**{k: v for k, v in KIMI.items() if not k.startswith("linear_")}, head_dim=8, short_conv_kernel_size=3,
                n_group=1, topk_group=1)
+# GLM-5-Next: Kimi's layers, NoPE MLA with a DSA indexer (layer 2 reuses layer 1's selection), hyper-connections;
+# its only model class is the vision-language one (a tiny vision tower, run without images)
+GLM5 = dict(**{**DIMS, "num_key_value_heads": 4}, pad_token_id=0, num_hidden_layers=4,
+            layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],
+            indexer_types=["full", "full", "shared", "full"], mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+            linear_num_heads=2, linear_head_dim=8, linear_conv_kernel_dim=3, kv_lora_rank=12, q_lora_rank=8,
+            qk_rope_head_dim=0, qk_nope_head_dim=6, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=16, n_shared_experts=2, index_topk=8, index_kpool=4, index_head_dim=6,
+            index_n_heads=3, hc_mult=3, hc_sinkhorn_iters=2,
+            vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
+                               projection_intermediate_size=16))
 
 TINY = {
     "qwen3_5": lambda: Qwen3_5TextConfig(**DIMS, **GDN),
@@ -97,6 +111,7 @@ TINY = {
         **DIMS, num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_conv_kernel_dim=3, pad_token_id=0),
     "kimi_linear": lambda: KimiLinearConfig(**KIMI),
+    "glm5_next": lambda: Glm5NextConfig(**GLM5),
     # KV-only decoders; head_dim=16 differs from hidden / heads where the config has a head_dim
     "llama": lambda: LlamaConfig(**DIMS, num_hidden_layers=2, head_dim=16),
     "mistral": lambda: MistralConfig(**DIMS, num_hidden_layers=2, head_dim=16, sliding_window=None),
@@ -110,17 +125,18 @@ N_TOKENS = 9
 @functools.cache
 def run_tiny(model_type: str, dtype: torch.dtype):
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(TINY[model_type](), dtype=dtype).eval()
+    auto = AutoModelForImageTextToText if model_type == "glm5_next" else AutoModelForCausalLM
+    model = auto.from_config(TINY[model_type](), dtype=dtype).eval()
     with torch.no_grad():
         out = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True)
     return model, getattr(out, "past_key_values", None) or out.cache_params
 
 
 def cache_tensors(cache):
-    """(attention K/V tensors, recurrent states, conv states) a transformers cache holds."""
+    """(attention K/V tensors and DSA indexer keys, recurrent states, conv states) a transformers cache holds."""
     kv, recurrent, conv = [], [], []
     for layer in cache.layers:
-        kv += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+        kv += [t for t in (getattr(layer, name, None) for name in ("keys", "values", "indexer_keys"))
                if isinstance(t, torch.Tensor) and t.numel()]
         recurrent += [t for t in (getattr(layer, "recurrent_states", None) or {}).values() if t is not None]
         conv += [t for t in (getattr(layer, "conv_states", None) or {}).values() if t is not None]
@@ -181,10 +197,13 @@ def test_config_variants_bytes_and_flops(variant):
 def flops_from_weights(model, cache) -> float:
     """2 FLOPs per weight for every matmul a token meets (routers; routed experts scaled by top_k / E), 2 per
     depthwise conv weight, 8 per recurrent-state element (the scan), 2 per channel for the LFM short convs' B*x and
-    C*y gates."""
-    config = model.config
+    C*y gates; GLM-5-Next's weights applied with F.linear (hyper-connections, indexer pool gate) and the
+    hyper-connections' residual mix of N streams, 2 N N h each; never the vision tower."""
+    config = model.config.get_text_config()
     expected = 0.0
     for name, module in model.named_modules():
+        if "visual" in name:
+            continue
         if isinstance(module, torch.nn.Linear) and not name.endswith("lm_head"):
             expected += 2 * module.weight.numel()
         elif isinstance(module, torch.nn.Conv1d):
@@ -205,30 +224,36 @@ def flops_from_weights(model, cache) -> float:
     expected += 8 * sum(t.numel() for t in recurrent)
     if config.model_type.startswith("lfm"):
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
+    for name, p in params.items():
+        if name.endswith(("_hc.fn", "index_kpool_compress_gate")):
+            expected += 2 * p.numel() + (2 * config.hc_mult**2 * config.hidden_size if name.endswith("fn") else 0)
     return expected
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY))
 def test_attention_pair_flops_count_query_and_value_widths(model_type):
-    """Per (query, key) pair: 2 FLOPs per query channel (scores) and 2 per value channel (o_proj's input)."""
+    """Per (query, key) pair: 2 FLOPs per query channel (scores) and 2 per value channel (o_proj's input); a DSA
+    indexer scores pools of keys, 2 H (d + 1) per (query, pool)."""
     model, _ = run_tiny(model_type, torch.float32)
     gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
     attention = [m for _, m in model.named_modules()  # GatedDeltaNet / KDA layers have a q_proj too
-                 if hasattr(m, "q_proj") and not hasattr(m, "conv1d")]
-    widths = [((m.q_proj or m.q_b_proj).out_features // (2 if gated else 1),
+                 if (hasattr(m, "q_proj") or hasattr(m, "q_b_proj")) and not hasattr(m, "conv1d")]
+    indexers = [m.indexer for m in attention if getattr(m, "indexer", None) is not None]
+    widths = [((getattr(m, "q_proj", None) or m.q_b_proj).out_features // (2 if gated else 1),
                (getattr(m, "o_proj", None) or m.out_proj).in_features) for m in attention]
     spec = ModelSpec.from_config(model.config)
     attention_layers = spec.layer_count("attention")
     if model_type == "zamba2":  # one shared block serves every hybrid layer
         widths = widths * attention_layers
     assert len(widths) == attention_layers
-    assert spec.pair_flops == 2 * sum(q + v for q, v in widths)
+    assert spec.pair_flops == pytest.approx(2 * sum(q + v for q, v in widths) + sum(
+        2 * i.n_heads * (i.head_dim + 1) / i.index_kpool for i in indexers), rel=1e-12)
 
 
 def test_default_configs_build():
     for config in (Qwen3_5TextConfig(), Qwen3NextConfig(), NemotronHConfig(), BambaConfig(), FalconH1Config(),
                    GraniteMoeHybridConfig(), JambaConfig(), ZambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
-                   MambaConfig(), FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(),
+                   MambaConfig(), FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(), Glm5NextTextConfig(),
                    Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16), BailingHybridConfig(), LlamaConfig(),
                    Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None)):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)

@@ -53,6 +53,8 @@ CASES = [
     ("qwen3_next", "sglang+", "tight", True),
     ("olmo_hybrid", "dp", "tight", False),
     ("kimi_linear", "vllm+", "tight", True),
+    ("glm5_next", "dp", "tight", True),  # follow-ups pass its selection limit (19 tokens): reuse stops there
+    ("glm5_next", "marconi", "loose", False),
     ("mamba2", "dp", "tight", True),
     ("mamba", "marconi", "tight", True),  # Mamba, Falcon-Mamba: like Jamba, served only patched
     ("falcon_mamba", "vllm+", "tight", True),

@@ -108,6 +108,26 @@ def head_gated(layers: LayerGroup) -> LayerGroup:
     dims = dict(layers.dims)
     return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + 2 * dims["hidden"] * dims["heads"],
                    dims=(*layers.dims, ("head_gate", 1)))
+def with_dsa_indexer(group: LayerGroup, hidden: int, q_lora_rank: int, heads: int, head_dim: int, pool: int,
+                     dtype_bytes: int) -> LayerGroup:
+    """`group`'s attention layers each also running a DSA indexer over pools of `pool` keys (GLM-5-Next), which
+    caches per token its key and pool-gate scores (`head_dim` each) and a valid flag: `2 d + 1` elements.
+    Projections: query from the Q latent `2 q_lora H d`, key and pool gate `2 h d` each, head weights `2 h H`;
+    per (query, pool) `2 H d` scores and `2 H` for their weighting, so `2 H (d + 1) / pool` per (query, key)."""
+    projections = 2 * q_lora_rank * heads * head_dim + 4 * hidden * head_dim + 2 * hidden * heads
+    return replace(group, linear_flops_per_token=group.linear_flops_per_token + projections,
+                   pair_flops=group.pair_flops + 2 * heads * (head_dim + 1) / pool,
+                   kv_bytes_per_token=group.kv_bytes_per_token + (2 * head_dim + 1) * dtype_bytes,
+                   dims=group.dims + _dims(index_heads=heads, index_head_dim=head_dim, index_pool=pool))
+
+
+def with_hyper_connections(group: LayerGroup, hidden: int, streams: int) -> LayerGroup:
+    """`group`'s layers each behind two hyper-connections (GLM-5-Next; one before the mixer, one before the MLP) over
+    `streams` residual streams: a projection of the `N h` streams to `(2 + N) N` weights, `2 N h (2 + N) N`, and the
+    residual mix of the streams, `2 N N h`, each."""
+    flops = 2 * (2 * streams * hidden * (2 + streams) * streams + 2 * streams * streams * hidden)
+    return replace(group, linear_flops_per_token=group.linear_flops_per_token + flops,
+                   dims=group.dims + _dims(hc_streams=streams))
 
 
 def _dims(**dims: int) -> tuple[tuple[str, int], ...]:

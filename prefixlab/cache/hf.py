@@ -187,8 +187,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self._admit_rows, self._pads = [r for r in range(batch) if not (pad_fed and pads[r] == PADS_ONLY)], pads
         self.store.check_weights()
         self._generation = self.store.generation
-        self._admit_limit = min(float("inf") if reusable is None else reusable,
-                                float("inf") if self.store.rope_limit is None else self.store.rope_limit - 1)
+        self._admit_limit = min(float("inf") if reusable is None else reusable, self.store.admit_limit)
         tail = self._tail(logits_tokens, length, length)
         common, rows, self.rows_reused = self._resume(ids, tail, 0)
         self.reused_tokens = max(self.rows_reused)
@@ -367,9 +366,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
                 self._report.admission = "not admitted (the store was cleared after the request began)"
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
-        end = min(self._seen if self._decode_start is None or not differed else self._decode_start, self._admit_limit)
+        decoded = self._seen if self._decode_start is None or not differed else self._decode_start
+        end = min(decoded, self._admit_limit)
         self.store.count_left_out((self._seen - end - self._report.decoded_left_out) * len(self._admit_rows))
-        self._report.leave_out_decoded(self._seen - end)
+        self._report.leave_out_decoded(self._seen - end, limited=end < decoded)
         if end <= self._committed:
             return 0
         tokens = self.held_tokens()
@@ -390,7 +390,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             states |= {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
                                         {k: t[0] for k, t in snap["recurrent"].items()})
                        for (of, pos), snap in self._row_captured.items() if of == row and pos <= stop}
-            kv = row_kv(self.layers, self.store.layout.kv_layers, row, pad)
+            kv = row_kv(self.layers, self.store.layout, row, pad)
             self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
         offered = end - self._committed
         self._committed = end

@@ -52,6 +52,8 @@ class RowResume:
                                    for plan, end in zip(plans, ends, strict=True)]
                 plans = []
             planned = set().union(*plans) - ({length} if held else set())
+            if self.store.admit_limit < length:  # (a DSA model) where later requests resume: its state is kept
+                planned.add(int(self.store.admit_limit))
             self._plan = sorted(p for p in planned if common < p <= self._admit_limit)  # (none past an image)
             if held:  # what an earlier forward placed over a shorter part of the prompt and this plan drops: dropped
                 for position in self._provisional - planned:

@@ -260,33 +260,54 @@ def _olmo_hybrid(c, dtype_bytes):
             cm.mlp_layers(c.num_hidden_layers, c.hidden_size, c.intermediate_size))
 
 
-def _kda_and_mla(c, dtype_bytes: int, ling: bool) -> tuple[cm.LayerGroup, ...]:
-    """KDA ("linear_attention") or MLA ("full_attention", caching the latents) mixers; the MLP of each layer is
-    dense or ("sparse" in `mlp_layer_types`) a DeepSeek-V3 MoE with `n_shared_experts` always-on experts."""
-    n = c.num_hidden_layers
-    n_attention, n_sparse = _count_attention(c.layer_types[:n]), c.mlp_layer_types[:n].count("sparse")
-    mla = cm.mla_attention_layers(n_attention, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
-                                  c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, getattr(c, "q_lora_rank", None),
-                                  dtype_bytes)
-    return (
-        cm.kda_layers(n - n_attention, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
-                      dtype_bytes, full_rank_gates=ling),
-        cm.head_gated(mla) if ling else mla,
-        cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts, c.num_experts_per_tok,
-                      c.moe_intermediate_size * c.n_shared_experts),
-        cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size),
-    )
+def _kda(c, count: int, dtype_bytes: int, full_rank_gates: bool = False) -> cm.LayerGroup:
+    return cm.kda_layers(count, c.hidden_size, c.linear_num_heads, c.linear_head_dim, c.linear_conv_kernel_dim,
+                         dtype_bytes, full_rank_gates=full_rank_gates)
+
+
+def _mla(c, count: int, dtype_bytes: int) -> cm.LayerGroup:
+    return cm.mla_attention_layers(count, c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim,
+                                   c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, getattr(c, "q_lora_rank", None),
+                                   dtype_bytes)
+
+
+def _deepseek_mlps(c, n: int) -> tuple[cm.LayerGroup, cm.LayerGroup]:
+    """Dense MLPs, or ("sparse" in `mlp_layer_types`) DeepSeek-V3 MoEs with `n_shared_experts` always-on experts."""
+    n_sparse = c.mlp_layer_types[:n].count("sparse")
+    return (cm.moe_layers(n_sparse, c.hidden_size, c.moe_intermediate_size, c.num_local_experts,
+                          c.num_experts_per_tok, c.moe_intermediate_size * c.n_shared_experts),
+            cm.mlp_layers(n - n_sparse, c.hidden_size, c.intermediate_size))
 
 
 def _kimi_linear(c, dtype_bytes):
-    """Kimi Linear: KDA with low-rank forget / output gates, MLA (optionally low-rank Q)."""
-    return _kda_and_mla(c, dtype_bytes, ling=False)
+    """Kimi Linear: KDA ("linear_attention", low-rank forget / output gates) or MLA ("full_attention", caching the
+    latents; optionally low-rank Q); dense or DeepSeek-V3 MoE MLPs."""
+    n = c.num_hidden_layers
+    n_attention = _count_attention(c.layer_types[:n])
+    return _kda(c, n - n_attention, dtype_bytes), _mla(c, n_attention, dtype_bytes), *_deepseek_mlps(c, n)
 
 
 def _bailing_hybrid(c, dtype_bytes):
     """Ling hybrid (bailing_hybrid): Kimi's layout with full-rank KDA gates (f_proj, g_proj) and MLA (full-rank Q)
     whose heads are gated by a sigmoid of g_proj (one scalar per head). Its optional MTP modules are not built."""
-    return _kda_and_mla(c, dtype_bytes, ling=True)
+    n = c.num_hidden_layers
+    n_attention = _count_attention(c.layer_types[:n])
+    return (_kda(c, n - n_attention, dtype_bytes, full_rank_gates=True),
+            cm.head_gated(_mla(c, n_attention, dtype_bytes)), *_deepseek_mlps(c, n))
+
+
+def _glm5_next(c, dtype_bytes):
+    """GLM-5-Next: Kimi Linear's KDA and MLPs, its MLA ("indexed_attention", NoPE) with a DSA indexer that caches
+    per-token keys (layers whose `indexer_types` is "full"; a "shared" layer reuses the previous one's selection),
+    and every mixer and MLP behind `hc_mult`-stream hyper-connections (counted with the MLPs)."""
+    n = c.num_hidden_layers
+    attention = [i for i in range(n) if c.layer_types[i] == "indexed_attention"]
+    n_indexed = sum(c.indexer_types[i] != "shared" for i in attention)
+    indexed = cm.with_dsa_indexer(_mla(c, n_indexed, dtype_bytes), c.hidden_size, c.q_lora_rank, c.index_n_heads,
+                                  c.index_head_dim, c.index_kpool, dtype_bytes)
+    mlps = (cm.with_hyper_connections(group, c.hidden_size, c.hc_mult) for group in _deepseek_mlps(c, n))
+    return (_kda(c, n - len(attention), dtype_bytes), indexed, _mla(c, len(attention) - n_indexed, dtype_bytes),
+            *mlps)
 
 
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
@@ -334,6 +355,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_next": ModelFamily(_qwen3_next, "Qwen3NextGatedDeltaNet"),
     "olmo_hybrid": ModelFamily(_olmo_hybrid, "OlmoHybridGatedDeltaNet"),
     "kimi_linear": ModelFamily(_kimi_linear, "KimiDeltaAttention"),
+    "glm5_next": ModelFamily(_glm5_next, "KimiDeltaAttention"),
     "nemotron_h": ModelFamily(_nemotron_h, "Mamba2Mixer"),
     "bamba": ModelFamily(_bamba, "Mamba2Mixer"),
     "falcon_h1": ModelFamily(_falcon_h1, "FalconH1Mixer"),
@@ -364,6 +386,20 @@ def keeps_recurrent_state(config) -> bool:
     family = MODEL_FAMILIES.get((getattr(text, "model_type", None) or "").removesuffix("_text"))
     layer_family = next((f for f in FAMILIES if family is not None and type(f).__name__ == family.layer_family), None)
     return layer_family is None or layer_family.has_recurrent_state
+
+
+def selection_limit(config) -> int | None:
+    """The tokens up to which GLM-5-Next's DSA indexer selects every key a query may see, whatever the forward's
+    length; None for other models. From there on a query attends to `index_topk // index_kpool` of the complete pools
+    before it, picked by `index_scores.topk` over the forward's every pool (transformers 5.23 modeling_glm5_next.py
+    :889, masked future pools included), and its ReLU'd scores (:863) tie exactly (at 0) where no head scores a
+    pool positive: topk breaks such ties by the row's length, so the same tokens select other keys in a forward of
+    another length. A prefix stored from one request would then not be what another request's own prefill computes:
+    nothing past this limit is stored or resumed (a longer prompt still reuses its first `limit` tokens)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    topk, pool = getattr(text, "index_topk", None), getattr(text, "index_kpool", None)
+    # a query at position p sees (p + 1) // pool complete pools: all of them are selected while p + 1 < (K + 1) pool
+    return None if topk is None or pool is None else (topk // pool + 1) * pool - 1
 
 
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:

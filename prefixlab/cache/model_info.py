@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import (
     DummyLayer,
     DynamicCache,
+    DynamicIndexedLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionCacheLayerMixin,
@@ -58,6 +59,8 @@ class CacheLayout:
     kv_layers: tuple[int, ...]
     state_layers: tuple[int, ...]
     recurrent_layers: tuple[int, ...] = ()  # those of state_layers whose states hold a recurrent state besides conv
+    # those of kv_layers whose attention runs a sparse-attention indexer (DSA) caching per-token keys beside K and V
+    indexer_layers: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, config) -> CacheLayout:
@@ -73,10 +76,14 @@ class CacheLayout:
             if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
                 raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
         state_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
+        # GLM-5-Next's "shared" layers reuse the previous layer's selection and never write their indexer keys
+        indexer_types = getattr(config.get_text_config(decoder=True), "indexer_types", None) or ()
         return cls(
             kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
             state_layers=state_layers,
             recurrent_layers=state_layers if keeps_recurrent_state(config) else (),
+            indexer_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)
+                                 and dict(enumerate(indexer_types)).get(i) != "shared"),
         )
 
 

@@ -382,9 +382,10 @@ def _restore_marks(core: PrefixCacheCore, tier_entries: list[tuple]) -> None:
 
 def _moved(kv, device: torch.device | str, pin: bool, store: PrefixStore, shapes: dict):
     def moved(start: int, stop: int) -> TensorKV:
-        run = check_kv(kv(start, stop), store.layout.kv_layers, store.dtype)
+        run = check_kv(kv(start, stop), store.layout, store.dtype)
         _same_shapes(shapes, "keys", run.keys, 1)
         _same_shapes(shapes, "values", run.values, 1)
+        _same_shapes(shapes, "indexer", run.indexer, 1)
         return run.to(device, pin)
 
     return moved

@@ -193,10 +193,10 @@ def stack_states(states: list[torch.Tensor | None], device: torch.device) -> tor
 
 def load_rows(layers: list, layout, common: int, sources: list, devices: dict[int, torch.device],
               default: torch.device) -> None:
-    """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated)
-    placed at the last columns before `common` (pad columns before it: zeros, masked out) and each row's states
-    (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device (`devices`, else
-    `default`)."""
+    """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated; a DSA
+    indexer's keys too) placed at the last columns before `common` (pad columns before it: zeros, masked out) and
+    each row's states (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device
+    (`devices`, else `default`)."""
     from transformers.cache_utils import DynamicLayer
 
     for layer_idx in layout.kv_layers:
@@ -207,6 +207,12 @@ def load_rows(layers: list, layout, common: int, sources: list, devices: dict[in
         if not layer.is_initialized:
             DynamicLayer.lazy_initialization(layer, keys, values)
         layer.keys, layer.values = keys, values
+    for layer_idx in layout.indexer_layers:  # [batch, 1, common, width]: pad columns zero, their valid flag too
+        indexer = stack_rows([[kv.indexer[layer_idx] for kv in source.kv] for source in sources], common,
+                             devices.get(layer_idx, default))[:, 0]
+        if not layers[layer_idx].is_indexer_initialized:
+            layers[layer_idx].lazy_initialization_indexer(indexer)
+        layers[layer_idx].indexer_keys = indexer
     states = [source.state if source.length else None for source in sources]
     model = next(state for state in states if state is not None) if any(states) else None
     for layer_idx, state_idx in model.conv if model else ():

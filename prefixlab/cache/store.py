@@ -28,6 +28,7 @@ from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import default_for, normalize_option, register, unregister
 from prefixlab.cache.devices import execution_device
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
+from prefixlab.cache.hfspec import selection_limit
 from prefixlab.cache.hooks import attach
 from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
 from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of the store's API)
@@ -218,6 +219,10 @@ class PrefixStore:
     def _note_weights(self) -> None:  # what the entries are computed with (and what only runs exactly uncached)
         self._weights, self.pads_change_states = weights_version(self.model, self.walk), pads_change_states(self.model)
         self.rope_limit, self._numerics = rope_limit(self.model), numeric_context()
+        # tokens past which a forward's length changes what they compute (a rescaling RoPE from its limit on, a DSA
+        # indexer's tie-breaks: hfspec.selection_limit): nothing past them is looked up, resumed or admitted
+        self.admit_limit = min(float("inf") if self.rope_limit is None else self.rope_limit - 1,
+                               selection_limit(self.model.config) or float("inf"))
         self.identity = model_identity(self.model)
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
@@ -346,11 +351,15 @@ class PrefixStore:
         entry is not stored) when the budget cannot hold it."""
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
+        if len(tokens) > self.admit_limit:
+            raise InvalidInputError(f"a {len(tokens)}-token entry: this model computes tokens past its first "
+                                    f"{self.admit_limit} otherwise in forwards of other lengths (store.admit_limit); "
+                                    "admit at most that many")
         for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
             check_state(state, self.layout, f"states[{position}]")
         # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget
         admitted = self.core.admit(
-            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout.kv_layers, self.dtype)),
+            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout, self.dtype)),
             states={position: owning_state(state) for position, state in (states or {}).items()},
             namespace=namespace)
         if not admitted:

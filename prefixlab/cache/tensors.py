@@ -1,9 +1,10 @@
 """Tensor payloads for real models: what the radix tree holds when it serves a Hugging Face model.
 
-`TensorKV` is the attention KV of a run of tokens for one sequence (every attention layer's K and V, no batch axis);
-it follows the `KVPayload` protocol, so the tree can split an edge or join two. `TensorState` is one checkpoint: every
-recurrent layer's conv and recurrent state after a given position (no batch axis). Both are immutable by convention:
-nothing in prefixlab writes into their tensors, and requests resume from copies (see `cache/hf.py`).
+`TensorKV` is the attention KV of a run of tokens for one sequence (every attention layer's K and V, no batch axis;
+a sparse-attention (DSA) indexer's keys too); it follows the `KVPayload` protocol, so the tree can split an edge or
+join two. `TensorState` is one checkpoint: every recurrent layer's conv and recurrent state after a given position
+(no batch axis). Both are immutable by convention: nothing in prefixlab writes into their tensors, and requests resume
+from copies (see `cache/hf.py`).
 
 Byte sizes are exact (`numel * element_size`), and `split` / `concat` allocate fresh storage, so evicting a payload
 frees exactly the bytes it reported.
@@ -12,7 +13,7 @@ frees exactly the bytes it reported.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,8 @@ def _move(tensor: torch.Tensor, device: torch.device | str, pin: bool) -> torch.
 @dataclass(frozen=True, eq=False)
 class TensorKV:
     """K and V of `ntokens` tokens for each attention layer: `keys[layer]` is [kv_heads, ntokens, head_dim].
+    `indexer[layer]` is [1, ntokens, width]: the per-token keys a DSA indexer caches beside K and V (GLM-5-Next's
+    `DynamicIndexedLayer.indexer_keys`), for those attention layers that run one.
 
     A model without attention layers still has token runs (the tree needs their length), with empty mappings.
     """
@@ -41,11 +44,13 @@ class TensorKV:
     ntokens: int
     keys: Mapping[int, torch.Tensor]
     values: Mapping[int, torch.Tensor]
+    indexer: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.keys.keys() != self.values.keys():
-            raise InvalidInputError(f"TensorKV keys layers {sorted(self.keys)} != values layers {sorted(self.values)}")
-        for layer, tensor in (*self.keys.items(), *self.values.items()):
+        if self.keys.keys() != self.values.keys() or not self.indexer.keys() <= self.keys.keys():
+            raise InvalidInputError(f"TensorKV keys layers {sorted(self.keys)} != values layers {sorted(self.values)} "
+                                    f"(indexer layers {sorted(self.indexer)} must be among them)")
+        for layer, tensor in (*self.keys.items(), *self.values.items(), *self.indexer.items()):
             if tensor.dim() != 3 or tensor.shape[TOKEN_AXIS] != self.ntokens:
                 raise InvalidInputError(
                     f"TensorKV layer {layer} has shape {list(tensor.shape)}; expected [kv_heads, {self.ntokens}, "
@@ -53,38 +58,37 @@ class TensorKV:
                 )
 
     @property
+    def sides(self) -> tuple[Mapping[int, torch.Tensor], ...]:
+        """(keys, values, indexer): every per-token tensor mapping, in the order the constructor takes them."""
+        return self.keys, self.values, self.indexer
+
+    def mapped(self, ntokens: int, fn: Callable[[torch.Tensor], torch.Tensor]) -> TensorKV:
+        """A TensorKV of `ntokens` tokens holding fn(tensor) for each of this one's tensors."""
+        return TensorKV(ntokens, *({layer: fn(t) for layer, t in side.items()} for side in self.sides))
+
+    @property
     def nbytes(self) -> int:
-        return _tensor_bytes(self.keys.values()) + _tensor_bytes(self.values.values())
+        return sum(_tensor_bytes(side.values()) for side in self.sides)
 
     def split(self, at: int) -> tuple[TensorKV, TensorKV]:
         """The first `at` tokens and the rest, each in its own storage."""
         if not 0 <= at <= self.ntokens:
             raise InvalidInputError(f"split at={at} is outside [0, {self.ntokens}]")
-
-        def cut(tensors: Mapping[int, torch.Tensor], start: int, stop: int) -> dict[int, torch.Tensor]:
-            return {layer: t[:, start:stop].clone() for layer, t in tensors.items()}
-
-        head = TensorKV(at, cut(self.keys, 0, at), cut(self.values, 0, at))
-        tail = TensorKV(self.ntokens - at, cut(self.keys, at, self.ntokens), cut(self.values, at, self.ntokens))
-        return head, tail
+        return (self.mapped(at, lambda t: t[:, :at].clone()),
+                self.mapped(self.ntokens - at, lambda t: t[:, at:].clone()))
 
     def concat(self, other: TensorKV) -> TensorKV:
         """This run followed by `other` (same layers, same device)."""
-        if not isinstance(other, TensorKV) or other.keys.keys() != self.keys.keys():
+        if not isinstance(other, TensorKV) or other.keys.keys() != self.keys.keys() \
+                or other.indexer.keys() != self.indexer.keys():
             raise InvalidInputError("concat needs a TensorKV over the same attention layers")
-
-        def join(a: Mapping[int, torch.Tensor], b: Mapping[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-            return {layer: torch.cat([a[layer], b[layer]], dim=TOKEN_AXIS) for layer in a}
-
-        return TensorKV(self.ntokens + other.ntokens, join(self.keys, other.keys), join(self.values, other.values))
+        return TensorKV(self.ntokens + other.ntokens, *(
+            {layer: torch.cat([a[layer], b[layer]], dim=TOKEN_AXIS) for layer in a}
+            for a, b in zip(self.sides, other.sides, strict=True)))
 
     def to(self, device: torch.device | str, pin: bool = False) -> TensorKV:
         """A copy on `device` (pinned host memory when `pin`)."""
-        return TensorKV(
-            self.ntokens,
-            {layer: _move(t, device, pin) for layer, t in self.keys.items()},
-            {layer: _move(t, device, pin) for layer, t in self.values.items()},
-        )
+        return self.mapped(self.ntokens, lambda t: _move(t, device, pin))
 
     @property
     def device(self) -> torch.device | None:
@@ -125,27 +129,22 @@ def path_kv(pieces: list[TensorKV], device: torch.device | str | None = None,
     def kv(start: int, stop: int) -> TensorKV:
         if not 0 <= start <= stop:
             raise InvalidInputError(f"kv({start}, {stop}) is not a token range")
-        keys: dict[int, list[torch.Tensor]] = {layer: [] for layer in pieces[0].keys}
-        values: dict[int, list[torch.Tensor]] = {layer: [] for layer in pieces[0].keys}
+        sides: list[dict[int, list[torch.Tensor]]] = [{layer: [] for layer in side} for side in pieces[0].sides]
         first = 0
         for piece in pieces:
             low, high = max(start, first), min(stop, first + piece.ntokens)
             if low < high:
-                for side, tensors in ((keys, piece.keys), (values, piece.values)):
+                for parts, tensors in zip(sides, piece.sides, strict=True):
                     for layer, tensor in tensors.items():
                         part = tensor[:, low - first : high - first]
-                        side[layer].append(part if device is None else _move(part, device, pin))
+                        parts[layer].append(part if device is None else _move(part, device, pin))
             first += piece.ntokens
         if stop > first:
             raise InvalidInputError(f"kv({start}, {stop}) reaches past the path's {first} tokens")
         if start == stop:  # no tokens, of the path's layers and shapes (nothing read)
-            def empty(t: torch.Tensor) -> torch.Tensor:
-                return t.new_empty((*t.shape[:TOKEN_AXIS], 0, t.shape[-1]), device=device or t.device)
-
-            return TensorKV(0, {layer: empty(t) for layer, t in pieces[0].keys.items()},
-                            {layer: empty(t) for layer, t in pieces[0].values.items()})
-        return TensorKV(stop - start, {layer: _joined(parts) for layer, parts in keys.items()},
-                        {layer: _joined(parts) for layer, parts in values.items()})
+            return pieces[0].mapped(0, lambda t: t.new_empty((*t.shape[:TOKEN_AXIS], 0, t.shape[-1]),
+                                                             device=device or t.device))
+        return TensorKV(stop - start, *({layer: _joined(p) for layer, p in parts.items()} for parts in sides))
 
     return kv
 
@@ -169,8 +168,7 @@ def owning_state(state: TensorState) -> TensorState:
 
 def owning_kv(kv: TensorKV) -> TensorKV:
     """`kv` with every tensor in storage of its own (`owning`)."""
-    return TensorKV(kv.ntokens, {layer: owning(t) for layer, t in kv.keys.items()},
-                    {layer: owning(t) for layer, t in kv.values.items()})
+    return kv.mapped(kv.ntokens, owning)
 
 
 def spill_evictions(eviction, host) -> None:
@@ -205,16 +203,17 @@ def spill_evictions(eviction, host) -> None:
 def kv_to_flat(kv: TensorKV, prefix: str) -> dict[str, torch.Tensor]:
     flat = {f"{prefix}.k.{layer}": t.contiguous() for layer, t in kv.keys.items()}
     flat.update({f"{prefix}.v.{layer}": t.contiguous() for layer, t in kv.values.items()})
+    flat.update({f"{prefix}.i.{layer}": t.contiguous() for layer, t in kv.indexer.items()})
     return flat
 
 
 def kv_from_flat(flat: Mapping[str, torch.Tensor], prefix: str, ntokens: int) -> TensorKV:
-    keys, values = {}, {}
+    sides: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}, "i": {}}
     for name, tensor in flat.items():
         parts = name.rsplit(".", 2)
-        if len(parts) == 3 and parts[0] == prefix and parts[1] in ("k", "v"):
-            (keys if parts[1] == "k" else values)[int(parts[2])] = tensor
-    return TensorKV(ntokens, keys, values)
+        if len(parts) == 3 and parts[0] == prefix and parts[1] in sides:
+            sides[parts[1]][int(parts[2])] = tensor
+    return TensorKV(ntokens, sides["k"], sides["v"], sides["i"])
 
 
 def state_to_flat(state: TensorState, prefix: str) -> dict[str, torch.Tensor]:
@@ -246,26 +245,32 @@ def snapshot_states(layers: list, state_layers: tuple[int, ...]) -> dict[str, di
     return {"conv": conv, "recurrent": recurrent}
 
 
-def row_kv(layers: list, kv_layers: tuple[int, ...], row: int, pad: int) -> Callable[[int, int], TensorKV]:
-    """kv(a, b): batch row `row`'s KV in the cache `layers` for its real tokens [a, b) (after its `pad` columns)."""
+def row_kv(layers: list, layout, row: int, pad: int) -> Callable[[int, int], TensorKV]:
+    """kv(a, b): batch row `row`'s KV in the cache `layers` (of a CacheLayout `layout`) for its real tokens [a, b)
+    (after its `pad` columns)."""
 
     def kv(start: int, stop: int) -> TensorKV:
         cut = slice(start + pad, stop + pad)
-        return TensorKV(stop - start, {i: layers[i].keys[row, :, cut].detach().clone() for i in kv_layers},
-                        {i: layers[i].values[row, :, cut].detach().clone() for i in kv_layers})
+        return TensorKV(stop - start, {i: layers[i].keys[row, :, cut].detach().clone() for i in layout.kv_layers},
+                        {i: layers[i].values[row, :, cut].detach().clone() for i in layout.kv_layers},
+                        {i: layers[i].indexer_keys[row, None, cut].detach().clone() for i in layout.indexer_layers})
 
     return kv
 
 
-def check_kv(kv: object, kv_layers: tuple[int, ...], dtype: torch.dtype) -> TensorKV:
-    """`kv` if it is a TensorKV of exactly the attention layers `kv_layers` in `dtype`, else InvalidInputError: an
-    entry of other layers or dtype would fail (or mislead) every later request that loads it."""
+def check_kv(kv: object, layout, dtype: torch.dtype) -> TensorKV:
+    """`kv` if it is a TensorKV of exactly the attention layers of `layout` (a CacheLayout; indexer keys for its
+    `indexer_layers`) in `dtype`, else InvalidInputError: an entry of other layers or dtype would fail (or mislead)
+    every later request that loads it."""
     if not isinstance(kv, TensorKV):
         raise InvalidInputError(f"kv(start, end) must return a TensorKV, got {type(kv).__name__}")
-    if sorted(kv.keys) != sorted(kv_layers):
-        raise InvalidInputError(f"the KV must hold exactly the attention layers {list(kv_layers)}, got "
+    if sorted(kv.keys) != sorted(layout.kv_layers):
+        raise InvalidInputError(f"the KV must hold exactly the attention layers {list(layout.kv_layers)}, got "
                                 f"{sorted(kv.keys)}")
-    if any(t.dtype != dtype for t in (*kv.keys.values(), *kv.values.values())):
+    if sorted(kv.indexer) != sorted(layout.indexer_layers):
+        raise InvalidInputError(f"the KV must hold indexer keys for exactly the layers {list(layout.indexer_layers)}"
+                                f", got {sorted(kv.indexer)}")
+    if any(t.dtype != dtype for side in kv.sides for t in side.values()):
         raise InvalidInputError(f"the KV must be in the store's dtype {dtype} (the model's)")
     return kv
 

@@ -1,4 +1,4 @@
-"""Gated delta rule layers: GatedDeltaNet (Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) and KDA (Kimi, Bailing).
+"""Gated delta rule layers: GatedDeltaNet (Qwen3.5 and -MoE, Qwen3-Next, OLMo-hybrid), KDA (Kimi, Bailing, GLM-5-Next).
 
 All of them project q, k, v through one depthwise conv, run the gated delta rule with q/k l2-normalised, and gate
 the outputs with an RMS norm; they differ only in how the projections are laid out (one method each below).
@@ -112,9 +112,10 @@ class OlmoHybridGatedDeltaNet(GatedDeltaNet):
 
 
 class KimiDeltaAttention(OlmoHybridGatedDeltaNet):
-    """Kimi Linear KDA: the delta rule with a per-key-channel decay from the layer's forget gate."""
+    """Kimi Linear KDA (and GLM-5-Next's, the same layer): the delta rule with a per-key-channel decay from the
+    layer's forget gate."""
 
-    classes = ("KimiLinearDeltaAttention",)
+    classes = ("KimiLinearDeltaAttention", "Glm5NextTextLinearAttention")
 
     def project(self, layer: nn.Module, hidden_states: torch.Tensor) -> Projected:
         batch, length = hidden_states.shape[:2]
