@@ -55,6 +55,8 @@ FAMILIES = {
         mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=1, chunk_size=8, num_mem_blocks=1)),
     "lfm2": (tf.Lfm2Config, tf.Lfm2ForCausalLM, dict(
         num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], conv_L_cache=3)),
+    "zaya": (tf.ZayaConfig, tf.ZayaForCausalLM, dict(
+        num_hidden_layers=2, moe_intermediate_size=32, num_experts=4, router_hidden_size=16)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
 }

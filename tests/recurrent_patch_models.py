@@ -163,6 +163,8 @@ CONFIGS: dict[str, dict] = {
         num_experts=4,
         num_experts_per_tok=2,
     ),
+    "zaya": dict(**_COMMON, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                 router_hidden_size=16, cca_time0=3, cca_time1=2),
     "lfm3": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, head_dim=8),
 }
 

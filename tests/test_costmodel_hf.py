@@ -27,6 +27,7 @@ from transformers import (
     Qwen3Config,
     Qwen3NextConfig,
     Zamba2Config,
+    ZayaConfig,
 )
 
 from prefixlab.cache.costmodel import ModelSpec
@@ -69,6 +70,8 @@ TINY = {
         n_mamba_heads=4, mamba_ngroups=2, use_mamba_kernels=False),
     "lfm2": lambda: Lfm2Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                conv_L_cache=3),
+    "zaya": lambda: ZayaConfig(**DIMS, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                               router_hidden_size=12, cca_time0=3, cca_time1=2),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                    state_size=8, n_groups=2, conv_kernel=3),
     "olmo_hybrid": lambda: OlmoHybridConfig(
@@ -174,7 +177,8 @@ def flops_from_weights(model, cache) -> float:
             or config.n_routed_experts
         expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
     _, recurrent, _ = cache_tensors(cache)
-    expected += 8 * sum(t.numel() for t in recurrent)
+    if config.model_type != "zaya":  # (ZAYA's recurrent state is the previous token's delayed V: no scan)
+        expected += 8 * sum(t.numel() for t in recurrent)
     if config.model_type == "lfm2":
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
     return expected
@@ -186,8 +190,9 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
     model, _ = run_tiny(model_type, torch.float32)
     gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
     attention = [m for _, m in model.named_modules()  # GatedDeltaNet / KDA layers have a q_proj too
-                 if hasattr(m, "q_proj") and not hasattr(m, "conv1d")]
-    widths = [((m.q_proj or m.q_b_proj).out_features // (2 if gated else 1),
+                 if hasattr(m, "q_proj") and not hasattr(m, "conv1d") and not hasattr(m, "conv_qk_depthwise")]
+    attention += [m for _, m in model.named_modules() if hasattr(m, "qkv_proj") and hasattr(m.qkv_proj, "q_proj")]
+    widths = [((getattr(m, "qkv_proj", m).q_proj or m.q_b_proj).out_features // (2 if gated else 1),
                (getattr(m, "o_proj", None) or m.out_proj).in_features) for m in attention]
     spec = ModelSpec.from_config(model.config)
     attention_layers = spec.layer_count("attention")
@@ -236,6 +241,14 @@ def test_unsupported_model_lists_supported_types():
 def test_windowed_kv_only_models_are_refused(config):
     with pytest.raises(UnsupportedModelError, match="sliding_attention"):
         ModelSpec.from_config(config)
+
+
+def test_zaya_sliding_layers_and_conv_without_history_are_refused():
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):
+        ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"],
+                                         sliding_window=8))
+    with pytest.raises(UnsupportedModelError, match="no history"):
+        ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, cca_time0=1, cca_time1=1))
 
 
 @pytest.mark.parametrize(("config", "named"), [

@@ -63,7 +63,8 @@ def test_a_later_call_with_more_rows_is_refused_clearly_and_keeps_the_earlier_re
     assert reused == first.shape[1] - 1 and diff <= 1e-5
 
 
-@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias")])
+@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias"),
+                                               ("zaya", "attention_bias")])  # (ZAYA: q / k feed its CCA conv)
 def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bias_flag):
     """With a bias in a recurrent layer's input projection a left pad is not zero there: it enters the row's conv
     window and states. A padded row's states were stored as the row's alone (a later unpadded request 4e-3 off) and
@@ -73,7 +74,7 @@ def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bia
     model = model_class(config_class(**(_COMMON | overrides | {bias_flag: True}))).eval()
     with torch.no_grad():  # (random init zeroes biases; a trained model's are not)
         for name, param in model.named_parameters():
-            if name.endswith("in_proj.bias"):
+            if name.endswith(("in_proj.bias", "q_proj.bias", "k_proj.bias")):
                 param.copy_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
     store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
     assert store.pads_change_states

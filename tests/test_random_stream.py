@@ -56,6 +56,7 @@ CASES = [
     ("falcon_h1", "marconi", "tight", False),
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
+    ("zaya", "dp", "tight", True),  # attention whose CCA projection keeps a conv state and the delayed V
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

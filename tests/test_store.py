@@ -143,9 +143,10 @@ def test_layout_and_bytes_match_the_models_own_cache():
     store.core.release(entry)
 
 
-def test_sliding_window_models_are_refused():
-    model = build("qwen3")
-    model.config.layer_types = ["sliding_attention", "full_attention"]
+@pytest.mark.parametrize("family, window_type", [("qwen3", "sliding_attention"), ("zaya", "hybrid_sliding")])
+def test_sliding_window_models_are_refused(family, window_type):
+    model = build(family)
+    model.config.layer_types = [window_type, model.config.layer_types[1]]
     model.config.sliding_window = 8
     with pytest.raises(UnsupportedModelError, match="sliding-window"):
         PrefixStore(model)

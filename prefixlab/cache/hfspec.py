@@ -211,6 +211,31 @@ def _kimi_linear(c, dtype_bytes):
     )
 
 
+def _zaya(c, dtype_bytes):
+    """ZAYA: every layer is attention behind a CCA projection (KV + a conv state and the previous token's delayed
+    V, `cm.cca_attention_layers`) and a top-1 MoE whose router is an MLP (`h -> r`, two `r x r`, `r -> E + 1`:
+    the extra class skips the experts). "hybrid_sliding" layers keep a bounded KV window: refused."""
+    n = c.num_hidden_layers
+    windowed = sorted({t for t in c.layer_types[:n] if t != "hybrid"})
+    if windowed:
+        raise UnsupportedModelError(
+            f"zaya: layer types {windowed} keep a bounded KV window (transformers' DynamicSlidingWindowLayer drops "
+            "tokens older than sliding_window), so a prefix cannot be resumed from it; only \"hybrid\" layers are "
+            "supported (layer_types=['hybrid'] * num_hidden_layers)")
+    if c.cca_time0 + c.cca_time1 < 3:
+        raise UnsupportedModelError(
+            f"zaya: cca_time0={c.cca_time0}, cca_time1={c.cca_time1} leave the CCA conv no history, and "
+            "transformers' ZayaCCAProjection then caches its whole input (qk_states[..., -0:]): not supported")
+    r, experts = c.router_hidden_size, c.num_experts
+    moe = cm.moe_layers(n, c.hidden_size, c.moe_intermediate_size, experts, c.num_experts_per_tok)
+    router = 2 * c.hidden_size * r + 4 * r * r + 2 * r * (experts + 1)
+    return (
+        cm.cca_attention_layers(n, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                c.cca_time0, c.cca_time1, dtype_bytes),
+        replace(moe, linear_flops_per_token=moe.linear_flops_per_token - 2 * c.hidden_size * experts + router),
+    )
+
+
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
 DENSE_MODEL_TYPES = ("gemma", "llama", "mistral", "qwen2", "qwen3")
 
@@ -265,6 +290,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "jamba": ModelFamily(_jamba, "NormalisedMambaMixer", patched_only=(
         "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)")),
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
+    "zaya": ModelFamily(_zaya, "ZayaCCA"),
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}

@@ -202,10 +202,16 @@ def pads_change_states(model: torch.nn.Module) -> bool:
     before a linear-attention layer's input projection, but a non-zero bias there (Mamba2's `use_bias`, Bamba /
     Falcon-H1 / Jamba `mamba_proj_bias`, Zamba2 `add_bias_linear`, LFM2 `conv_bias`) makes them non-zero again, and
     they enter the conv window of the row's first tokens and every state after. A padded row's states then depend on
-    its pads: such rows can neither be stored nor resumed as the row alone."""
+    its pads: such rows can neither be stored nor resumed as the row alone. A family names its own such projections
+    (`pad_projections`: ZAYA's q_proj / k_proj, `attention_bias`)."""
+    from prefixlab.recurrent.families import family_of
     from prefixlab.recurrent.patch import looks_linear_attention
 
-    return any(isinstance(child, torch.nn.Linear) and name.startswith("in_proj") and child.bias is not None
+    def feeds_states(layer: torch.nn.Module, name: str) -> bool:
+        named = getattr(family_of(layer), "pad_projections", None)
+        return name.startswith("in_proj") if named is None else name in named
+
+    return any(isinstance(child, torch.nn.Linear) and feeds_states(layer, name) and child.bias is not None
                and bool(child.bias.detach().any())
                for layer in model.modules() if looks_linear_attention(layer) for name, child in layer.named_children())
 

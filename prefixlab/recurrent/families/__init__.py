@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from prefixlab.recurrent.families.base import Family
+from prefixlab.recurrent.families.cca import ZayaCCA
 from prefixlab.recurrent.families.gated_delta import (
     BailingHybridDeltaAttention,
     GatedDeltaNet,
@@ -27,6 +28,7 @@ FAMILIES: tuple[Family, ...] = (
     MambaMixer(),
     NormalisedMambaMixer(),
     ShortConv(),
+    ZayaCCA(),
 )
 _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
 
