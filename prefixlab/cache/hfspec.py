@@ -294,6 +294,16 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}
+
+# Hybrid model types that are not served, with why (transformers 5.23) and what it would take: the refusal says so.
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "minimax": (
+        "MiniMaxModel.forward accepts no cache but its own MiniMaxCache (modeling_minimax.py:652, a ValueError for "
+        "any other, HybridPrefixCache included), which keeps each lightning-attention layer's state (the decayed "
+        "K^T V sum) in a list of its own (MiniMaxCache.linear_cache, set / read at modeling_minimax.py:199 and 269), "
+        "not in the cache layers' recurrent states that prefixlab checkpoints and restores. Serve it with "
+        "transformers' own MiniMaxCache, without prefix reuse"),
+}
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 
@@ -313,6 +323,9 @@ def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.Model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(text, "model_type", None) or ""
     reader = READERS.get(model_type.removesuffix("_text"))
+    if model_type.removesuffix("_text") in REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: "
+                                    f"{REFUSED_MODEL_TYPES[model_type.removesuffix('_text')]}")
     if reader is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} ({type(config).__name__}) is not supported by the cost model; "
