@@ -57,6 +57,9 @@ FAMILIES = {
         num_hidden_layers=4, layer_types=["conv", "conv", "conv", "full_attention"], conv_L_cache=3)),
     "zaya": (tf.ZayaConfig, tf.ZayaForCausalLM, dict(
         num_hidden_layers=2, moe_intermediate_size=32, num_experts=4, router_hidden_size=16)),
+    "inkling": (tf.InklingTextConfig, tf.InklingForCausalLM, dict(
+        num_hidden_layers=2, local_layer_ids=[], mlp_layer_types=["dense", "sparse"], moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, d_rel=4, rel_extent=16, conv_kernel_size=3)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
 }

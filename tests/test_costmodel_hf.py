@@ -12,6 +12,7 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     GraniteMoeHybridConfig,
+    InklingTextConfig,
     JambaConfig,
     KimiLinearConfig,
     Lfm2Config,
@@ -70,6 +71,10 @@ TINY = {
         n_mamba_heads=4, mamba_ngroups=2, use_mamba_kernels=False),
     "lfm2": lambda: Lfm2Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                conv_L_cache=3),
+    "inkling": lambda: InklingTextConfig(
+        **DIMS, num_hidden_layers=3, head_dim=8, local_layer_ids=[], mlp_layer_types=["sparse", "dense", "sparse"],
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, d_rel=4,
+        rel_extent=16, conv_kernel_size=3),
     "zaya": lambda: ZayaConfig(**DIMS, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                router_hidden_size=12, cca_time0=3, cca_time1=2),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
@@ -171,7 +176,11 @@ def flops_from_weights(model, cache) -> float:
     router_names = ("mlp.gate.weight", "mixer.gate.weight", "router.weight")
     routers = [p for name, p in params.items() if name.endswith(router_names)]
     expected += 2 * sum(p.numel() for p in routers)
-    experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name]
+    experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name and "shared" not in name]
+    # Inkling: shared experts (3-D weights) always on; each head's relative states times its bias profiles
+    expected += 2 * sum(p.numel() for name, p in params.items() if p.dim() == 3 and "shared_experts" in name)
+    expected += 2 * sum(p.numel() * config.num_attention_heads
+                        for name, p in params.items() if name.endswith("rel_logits_proj.proj"))
     if experts:
         n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
             or config.n_routed_experts
@@ -243,7 +252,9 @@ def test_windowed_kv_only_models_are_refused(config):
         ModelSpec.from_config(config)
 
 
-def test_zaya_sliding_layers_and_conv_without_history_are_refused():
+def test_zaya_and_inkling_sliding_layers_and_zaya_conv_without_history_are_refused():
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):  # (Inkling's default: 5 layers in 6)
+        ModelSpec.from_config(InklingTextConfig(num_hidden_layers=6))
     with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):
         ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"],
                                          sliding_window=8))

@@ -57,6 +57,7 @@ CASES = [
     ("granitemoehybrid", "dp", "tight", True),
     ("lfm2", "sglang+", "tight", False),
     ("zaya", "dp", "tight", True),  # attention whose CCA projection keeps a conv state and the delayed V
+    ("inkling_text", "marconi", "tight", True),  # four short-conv states per attention layer
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

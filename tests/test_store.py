@@ -143,7 +143,8 @@ def test_layout_and_bytes_match_the_models_own_cache():
     store.core.release(entry)
 
 
-@pytest.mark.parametrize("family, window_type", [("qwen3", "sliding_attention"), ("zaya", "hybrid_sliding")])
+@pytest.mark.parametrize("family, window_type", [("qwen3", "sliding_attention"), ("zaya", "hybrid_sliding"),
+                                                 ("inkling", "hybrid_sliding")])
 def test_sliding_window_models_are_refused(family, window_type):
     model = build(family)
     model.config.layer_types = [window_type, model.config.layer_types[1]]

@@ -236,6 +236,31 @@ def _zaya(c, dtype_bytes):
     )
 
 
+def _inkling(c, dtype_bytes):
+    """Inkling: attention with a relative-position bias (`r_proj` to `d_rel` per head, mixed into `rel_extent`
+    profiles), a short conv on K and on V, and short convs on the attention and MLP outputs (each K columns of fp32
+    state); a dense or MoE MLP (router over routed + shared experts, the shared ones always on).
+    "hybrid_sliding" layers keep a bounded KV window: refused."""
+    n, h = c.num_hidden_layers, c.hidden_size
+    windowed = sorted({t for t in c.layer_types[:n] if t != "hybrid"})
+    if windowed:
+        raise UnsupportedModelError(
+            f"{c.model_type}: layer types {windowed} keep a bounded KV window (transformers' "
+            "DynamicSlidingWindowLayer drops tokens older than sliding_window_size), so a prefix cannot be resumed "
+            "from it; only \"hybrid\" layers are supported (local_layer_ids=[], or layer_types=['hybrid'] * "
+            "num_hidden_layers)")
+    kv_dim, heads = c.num_key_value_heads * c.head_dim, c.num_attention_heads
+    attention = _attention(c, n, dtype_bytes)
+    extra = 2 * h * heads * c.d_rel + 2 * heads * c.d_rel * c.rel_extent + 2 * c.conv_kernel_size * (2 * kv_dim + 2 * h)
+    attention = replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra,
+                        state_bytes=c.conv_kernel_size * (2 * kv_dim + 2 * h) * cm.FP32_BYTES)
+    n_sparse = c.mlp_layer_types[:n].count("sparse")
+    moe = cm.moe_layers(n_sparse, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                        c.n_shared_experts * c.moe_intermediate_size)
+    moe = replace(moe, linear_flops_per_token=moe.linear_flops_per_token + 2 * h * c.n_shared_experts)
+    return attention, moe, cm.mlp_layers(n - n_sparse, h, c.intermediate_size)
+
+
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
 DENSE_MODEL_TYPES = ("gemma", "llama", "mistral", "qwen2", "qwen3")
 
@@ -291,6 +316,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
         "JambaMambaMixer's multi-token scan starts from zeros, not from the cached state (transformers 5.23)")),
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
     "zaya": ModelFamily(_zaya, "ZayaCCA"),
+    "inkling": ModelFamily(_inkling, "InlineShortConv"),
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}
@@ -316,6 +342,14 @@ def keeps_recurrent_state(config) -> bool:
     family = MODEL_FAMILIES.get((getattr(text, "model_type", None) or "").removesuffix("_text"))
     layer_family = next((f for f in FAMILIES if family is not None and type(f).__name__ == family.layer_family), None)
     return layer_family is None or layer_family.has_recurrent_state
+
+
+def pads_shift_positions(config) -> bool:
+    """Whether a left pad moves a row's tokens to other positions in what the model computes: Inkling's log-scaled
+    attention (`log_scaling_n_floor`) scales each query by its position counted in cache columns, pads included
+    (modeling_inkling.py InklingAttention.forward: get_query_offset, then tau of q_positions)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", None) == "inkling_text" and text.log_scaling_n_floor is not None
 
 
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:

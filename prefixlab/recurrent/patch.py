@@ -31,10 +31,10 @@ from transformers.integrations.accelerate import force_accelerate_hooks
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
 from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of
-from prefixlab.recurrent.families.base import run_layer
+from prefixlab.recurrent.families.base import ORIGINAL_ATTRIBUTE, run_layer
 
 BACKENDS = ("auto", *PORTABLE_BACKENDS)
-_ORIGINAL = "_prefixlab_original_forward"  # (attribute swapped, its instance value before patching or None)
+_ORIGINAL = ORIGINAL_ATTRIBUTE  # (attribute swapped, its instance value before patching or None)
 _OWNERS = "_prefixlab_patch_owners"  # how many owners hold a patch that `hold` applied
 _OWNERS_LOCK = threading.Lock()
 
@@ -181,6 +181,8 @@ class _PatchedForward:
             self._family = self._family or family_of(self.layer)
             self._run = force_accelerate_hooks(list(self._family.read_directly))(run_layer)
         cache = cache_params if cache_params is not None else past_key_values
+        if attention_mask is None:  # (Inkling's short convs take their padding mask as conv_mask)
+            attention_mask = kwargs.get("conv_mask")
         return self._run(self.layer, self._family, hidden_states, cache, attention_mask, self.backend)
 
     def __deepcopy__(self, memo: dict) -> _PatchedForward:

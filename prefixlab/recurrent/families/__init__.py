@@ -13,6 +13,7 @@ from prefixlab.recurrent.families.gated_delta import (
     OlmoHybridGatedDeltaNet,
     Qwen3NextGatedDeltaNet,
 )
+from prefixlab.recurrent.families.inline_conv import InlineShortConv
 from prefixlab.recurrent.families.mamba1 import MambaMixer, NormalisedMambaMixer
 from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
 from prefixlab.recurrent.families.short_conv import ShortConv
@@ -29,6 +30,7 @@ FAMILIES: tuple[Family, ...] = (
     NormalisedMambaMixer(),
     ShortConv(),
     ZayaCCA(),
+    InlineShortConv(),
 )
 _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
 
