@@ -12,6 +12,7 @@ from transformers import (
     GemmaConfig,
     GPT2Config,
     GraniteMoeHybridConfig,
+    Inkling2TextConfig,
     InklingTextConfig,
     JambaConfig,
     KimiLinearConfig,
@@ -75,6 +76,10 @@ TINY = {
         **DIMS, num_hidden_layers=3, head_dim=8, local_layer_ids=[], mlp_layer_types=["sparse", "dense", "sparse"],
         moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, d_rel=4,
         rel_extent=16, conv_kernel_size=3),
+    "inkling2": lambda: Inkling2TextConfig(
+        **DIMS, num_hidden_layers=3, head_dim=8, layer_types=["hybrid"] * 3, moe_intermediate_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, d_rel=4, rel_extent=16, conv_kernel_size=3,
+        n_layers_per_attn_res_block=2, eos_token_id=2),
     "zaya": lambda: ZayaConfig(**DIMS, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
                                router_hidden_size=12, cca_time0=3, cca_time1=2),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
@@ -97,6 +102,10 @@ N_TOKENS = 9
 def run_tiny(model_type: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(TINY[model_type](), dtype=dtype).eval()
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()  # (from_pretrained keeps them; from_config not)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if any(key in name for key in keep):
+            tensor.data = tensor.data.float()
     with torch.no_grad():
         out = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True)
     return model, getattr(out, "past_key_values", None) or out.cache_params
@@ -177,7 +186,9 @@ def flops_from_weights(model, cache) -> float:
     routers = [p for name, p in params.items() if name.endswith(router_names)]
     expected += 2 * sum(p.numel() for p in routers)
     experts = [p for name, p in params.items() if p.dim() == 3 and "conv" not in name and "shared" not in name]
-    # Inkling: shared experts (3-D weights) always on; each head's relative states times its bias profiles
+    # Inkling: shared experts (3-D weights) always on; each head's relative states times its bias profiles;
+    # Inkling2's dynamic convs: 2 FLOPs per static tap
+    expected += 2 * sum(p.numel() for name, p in params.items() if name.endswith("static_weight"))
     expected += 2 * sum(p.numel() for name, p in params.items() if p.dim() == 3 and "shared_experts" in name)
     expected += 2 * sum(p.numel() * config.num_attention_heads
                         for name, p in params.items() if name.endswith("rel_logits_proj.proj"))
@@ -252,9 +263,11 @@ def test_windowed_kv_only_models_are_refused(config):
         ModelSpec.from_config(config)
 
 
-def test_zaya_and_inkling_sliding_layers_and_zaya_conv_without_history_are_refused():
+def test_zaya_and_inklings_sliding_layers_and_zaya_conv_without_history_are_refused():
     with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):  # (Inkling's default: 5 layers in 6)
         ModelSpec.from_config(InklingTextConfig(num_hidden_layers=6))
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):  # (Inkling2's default: 5 layers in 6)
+        ModelSpec.from_config(Inkling2TextConfig(num_hidden_layers=6))
     with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):
         ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"],
                                          sliding_window=8))

@@ -58,6 +58,7 @@ CASES = [
     ("lfm2", "sglang+", "tight", False),
     ("zaya", "dp", "tight", True),  # attention whose CCA projection keeps a conv state and the delayed V
     ("inkling_text", "marconi", "tight", True),  # four short-conv states per attention layer
+    ("inkling2_text", "vllm+", "tight", False),  # the same, two of them with per-token taps
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

@@ -144,7 +144,7 @@ def test_layout_and_bytes_match_the_models_own_cache():
 
 
 @pytest.mark.parametrize("family, window_type", [("qwen3", "sliding_attention"), ("zaya", "hybrid_sliding"),
-                                                 ("inkling", "hybrid_sliding")])
+                                                 ("inkling", "hybrid_sliding"), ("inkling2", "hybrid_sliding")])
 def test_sliding_window_models_are_refused(family, window_type):
     model = build(family)
     model.config.layer_types = [window_type, model.config.layer_types[1]]

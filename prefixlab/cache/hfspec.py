@@ -236,29 +236,46 @@ def _zaya(c, dtype_bytes):
     )
 
 
-def _inkling(c, dtype_bytes):
-    """Inkling: attention with a relative-position bias (`r_proj` to `d_rel` per head, mixed into `rel_extent`
-    profiles), a short conv on K and on V, and short convs on the attention and MLP outputs (each K columns of fp32
-    state); a dense or MoE MLP (router over routed + shared experts, the shared ones always on).
-    "hybrid_sliding" layers keep a bounded KV window: refused."""
+def _inkling_attention(c, dtype_bytes: int, gated: bool) -> cm.LayerGroup:
+    """Inkling / Inkling2 attention: a relative-position bias (`r_proj` to `d_rel` per head, mixed into
+    `rel_extent` profiles), short convs (`2 K` per channel) on K and V and on the attention and MLP outputs, each
+    keeping K columns of fp32 state. "hybrid_sliding" layers keep a bounded KV window: refused."""
     n, h = c.num_hidden_layers, c.hidden_size
     windowed = sorted({t for t in c.layer_types[:n] if t != "hybrid"})
     if windowed:
         raise UnsupportedModelError(
             f"{c.model_type}: layer types {windowed} keep a bounded KV window (transformers' "
             "DynamicSlidingWindowLayer drops tokens older than sliding_window_size), so a prefix cannot be resumed "
-            "from it; only \"hybrid\" layers are supported (local_layer_ids=[], or layer_types=['hybrid'] * "
-            "num_hidden_layers)")
-    kv_dim, heads = c.num_key_value_heads * c.head_dim, c.num_attention_heads
-    attention = _attention(c, n, dtype_bytes)
-    extra = 2 * h * heads * c.d_rel + 2 * heads * c.d_rel * c.rel_extent + 2 * c.conv_kernel_size * (2 * kv_dim + 2 * h)
-    attention = replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra,
-                        state_bytes=c.conv_kernel_size * (2 * kv_dim + 2 * h) * cm.FP32_BYTES)
+            "from it; only \"hybrid\" layers are supported (layer_types=['hybrid'] * num_hidden_layers)")
+    kv_dim, heads, k = c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.conv_kernel_size
+    attention = _attention(c, n, dtype_bytes, gated)
+    extra = 2 * h * heads * c.d_rel + 2 * heads * c.d_rel * c.rel_extent + 2 * k * (2 * kv_dim + 2 * h)
+    return replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra,
+                   state_bytes=k * (2 * kv_dim + 2 * h) * cm.FP32_BYTES)
+
+
+def _inkling(c, dtype_bytes):
+    """Inkling: `_inkling_attention`, then a dense or MoE MLP (its router scores the shared experts too, which are
+    always on)."""
+    n, h = c.num_hidden_layers, c.hidden_size
+    attention = _inkling_attention(c, dtype_bytes, gated=False)
     n_sparse = c.mlp_layer_types[:n].count("sparse")
     moe = cm.moe_layers(n_sparse, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
                         c.n_shared_experts * c.moe_intermediate_size)
     moe = replace(moe, linear_flops_per_token=moe.linear_flops_per_token + 2 * h * c.n_shared_experts)
     return attention, moe, cm.mlp_layers(n - n_sparse, h, c.intermediate_size)
+
+
+def _inkling2(c, dtype_bytes):
+    """Inkling2 (full-attention layers): `_inkling_attention` with a sigmoid output gate, a sink logit per head
+    (`sink_proj`) and dynamic K / V convs (their taps also projected from the layer input, `2 h kv_heads K` each),
+    then a MoE MLP. The block attention residuals (a softmax over the few block states per token)
+    are left out, as norms are."""
+    n, h, k = c.num_hidden_layers, c.hidden_size, c.conv_kernel_size
+    attention = _inkling_attention(c, dtype_bytes, gated=True)
+    extra = 2 * h * c.num_attention_heads + 2 * 2 * h * c.num_key_value_heads * k
+    return (replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra),
+            cm.moe_layers(n, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok))
 
 
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
@@ -317,6 +334,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
     "zaya": ModelFamily(_zaya, "ZayaCCA"),
     "inkling": ModelFamily(_inkling, "InlineShortConv"),
+    "inkling2": ModelFamily(_inkling2, "InlineShortConv"),
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}

@@ -168,10 +168,7 @@ class _PatchedForward:
     def __init__(self, layer: nn.Module, backend: str, family: Family | None = None):
         self.layer, self.backend, self._family, self._run = layer, backend, family, None
 
-    def __call__(self, hidden_states: torch.Tensor, cache_params: Any = None,
-                 attention_mask: torch.Tensor | None = None,
-                 past_key_values: Any = None,  # LFM2 passes its cache under this name
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("cu_seq_lens_q") is not None:
             raise InvalidInputError(
                 "packed sequences (cu_seq_lens_q) are not supported by prefixlab's patched layers: pass a padded "
@@ -179,10 +176,17 @@ class _PatchedForward:
             )
         if self._run is None:  # (after a copy or an unpickling: the layer is whole by its first call)
             self._family = self._family or family_of(self.layer)
-            self._run = force_accelerate_hooks(list(self._family.read_directly))(run_layer)
+            self._run = getattr(self._family, "run", None) or force_accelerate_hooks(
+                list(self._family.read_directly))(run_layer)
+        if hasattr(self._family, "run"):  # a layer of its own shape: it takes the layer's own arguments
+            return self._run(self.layer, *args, **kwargs)
+        return self._mixer(*args, **kwargs)
+
+    def _mixer(self, hidden_states: torch.Tensor, cache_params: Any = None,
+               attention_mask: torch.Tensor | None = None,
+               past_key_values: Any = None,  # LFM2 passes its cache under this name
+               **kwargs: Any) -> torch.Tensor:
         cache = cache_params if cache_params is not None else past_key_values
-        if attention_mask is None:  # (Inkling's short convs take their padding mask as conv_mask)
-            attention_mask = kwargs.get("conv_mask")
         return self._run(self.layer, self._family, hidden_states, cache, attention_mask, self.backend)
 
     def __deepcopy__(self, memo: dict) -> _PatchedForward:

@@ -70,8 +70,8 @@ class ScanRequest:
 
 class Family(Protocol):
     """One layer family: the layer classes it serves and its family-specific steps (all pure, no cache access).
-    A family whose layer does not fit these steps (families/cca.py) has a `run(layer, hidden_states, cache,
-    attention_mask, backend)` instead, which `run_layer` calls."""
+    A family whose layer does not fit these steps (families/cca.py, inline_conv.py) has a `run(layer, *args,
+    **kwargs)` instead, called with the layer's own arguments in place of its forward."""
 
     classes: tuple[str, ...]
     has_recurrent_state: bool
@@ -216,8 +216,6 @@ def run_layer(
             f"{type(layer).__name__} is patched by prefixlab, whose kernels do not run under torch.autocast: convert "
             "the model instead (model.to(torch.bfloat16)), or prefixlab.unpatch(model) to run it under "
             "autocast without a PrefixStore")
-    if hasattr(family, "run"):  # a layer of its own shape (families/cca.py): same cache protocol, own flow
-        return family.run(layer, hidden_states, cache, attention_mask, backend)
     mask = padding_mask(attention_mask, hidden_states)
     batch, length = hidden_states.shape[:2]
     view = LayerCache(cache, layer.layer_idx, batch, length, family.has_recurrent_state)

@@ -28,8 +28,8 @@ class ZayaCCA:
     # (v_proj_delayed's bias does not: a pad's delayed V equals the one a first token starts from)
     pad_projections: tuple[str, ...] = ("q_proj", "k_proj")
 
-    def run(self, layer: nn.Module, hidden_states: torch.Tensor, cache: Any, conv_mask: Any,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def run(self, layer: nn.Module, hidden_states: torch.Tensor, cache: Any = None, conv_mask: Any = None,
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(query, key, value) [B, T, heads, head_dim] as ZayaCCAProjection.forward returns them, the states
         recorded and written to `cache` as the module docstring says."""
         hidden_states = mask_padding(hidden_states, padding_mask(conv_mask, hidden_states))
