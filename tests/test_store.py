@@ -149,7 +149,7 @@ def test_sliding_window_models_are_refused(family, window_type):
     model = build(family)
     model.config.layer_types = [window_type, model.config.layer_types[1]]
     model.config.sliding_window = 8
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+    with pytest.raises(UnsupportedModelError, match=f"{window_type}.*bounded KV window"):
         PrefixStore(model)
 
 
