@@ -246,7 +246,8 @@ def _inkling_attention(c, dtype_bytes: int, gated: bool) -> cm.LayerGroup:
         raise UnsupportedModelError(
             f"{c.model_type}: layer types {windowed} keep a bounded KV window (transformers' "
             "DynamicSlidingWindowLayer drops tokens older than sliding_window_size), so a prefix cannot be resumed "
-            "from it; only \"hybrid\" layers are supported (layer_types=['hybrid'] * num_hidden_layers)")
+            "from it; only \"hybrid\" layers are supported (layer_types=['hybrid'] * num_hidden_layers"
+            f"{', or local_layer_ids=[]' if hasattr(c, 'local_layer_ids') else ''})")
     kv_dim, heads, k = c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.conv_kernel_size
     attention = _attention(c, n, dtype_bytes, gated)
     extra = 2 * h * heads * c.d_rel + 2 * heads * c.d_rel * c.rel_extent + 2 * k * (2 * kv_dim + 2 * h)
