@@ -68,6 +68,15 @@ FAMILIES = {
         num_hidden_layers=4, layer_types=_LFM, conv_L_cache=3, num_dense_layers=1, num_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32)),
     "lfm3": (tf.Lfm3Config, tf.Lfm3ForCausalLM, dict(num_hidden_layers=4, layer_types=_LFM, conv_L_cache=4)),
+    "zaya": (tf.ZayaConfig, tf.ZayaForCausalLM, dict(
+        num_hidden_layers=2, moe_intermediate_size=32, num_experts=4, router_hidden_size=16)),
+    "inkling": (tf.InklingTextConfig, tf.InklingForCausalLM, dict(
+        num_hidden_layers=2, local_layer_ids=[], mlp_layer_types=["dense", "sparse"], moe_intermediate_size=32,
+        n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, d_rel=4, rel_extent=16, conv_kernel_size=3)),
+    "inkling2": (tf.Inkling2TextConfig, tf.Inkling2ForCausalLM, dict(
+        num_hidden_layers=2, layer_types=["hybrid"] * 2, moe_intermediate_size=32, n_routed_experts=4,
+        num_experts_per_tok=2, d_rel=8, rel_extent=12, conv_kernel_size=3, log_scaling_n_floor=8,
+        n_layers_per_attn_res_block=1)),  # (with d_rel=4, rel_extent=16 greedy decoding gives the pad id 0)
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
     "mamba": (tf.MambaConfig, tf.MambaForCausalLM, dict(num_hidden_layers=2, state_size=16, expand=2)),

@@ -202,6 +202,14 @@ CONFIGS: dict[str, dict] = {
         num_experts=4,
         num_experts_per_tok=2,
     ),
+    "zaya": dict(**_COMMON, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                 router_hidden_size=16, cca_time0=3, cca_time1=2),
+    "inkling_text": dict(**_COMMON, num_hidden_layers=2, head_dim=8, local_layer_ids=[],
+                         mlp_layer_types=["dense", "sparse"], moe_intermediate_size=16, n_routed_experts=4,
+                         num_experts_per_tok=2, n_shared_experts=1, d_rel=4, rel_extent=16, conv_kernel_size=3),
+    "inkling2_text": dict(**_COMMON, num_hidden_layers=2, head_dim=8, layer_types=["hybrid"] * 2,
+                          moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, d_rel=4, rel_extent=16,
+                          conv_kernel_size=3, log_scaling_n_floor=8, n_layers_per_attn_res_block=1, eos_token_id=2),
     "lfm3": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, head_dim=8),
 }
 
@@ -256,29 +264,37 @@ def tokens(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def linear_layer_indices(cache: DynamicCache) -> list[int]:
-    """Cache slots that hold conv / recurrent states."""
-    return [i for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")]
+Slot = int | tuple[int, int]  # a cache layer's state 0, or (layer, i) for its state i > 0 (Inkling: 4 per layer)
 
 
-def states(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def linear_layer_indices(cache: DynamicCache) -> list[Slot]:
+    """Cache slots that hold conv / recurrent states: each layer's state 0, then (layer, i) for the others."""
+    layers = [(i, layer) for i, layer in enumerate(cache.layers) if hasattr(layer, "conv_states")]
+    return [i for i, _ in layers] + [(i, s) for i, layer in layers for s in range(1, layer.number_of_states)
+                                     if layer.is_conv_states_initialized[s]]
+
+
+def states(cache: DynamicCache, slot: Slot) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(conv state, recurrent state or None) a cache slot holds, cloned."""
+    layer_idx, state_idx = slot if isinstance(slot, tuple) else (slot, 0)
     layer = cache.layers[layer_idx]
-    recurrent = layer.recurrent_states[0]
-    return layer.conv_states[0].clone(), None if recurrent is None else recurrent.clone()
+    recurrent = layer.recurrent_states[state_idx]
+    return layer.conv_states[state_idx].clone(), None if recurrent is None else recurrent.clone()
 
 
 class RecordingCache(DynamicCache):
-    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record."""
+    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record, by (slot,
+    offset, row)."""
 
     def __init__(self, model, positions):
         super().__init__(config=model.config)
         self.prefixlab_capture_positions = positions
-        self.records: dict[tuple[int, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.records: dict[tuple[Slot, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
-    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None):
-        assert (layer_idx, offset, row) not in self.records, "each state is recorded once"
-        self.records[(layer_idx, offset, row)] = (conv_state, recurrent_state)
+    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None, state_idx=0):
+        slot = (layer_idx, state_idx) if state_idx else layer_idx
+        assert (slot, offset, row) not in self.records, "each state is recorded once"
+        self.records[(slot, offset, row)] = (conv_state, recurrent_state)
 
 
 @contextmanager

@@ -17,6 +17,8 @@ from transformers import (
     Glm5NextTextConfig,
     GPT2Config,
     GraniteMoeHybridConfig,
+    Inkling2TextConfig,
+    InklingTextConfig,
     JambaConfig,
     KimiLinearConfig,
     Lfm2Config,
@@ -36,6 +38,7 @@ from transformers import (
     Qwen3NextConfig,
     Zamba2Config,
     ZambaConfig,
+    ZayaConfig,
 )
 
 from prefixlab.cache.costmodel import ModelSpec
@@ -101,6 +104,16 @@ TINY = {
     "lfm3": lambda: Lfm3Config(**DIMS, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"],
                                conv_L_cache=5, head_dim=16, pad_token_id=0),
     "bailing_hybrid": lambda: BailingHybridConfig(**BAILING),
+    "inkling": lambda: InklingTextConfig(
+        **DIMS, num_hidden_layers=3, head_dim=8, local_layer_ids=[], mlp_layer_types=["sparse", "dense", "sparse"],
+        moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=2, d_rel=4,
+        rel_extent=16, conv_kernel_size=3),
+    "inkling2": lambda: Inkling2TextConfig(
+        **DIMS, num_hidden_layers=3, head_dim=8, layer_types=["hybrid"] * 3, moe_intermediate_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, d_rel=4, rel_extent=16, conv_kernel_size=3,
+        n_layers_per_attn_res_block=2, eos_token_id=2),
+    "zaya": lambda: ZayaConfig(**DIMS, num_hidden_layers=2, head_dim=8, moe_intermediate_size=16, num_experts=4,
+                               router_hidden_size=12, cca_time0=3, cca_time1=2),
     "mamba2": lambda: Mamba2Config(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
                                    state_size=8, n_groups=2, conv_kernel=3),
     "mamba": lambda: MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=3,
@@ -127,6 +140,10 @@ def run_tiny(model_type: str, dtype: torch.dtype):
     torch.manual_seed(0)
     auto = AutoModelForImageTextToText if model_type == "glm5_next" else AutoModelForCausalLM
     model = auto.from_config(TINY[model_type](), dtype=dtype).eval()
+    keep = getattr(model, "_keep_in_fp32_modules_strict", None) or ()  # (from_pretrained keeps them; from_config not)
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        if any(key in name for key in keep):
+            tensor.data = tensor.data.float()
     with torch.no_grad():
         out = model(torch.randint(0, 64, (1, N_TOKENS)), use_cache=True)
     return model, getattr(out, "past_key_values", None) or out.cache_params
@@ -215,13 +232,21 @@ def flops_from_weights(model, cache) -> float:
     per_head = ("x_proj_weight", "dt_proj_weight")  # Zamba's per-head x_proj / dt_proj (3D parameters)
     expected += 2 * sum(p.numel() for name, p in params.items() if name.endswith(per_head))
     experts = [p for name, p in params.items()
-               if p.dim() == 3 and "conv" not in name and not name.endswith((*per_head, "A_log"))]
+               if p.dim() == 3 and "conv" not in name and not name.endswith((*per_head, "A_log"))
+               and "shared" not in name]
+    # Inkling: shared experts (3-D weights) always on; each head's relative states times its bias profiles;
+    # Inkling2's dynamic convs: 2 FLOPs per static tap
+    expected += 2 * sum(p.numel() for name, p in params.items() if name.endswith("static_weight"))
+    expected += 2 * sum(p.numel() for name, p in params.items() if p.dim() == 3 and "shared_experts" in name)
+    expected += 2 * sum(p.numel() * config.num_attention_heads
+                        for name, p in params.items() if name.endswith("rel_logits_proj.proj"))
     if experts:
         n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) \
             or config.n_routed_experts
         expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
     _, recurrent, _ = cache_tensors(cache)
-    expected += 8 * sum(t.numel() for t in recurrent)
+    if config.model_type != "zaya":  # (ZAYA's recurrent state is the previous token's delayed V: no scan)
+        expected += 8 * sum(t.numel() for t in recurrent)
     if config.model_type.startswith("lfm"):
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
     for name, p in params.items():
@@ -237,9 +262,11 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
     model, _ = run_tiny(model_type, torch.float32)
     gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
     attention = [m for _, m in model.named_modules()  # GatedDeltaNet / KDA layers have a q_proj too
-                 if (hasattr(m, "q_proj") or hasattr(m, "q_b_proj")) and not hasattr(m, "conv1d")]
+                 if (hasattr(m, "q_proj") or hasattr(m, "q_b_proj")) and not hasattr(m, "conv1d")
+                 and not hasattr(m, "conv_qk_depthwise")]
+    attention += [m for _, m in model.named_modules() if hasattr(m, "qkv_proj") and hasattr(m.qkv_proj, "q_proj")]
     indexers = [m.indexer for m in attention if getattr(m, "indexer", None) is not None]
-    widths = [((getattr(m, "q_proj", None) or m.q_b_proj).out_features // (2 if gated else 1),
+    widths = [((getattr(getattr(m, "qkv_proj", m), "q_proj", None) or m.q_b_proj).out_features // (2 if gated else 1),
                (getattr(m, "o_proj", None) or m.out_proj).in_features) for m in attention]
     spec = ModelSpec.from_config(model.config)
     attention_layers = spec.layer_count("attention")
@@ -297,6 +324,18 @@ def test_lfm2_moe_without_layer_types_is_refused():
     """Lfm2MoeConfig() leaves layer_types None (its model cannot be built from it): a clear error, not a TypeError."""
     with pytest.raises(InvalidInputError, match="layer_types"):
         ModelSpec.from_config(Lfm2MoeConfig())
+
+
+def test_zaya_and_inklings_sliding_layers_and_zaya_conv_without_history_are_refused():
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):  # (Inkling's default: 5 layers in 6)
+        ModelSpec.from_config(InklingTextConfig(num_hidden_layers=6))
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):  # (Inkling2's default: 5 layers in 6)
+        ModelSpec.from_config(Inkling2TextConfig(num_hidden_layers=6))
+    with pytest.raises(UnsupportedModelError, match="hybrid_sliding"):
+        ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, layer_types=["hybrid", "hybrid_sliding"],
+                                         sliding_window=8))
+    with pytest.raises(UnsupportedModelError, match="no history"):
+        ModelSpec.from_config(ZayaConfig(num_hidden_layers=2, cca_time0=1, cca_time1=1))
 
 
 @pytest.mark.parametrize(("config", "named"), [

@@ -63,18 +63,21 @@ def test_a_later_call_with_more_rows_is_refused_clearly_and_keeps_the_earlier_re
     assert reused == first.shape[1] - 1 and diff <= 1e-5
 
 
-@pytest.mark.parametrize("family, bias_flag", [("bamba", "mamba_proj_bias"), ("lfm2", "conv_bias"),
-                                               ("mamba", "use_bias")])
-def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, bias_flag):
+@pytest.mark.parametrize("family, option", [("bamba", {"mamba_proj_bias": True}), ("lfm2", {"conv_bias": True}),
+                                            ("mamba", {"use_bias": True}),
+                                            ("zaya", {"attention_bias": True}),  # (ZAYA: q / k feed its CCA conv)
+                                            ("inkling", {"log_scaling_n_floor": 2})])
+def test_left_pads_that_change_states_are_neither_stored_nor_resumed(family, option):
     """With a bias in a recurrent layer's input projection a left pad is not zero there: it enters the row's conv
     window and states. A padded row's states were stored as the row's alone (a later unpadded request 4e-3 off) and
-    padded rows resumed the row's own states (5e-3 off the uncached batch)."""
+    padded rows resumed the row's own states (5e-3 off the uncached batch). Inkling's log-scaled attention counts
+    positions by cache columns, pads included: a padded row's tokens sit at other positions."""
     config_class, model_class, overrides = FAMILIES[family]
     torch.manual_seed(0)
-    model = model_class(config_class(**(_COMMON | overrides | {bias_flag: True}))).eval()
+    model = model_class(config_class(**(_COMMON | overrides | option))).eval()
     with torch.no_grad():  # (random init zeroes biases; a trained model's are not)
         for name, param in model.named_parameters():
-            if name.endswith("in_proj.bias"):
+            if name.endswith(("in_proj.bias", "q_proj.bias", "k_proj.bias")):
                 param.copy_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(1)))
     store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
     assert store.pads_change_states

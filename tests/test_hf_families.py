@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from hf_models import FAMILIES, build, cache_argument, config
+from hf_models import _COMMON, FAMILIES, build, cache_argument, config
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
@@ -140,6 +140,19 @@ def test_families_that_cannot_resume_unpatched_are_refused(family):
     model = build(family)
     with pytest.raises(UnsupportedModelError, match="recurrent.patch"):
         PrefixStore(model, patch=False)
+    assert not getattr(model, "prefixlab_patched", False)
+
+
+def test_minimax_is_refused_with_the_reason():
+    """MiniMax's model refuses any cache but its MiniMaxCache, whose linear-attention states live outside the
+    cache layers the store checkpoints: refused by name, the model left as it was."""
+    import transformers as tf
+
+    config = tf.MiniMaxConfig(**{**_COMMON, "num_key_value_heads": 4}, num_hidden_layers=2, num_local_experts=2,
+                              num_experts_per_tok=1, block_size=8)
+    model = tf.MiniMaxForCausalLM(config).eval()
+    with pytest.raises(UnsupportedModelError, match="MiniMaxCache"):
+        PrefixStore(model)
     assert not getattr(model, "prefixlab_patched", False)
 
 

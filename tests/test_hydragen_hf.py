@@ -329,3 +329,12 @@ def test_attention_sinks_are_refused_not_dropped():
     for cache in (None, HydragenCache(model.config)):
         with pytest.raises(InvalidInputError, match="s_aux"), torch.no_grad():
             model(ids, past_key_values=cache)
+
+
+def test_inkling2_sinks_are_refused_not_dropped():
+    """Inkling2's per-head sink logits reach the attention interface as `sinks` (gpt-oss': `s_aux`)."""
+    from prefixlab.attention.hf import hydragen_attention_forward
+
+    query = key = value = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(InvalidInputError, match="sinks"):
+        hydragen_attention_forward(torch.nn.Module(), query, key, value, None, sinks=torch.zeros(1, 2, 3, 1))

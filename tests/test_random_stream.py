@@ -66,6 +66,9 @@ CASES = [
     ("lfm3", "vllm+", "tight", False),
     ("bailing_hybrid", "marconi", "tight", False),
     ("bailing_hybrid", "sglang+", "loose", True),
+    ("zaya", "dp", "tight", True),  # attention whose CCA projection keeps a conv state and the delayed V
+    ("inkling_text", "marconi", "tight", True),  # four short-conv states per attention layer
+    ("inkling2_text", "vllm+", "tight", False),  # the same, two of them with per-token taps
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

@@ -20,7 +20,7 @@ from recurrent_patch_models import (
 
 from prefixlab.recurrent import patch, patched
 
-PADDED_FAMILIES = ["qwen3_5_text", "bamba", "kimi_linear", "lfm2"]
+PADDED_FAMILIES = ["qwen3_5_text", "bamba", "kimi_linear", "lfm2", "zaya", "inkling_text", "inkling2_text"]
 
 
 def left_padded(length: int, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

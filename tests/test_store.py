@@ -143,12 +143,14 @@ def test_layout_and_bytes_match_the_models_own_cache():
     store.core.release(entry)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "lfm3"])
-def test_sliding_window_models_are_refused(family):
+@pytest.mark.parametrize("family, window_type", [("qwen3", "sliding_attention"), ("lfm3", "sliding_attention"),
+                                                 ("zaya", "hybrid_sliding"), ("inkling", "hybrid_sliding"),
+                                                 ("inkling2", "hybrid_sliding")])
+def test_sliding_window_models_are_refused(family, window_type):
     model = build(family)
-    model.config.layer_types = ["sliding_attention", "full_attention", "conv", "conv"][:model.config.num_hidden_layers]
+    model.config.layer_types = [window_type, *model.config.layer_types[1:]]
     model.config.sliding_window = 8
-    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+    with pytest.raises(UnsupportedModelError, match=f"{window_type}.*bounded KV window"):
         PrefixStore(model)
 
 

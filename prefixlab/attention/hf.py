@@ -73,8 +73,9 @@ def hydragen_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention interface: returns (B, Tq, Hq, D) like `sdpa_attention_forward`."""
-    changed = [name for name in ("softcap", "position_bias", "s_aux") if kwargs.get(name) is not None]
-    if changed:  # (Gemma 2's logit cap, T5-style biases, gpt-oss' attention sinks: sdpa's fallback drops them too)
+    changed = [name for name in ("softcap", "position_bias", "s_aux", "sinks") if kwargs.get(name) is not None]
+    if changed:  # (Gemma 2's logit cap, T5-style / Inkling biases, gpt-oss' / Inkling2's attention sinks: sdpa's
+        # fallback drops them too)
         raise InvalidInputError(f"hydragen attention computes plain softmax attention: this model changes its "
                                 f"attention scores ({', '.join(changed)}); use another attn_implementation for it")
     if not isinstance(key, SharedBatchKV):

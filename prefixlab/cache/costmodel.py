@@ -130,6 +130,24 @@ def with_hyper_connections(group: LayerGroup, hidden: int, streams: int) -> Laye
                    dims=group.dims + _dims(hc_streams=streams))
 
 
+def cca_attention_layers(
+    count: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, time0: int, time1: int,
+    dtype_bytes: int,
+) -> LayerGroup:
+    """Attention behind ZAYA's compressed convolutional (CCA) projection: Q, K and two half-width V projections
+    (`2 h (q + 2 kv)`, as attention's), Q and K mixed by a depthwise conv (kernel `time0`) and a conv grouped by
+    head (kernel `time1`, `2 C d t1` over C = q + kv channels of `d` per group), output `2 q h`, `4 q` per pair.
+    Besides the KV, the layer keeps a state: the last `(time0 - 1) + (time1 - 1)` conv inputs and the previous
+    token's delayed half of V (`kv / 2`), both in the model dtype."""
+    layers = attention_layers(count, hidden, num_heads, num_kv_heads, head_dim, dtype_bytes)
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    channels, history = q_dim + kv_dim, (time0 - 1) + (time1 - 1)
+    convs = 2 * channels * time0 + 2 * channels * head_dim * time1
+    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + convs,
+                   state_bytes=(channels * history + kv_dim // 2) * dtype_bytes,
+                   dims=layers.dims + _dims(time0=time0, time1=time1))
+
+
 def _dims(**dims: int) -> tuple[tuple[str, int], ...]:
     return tuple((name, int(value)) for name, value in dims.items())
 

@@ -310,6 +310,74 @@ def _glm5_next(c, dtype_bytes):
             *mlps)
 
 
+def _zaya(c, dtype_bytes):
+    """ZAYA: every layer is attention behind a CCA projection (KV + a conv state and the previous token's delayed
+    V, `cm.cca_attention_layers`) and a top-1 MoE whose router is an MLP (`h -> r`, two `r x r`, `r -> E + 1`:
+    the extra class skips the experts). "hybrid_sliding" layers keep a bounded KV window: refused."""
+    n = c.num_hidden_layers
+    windowed = sorted({t for t in c.layer_types[:n] if t != "hybrid"})
+    if windowed:
+        raise UnsupportedModelError(
+            f"zaya: layer types {windowed} keep a bounded KV window (transformers' DynamicSlidingWindowLayer drops "
+            "tokens older than sliding_window), so a prefix cannot be resumed from it; only \"hybrid\" layers are "
+            "supported (layer_types=['hybrid'] * num_hidden_layers)")
+    if c.cca_time0 + c.cca_time1 < 3:
+        raise UnsupportedModelError(
+            f"zaya: cca_time0={c.cca_time0}, cca_time1={c.cca_time1} leave the CCA conv no history, and "
+            "transformers' ZayaCCAProjection then caches its whole input (qk_states[..., -0:]): not supported")
+    r, experts = c.router_hidden_size, c.num_experts
+    moe = cm.moe_layers(n, c.hidden_size, c.moe_intermediate_size, experts, c.num_experts_per_tok)
+    router = 2 * c.hidden_size * r + 4 * r * r + 2 * r * (experts + 1)
+    return (
+        cm.cca_attention_layers(n, c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                c.cca_time0, c.cca_time1, dtype_bytes),
+        replace(moe, linear_flops_per_token=moe.linear_flops_per_token - 2 * c.hidden_size * experts + router),
+    )
+
+
+def _inkling_attention(c, dtype_bytes: int, gated: bool) -> cm.LayerGroup:
+    """Inkling / Inkling2 attention: a relative-position bias (`r_proj` to `d_rel` per head, mixed into
+    `rel_extent` profiles), short convs (`2 K` per channel) on K and V and on the attention and MLP outputs, each
+    keeping K columns of fp32 state. "hybrid_sliding" layers keep a bounded KV window: refused."""
+    n, h = c.num_hidden_layers, c.hidden_size
+    windowed = sorted({t for t in c.layer_types[:n] if t != "hybrid"})
+    if windowed:
+        raise UnsupportedModelError(
+            f"{c.model_type}: layer types {windowed} keep a bounded KV window (transformers' "
+            "DynamicSlidingWindowLayer drops tokens older than sliding_window_size), so a prefix cannot be resumed "
+            "from it; only \"hybrid\" layers are supported (layer_types=['hybrid'] * num_hidden_layers"
+            f"{', or local_layer_ids=[]' if hasattr(c, 'local_layer_ids') else ''})")
+    kv_dim, heads, k = c.num_key_value_heads * c.head_dim, c.num_attention_heads, c.conv_kernel_size
+    attention = _attention(c, n, dtype_bytes, gated)
+    extra = 2 * h * heads * c.d_rel + 2 * heads * c.d_rel * c.rel_extent + 2 * k * (2 * kv_dim + 2 * h)
+    return replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra,
+                   state_bytes=k * (2 * kv_dim + 2 * h) * cm.FP32_BYTES)
+
+
+def _inkling(c, dtype_bytes):
+    """Inkling: `_inkling_attention`, then a dense or MoE MLP (its router scores the shared experts too, which are
+    always on)."""
+    n, h = c.num_hidden_layers, c.hidden_size
+    attention = _inkling_attention(c, dtype_bytes, gated=False)
+    n_sparse = c.mlp_layer_types[:n].count("sparse")
+    moe = cm.moe_layers(n_sparse, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok,
+                        c.n_shared_experts * c.moe_intermediate_size)
+    moe = replace(moe, linear_flops_per_token=moe.linear_flops_per_token + 2 * h * c.n_shared_experts)
+    return attention, moe, cm.mlp_layers(n - n_sparse, h, c.intermediate_size)
+
+
+def _inkling2(c, dtype_bytes):
+    """Inkling2 (full-attention layers): `_inkling_attention` with a sigmoid output gate, a sink logit per head
+    (`sink_proj`) and dynamic K / V convs (their taps also projected from the layer input, `2 h kv_heads K` each),
+    then a MoE MLP. The block attention residuals (a softmax over the few block states per token)
+    are left out, as norms are."""
+    n, h, k = c.num_hidden_layers, c.hidden_size, c.conv_kernel_size
+    attention = _inkling_attention(c, dtype_bytes, gated=True)
+    extra = 2 * h * c.num_attention_heads + 2 * 2 * h * c.num_key_value_heads * k
+    return (replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra),
+            cm.moe_layers(n, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok))
+
+
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
 DENSE_MODEL_TYPES = ("gemma", "llama", "mistral", "qwen2", "qwen3")
 
@@ -371,9 +439,22 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "lfm2": ModelFamily(_lfm2, "ShortConv"),
     "lfm2_moe": ModelFamily(_lfm2_moe, "ShortConv"),
     "lfm3": ModelFamily(_lfm3, "ShortConv"),
+    "zaya": ModelFamily(_zaya, "ZayaCCA"),
+    "inkling": ModelFamily(_inkling, "InlineShortConv"),
+    "inkling2": ModelFamily(_inkling2, "InlineShortConv"),
     **{model_type: ModelFamily(_dense, None) for model_type in DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}
+
+# Hybrid model types that are not served, with why (transformers 5.23) and what it would take: the refusal says so.
+REFUSED_MODEL_TYPES: dict[str, str] = {
+    "minimax": (
+        "MiniMaxModel.forward accepts no cache but its own MiniMaxCache (modeling_minimax.py:652, a ValueError for "
+        "any other, HybridPrefixCache included), which keeps each lightning-attention layer's state (the decayed "
+        "K^T V sum) in a list of its own (MiniMaxCache.linear_cache, set / read at modeling_minimax.py:199 and 269), "
+        "not in the cache layers' recurrent states that prefixlab checkpoints and restores. Serve it with "
+        "transformers' own MiniMaxCache, without prefix reuse"),
+}
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 
@@ -400,6 +481,12 @@ def selection_limit(config) -> int | None:
     topk, pool = getattr(text, "index_topk", None), getattr(text, "index_kpool", None)
     # a query at position p sees (p + 1) // pool complete pools: all of them are selected while p + 1 < (K + 1) pool
     return None if topk is None or pool is None else (topk // pool + 1) * pool - 1
+def pads_shift_positions(config) -> bool:
+    """Whether a left pad moves a row's tokens to other positions in what the model computes: Inkling's log-scaled
+    attention (`log_scaling_n_floor`) scales each query by its position counted in cache columns, pads included
+    (modeling_inkling.py InklingAttention.forward: get_query_offset, then tau of q_positions)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "model_type", None) == "inkling_text" and text.log_scaling_n_floor is not None
 
 
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:
@@ -407,6 +494,9 @@ def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.Model
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     model_type = getattr(text, "model_type", None) or ""
     reader = READERS.get(model_type.removesuffix("_text"))
+    if model_type.removesuffix("_text") in REFUSED_MODEL_TYPES:
+        raise UnsupportedModelError(f"model_type {model_type!r} is not supported: "
+                                    f"{REFUSED_MODEL_TYPES[model_type.removesuffix('_text')]}")
     if reader is None:
         raise UnsupportedModelError(
             f"model_type {model_type!r} ({type(config).__name__}) is not supported by the cost model; "

@@ -22,7 +22,7 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
-from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state
+from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state, pads_shift_positions
 from prefixlab.cache.walk import KeptWalk, at
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
@@ -211,10 +211,21 @@ def pads_change_states(model: torch.nn.Module) -> bool:
     before a linear-attention layer's input projection, but a non-zero bias there (Mamba2's `use_bias`, Bamba /
     Falcon-H1 / Jamba / Zamba `mamba_proj_bias`, Zamba2 `add_bias_linear`, LFM2 `conv_bias`) makes them non-zero
     again, and they enter the conv window of the row's first tokens and every state after. A padded row's states then
-    depend on its pads: such rows can neither be stored nor resumed as the row alone."""
+    depend on its pads: such rows can neither be stored nor resumed as the row alone. A family names its own such
+    projections (`pad_projections`: ZAYA's q_proj / k_proj, `attention_bias`). Where pads shift the positions a row's
+    tokens are computed at (hfspec.pads_shift_positions: Inkling's log scaling), they change every state and KV
+    after them."""
+    from prefixlab.recurrent.families import family_of
     from prefixlab.recurrent.patch import looks_linear_attention
 
-    return any(isinstance(child, torch.nn.Linear) and name.startswith("in_proj") and child.bias is not None
+    if pads_shift_positions(model.config):
+        return True
+
+    def feeds_states(layer: torch.nn.Module, name: str) -> bool:
+        named = getattr(family_of(layer), "pad_projections", None)
+        return name.startswith("in_proj") if named is None else name in named
+
+    return any(isinstance(child, torch.nn.Linear) and feeds_states(layer, name) and child.bias is not None
                and bool(child.bias.detach().any())
                for layer in model.modules() if looks_linear_attention(layer) for name, child in layer.named_children())
 

@@ -111,6 +111,8 @@ class PrefixStore:
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
         self.dtype = model.dtype  # of every tensor the store holds (cache/defaults.py check_unconverted)
+        # the cost reader first: where it refuses a model it says why in the family's terms (which config to use)
+        self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.layout = CacheLayout.from_config(model.config)
         # why its layers must stay patched, if so (a config of such a family may have no recurrent layer)
         self._patched_only = STATE_DROPPING_MODEL_TYPES.get(model_type) if self.layout.state_layers else None
@@ -119,7 +121,6 @@ class PrefixStore:
         # the fewest tokens of a prompt a lookup leaves to compute: 1 yields the logits; there, 1 over a cached state
         # would run as a decode step, so 2
         self.min_prefill_tokens = 2 if self.decode_differs else 1
-        self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.capacity_bytes = parse_capacity(capacity)
         offload_bytes = None if offload_capacity is None else parse_capacity(offload_capacity, "offload_capacity")
         # alpha tuned in a background thread: no admission waits for the tuner's replays (cache/alpha.py)

@@ -31,10 +31,10 @@ from transformers.integrations.accelerate import force_accelerate_hooks
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
 from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of
-from prefixlab.recurrent.families.base import run_layer
+from prefixlab.recurrent.families.base import ORIGINAL_ATTRIBUTE, run_layer
 
 BACKENDS = ("auto", *PORTABLE_BACKENDS)
-_ORIGINAL = "_prefixlab_original_forward"  # (attribute swapped, its instance value before patching or None)
+_ORIGINAL = ORIGINAL_ATTRIBUTE  # (attribute swapped, its instance value before patching or None)
 _OWNERS = "_prefixlab_patch_owners"  # how many owners hold a patch that `hold` applied
 _OWNERS_LOCK = threading.Lock()
 
@@ -168,10 +168,7 @@ class _PatchedForward:
     def __init__(self, layer: nn.Module, backend: str, family: Family | None = None):
         self.layer, self.backend, self._family, self._run = layer, backend, family, None
 
-    def __call__(self, hidden_states: torch.Tensor, cache_params: Any = None,
-                 attention_mask: torch.Tensor | None = None,
-                 past_key_values: Any = None,  # LFM2 passes its cache under this name
-                 **kwargs: Any) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("cu_seq_lens_q") is not None:
             raise InvalidInputError(
                 "packed sequences (cu_seq_lens_q) are not supported by prefixlab's patched layers: pass a padded "
@@ -179,7 +176,16 @@ class _PatchedForward:
             )
         if self._run is None:  # (after a copy or an unpickling: the layer is whole by its first call)
             self._family = self._family or family_of(self.layer)
-            self._run = force_accelerate_hooks(list(self._family.read_directly))(run_layer)
+            self._run = getattr(self._family, "run", None) or force_accelerate_hooks(
+                list(self._family.read_directly))(run_layer)
+        if hasattr(self._family, "run"):  # a layer of its own shape: it takes the layer's own arguments
+            return self._run(self.layer, *args, **kwargs)
+        return self._mixer(*args, **kwargs)
+
+    def _mixer(self, hidden_states: torch.Tensor, cache_params: Any = None,
+               attention_mask: torch.Tensor | None = None,
+               past_key_values: Any = None,  # LFM2 passes its cache under this name
+               **kwargs: Any) -> torch.Tensor:
         cache = cache_params if cache_params is not None else past_key_values
         return self._run(self.layer, self._family, hidden_states, cache, attention_mask, self.backend)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from prefixlab.recurrent.families.base import Family
+from prefixlab.recurrent.families.cca import ZayaCCA
 from prefixlab.recurrent.families.gated_delta import (
     BailingHybridDeltaAttention,
     GatedDeltaNet,
@@ -12,6 +13,7 @@ from prefixlab.recurrent.families.gated_delta import (
     OlmoHybridGatedDeltaNet,
     Qwen3NextGatedDeltaNet,
 )
+from prefixlab.recurrent.families.inline_conv import InlineShortConv
 from prefixlab.recurrent.families.mamba1 import MambaMixer, MultiHeadMambaMixer, NormalisedMambaMixer
 from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
 from prefixlab.recurrent.families.short_conv import ShortConv
@@ -28,6 +30,8 @@ FAMILIES: tuple[Family, ...] = (
     NormalisedMambaMixer(),
     MultiHeadMambaMixer(),
     ShortConv(),
+    ZayaCCA(),
+    InlineShortConv(),
 )
 _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
 

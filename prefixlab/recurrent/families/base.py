@@ -11,6 +11,7 @@ Capture protocol (docs/ARCHITECTURE.md): if the transformers Cache has `prefixla
     `cache.prefixlab_record(layer_idx, o, conv_state, recurrent_state)` with the whole batch [B, ...]; or
   * a sequence of B sequences of ints: offsets per batch row; each (row b, offset o) gives one
     `cache.prefixlab_record(layer_idx, o, conv_state, recurrent_state, row=b)` with a batch of one [1, ...].
+A layer that keeps several states (Inkling's short convs, one cache slot each) adds `state_idx=i` for its state i > 0.
 Offsets count positions of this forward's (left-padded) input, so offset o is the state after its first o tokens;
 each list is sorted and distinct. Recorded tensors are fresh clones in the layout and dtype the cache layer stores
 (conv state [B, C, K]: the last K conv inputs, zeros before the first token; recurrent_state None for conv-only
@@ -33,6 +34,7 @@ from prefixlab.recurrent._checks import check_tensor
 from prefixlab.recurrent.conv import conv_with_history
 
 States = dict[int, torch.Tensor]
+ORIGINAL_ATTRIBUTE = "_prefixlab_original_forward"  # on a patched layer: (attribute swapped, its value before or None)
 CAPTURE_ATTRIBUTE = "prefixlab_capture_positions"
 DECODE_ATTRIBUTE = "prefixlab_decode_differs"  # cache.prefixlab_decode_differs(flag): see Mixed.decode_differs
 
@@ -67,7 +69,9 @@ class ScanRequest:
 
 
 class Family(Protocol):
-    """One layer family: the layer classes it serves and its family-specific steps (all pure, no cache access)."""
+    """One layer family: the layer classes it serves and its family-specific steps (all pure, no cache access).
+    A family whose layer does not fit these steps (families/cca.py, inline_conv.py) has a `run(layer, *args,
+    **kwargs)` instead, called with the layer's own arguments in place of its forward."""
 
     classes: tuple[str, ...]
     has_recurrent_state: bool
@@ -112,13 +116,14 @@ def padding_mask(attention_mask: Any, hidden_states: torch.Tensor) -> torch.Tens
 class LayerCache:
     """One layer's view of the transformers Cache for one forward: cached states in, capture offsets, records out."""
 
-    def __init__(self, cache: Any, layer_idx: int, batch: int, length: int, has_recurrent_state: bool):
-        self.cache, self.layer_idx = cache, layer_idx
+    def __init__(self, cache: Any, layer_idx: int, batch: int, length: int, has_recurrent_state: bool,
+                 state_idx: int = 0):
+        self.cache, self.layer_idx, self.state_idx = cache, layer_idx, state_idx
         self.conv_state = self.recurrent_state = None
         if cache is not None:
-            self.conv_state = cache.get_conv_state(layer_idx)
+            self.conv_state = cache.get_conv_state(layer_idx, state_idx)
             if has_recurrent_state:
-                self.recurrent_state = cache.get_recurrent_state(layer_idx)
+                self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
         self.rows = _capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
         self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
 
@@ -126,7 +131,7 @@ class LayerCache:
         """Hand the cache the states at each requested offset (before any cache write, which may overwrite
         buffers the offset-0 state was read from)."""
         for row, offsets in self.rows.items():
-            extra = {} if row is None else {"row": row}
+            extra = ({} if row is None else {"row": row}) | ({"state_idx": self.state_idx} if self.state_idx else {})
             for offset in offsets:
                 state = recurrent_states.get(offset)
                 self.cache.prefixlab_record(
@@ -152,6 +157,12 @@ class LayerCache:
         self.cache.update_conv_state(conv_input, self.layer_idx, conv_kernel_size=conv_kernel_size)
         if final_state is not None:
             self.cache.update_recurrent_state(final_state, self.layer_idx)
+
+
+def original_forward(layer: nn.Module) -> Any:
+    """The layer's own (transformers') forward, which prefixlab.recurrent.patch swapped out."""
+    attribute, original = vars(layer)[ORIGINAL_ATTRIBUTE]
+    return original if original is not None else getattr(type(layer), attribute).__get__(layer)
 
 
 def _owned(tensor: torch.Tensor, row: int | None) -> torch.Tensor:
