@@ -320,9 +320,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         self.prefixlab_capture_positions = None
 
     def prefixlab_record(self, layer_idx: int, offset: int, conv_state: torch.Tensor | None,
-                         recurrent_state: torch.Tensor | None, row: int | None = None) -> None:
+                         recurrent_state: torch.Tensor | None, row: int | None = None, state_idx: int = 0) -> None:
         """Called by patched recurrent layers (recurrent capture protocol) with the states after `offset` tokens of
-        the current forward (of batch row `row` alone, [1, ...], where rows capture apart); the tensors are already
+        the current forward (of batch row `row` alone, [1, ...], where rows capture apart; the layer's state
+        `state_idx`, 0 but for Qwen4-Exp's PLE states, families/ple.py); the tensors are already
         the caller's clones (detached here: with grad enabled the store would otherwise keep the request's autograd
         graph alive)."""
         if row is not None:
@@ -330,9 +331,9 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         else:
             states = self._captured.setdefault(self._seen + offset, {"conv": {}, "recurrent": {}})
         if conv_state is not None:
-            states["conv"][(layer_idx, 0)] = conv_state.detach()
+            states["conv"][(layer_idx, state_idx)] = conv_state.detach()
         if recurrent_state is not None:
-            states["recurrent"][(layer_idx, 0)] = recurrent_state.detach()
+            states["recurrent"][(layer_idx, state_idx)] = recurrent_state.detach()
         if self._seen + offset in self._plan:
             self._plan.remove(self._seen + offset)
 
