@@ -333,7 +333,7 @@ def _qwen4_exp(c, dtype_bytes):
 
 
 def _qwen4_exp_fresh(c) -> dict[tuple[int, int], int]:
-    """A PLE layer's n-gram context (state 2 of its cache layer) starts as eos token ids (Qwen4ExpTextNGramEmbedding)."""
+    """A PLE layer's n-gram context (state 2 of its cache layer) starts as eos ids (Qwen4ExpTextNGramEmbedding)."""
     eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
     return {(layer_id - 1, 2): eos for layer_id in c.ple_layer_ids}
 

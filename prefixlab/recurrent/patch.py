@@ -53,23 +53,23 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     check_not_compiled_wrapper(model, "prefixlab.recurrent.patch")
     targets = linear_attention_layers(model)
     for layer, family in targets:
-        _swap(layer, "forward", lambda: _PatchedForward(layer, backend, family))
+        _swap(layer, "forward", _PatchedForward(layer, backend, family))
     for layer in model.modules():  # (only where linear-attention layers are: their cache layers hold the states)
         if targets and (recorder := recorder_of(layer)) is not None:
-            _swap(layer, recorder.attribute, lambda: _Recording(layer))
+            _swap(layer, recorder.attribute, _Recording(layer))
     if targets:
         model.prefixlab_patched = True  # what PrefixStore checks to let the layers record states mid-forward
     return model
 
 
-def _swap(layer: nn.Module, attribute: str, patched) -> None:
-    """Set `layer.<attribute>` to `patched()`, remembering the original once (accelerate's hooks wrap a forward
+def _swap(layer: nn.Module, attribute: str, patched: Any) -> None:
+    """Set `layer.<attribute>` to `patched`, remembering the original once (accelerate's hooks wrap a forward
     around `_old_forward`: that one is swapped)."""
     if attribute == "forward" and hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer):
         attribute = "_old_forward"
     if _ORIGINAL not in vars(layer):
         setattr(layer, _ORIGINAL, (attribute, vars(layer).get(attribute)))
-    setattr(layer, vars(layer)[_ORIGINAL][0], patched())
+    setattr(layer, vars(layer)[_ORIGINAL][0], patched)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
