@@ -378,4 +378,5 @@ def with_column_positions(kwargs: dict, first: int) -> dict:
         return kwargs
     input_ids = kwargs["input_ids"]
     positions = torch.arange(first, first + input_ids.shape[1], device=input_ids.device)
-    return kwargs | {"position_ids": positions.unsqueeze(0)}
+    # one row per batch row, as models count them (Qwen4-Exp appends them to its per-row indexer positions)
+    return kwargs | {"position_ids": positions.expand(input_ids.shape[0], -1)}
