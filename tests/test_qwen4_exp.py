@@ -1,0 +1,54 @@
+"""Qwen4-Exp's own state beyond GatedDeltaNet's: the QSA indexer's cached keys and position history, and the PLE
+n-gram context / conv states (tests/hf_models.py "qwen4_exp"); the shared family tests cover the rest."""
+
+import pytest
+import torch
+from hf_models import build, tokens
+from test_hf_cache_padding import left_pad
+
+from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.store import PrefixStore
+
+OPTIONS = dict(do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+
+
+def assert_same(got, expected):
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.logits, expected.logits, strict=True):
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("patch", [True, False])
+def test_a_row_resuming_nothing_right_after_its_pads_starts_from_a_fresh_ngram_context(patch):
+    """Row 0 resumes its cached prefix (d tokens) at column d, where row 1's real tokens start after d pads with
+    nothing cached: row 1 starts fresh in the same forward, its n-gram context the eos ids a fresh sequence starts
+    with (not the zeros of other states: pad id 0 would be read as its context), and its indexer positions at 0."""
+    model = build("qwen4_exp")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=patch)
+    cached = tokens(11, seed=1)
+    model.generate(cached[None], past_key_values=HybridPrefixCache(store), max_new_tokens=3, **OPTIONS)
+    first = torch.cat([cached, tokens(9, seed=2)])
+    store.flush()
+    depth = store.core.peek(first[:-1].numpy())[0]
+    batch, mask = left_pad([first, tokens(len(first) - depth, seed=3)])  # row 1: `depth` pads
+    cache = HybridPrefixCache(store)
+    got = model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=4, **OPTIONS)
+    assert depth >= 10 and cache.rows_reused == [depth, 0]
+    assert_same(got, model.generate(batch, attention_mask=mask, max_new_tokens=4, **OPTIONS))
+
+
+def test_a_saved_store_reloads_the_indexer_keys(tmp_path):
+    """store.save / PrefixStore.load keep the indexer keys beside K and V: a reloaded store resumes exactly."""
+    model = build("qwen4_exp")
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    prompt = tokens(20, seed=4)
+    for _ in range(2):
+        model.generate(prompt[None], past_key_values=HybridPrefixCache(store), max_new_tokens=3, **OPTIONS)
+    store.save(tmp_path / "store.safetensors")
+    store.close()
+    loaded = PrefixStore.load(tmp_path / "store.safetensors", model)
+    follow = torch.cat([prompt, tokens(5, seed=5)])[None]
+    cache = HybridPrefixCache(loaded)
+    got = model.generate(follow, past_key_values=cache, max_new_tokens=4, **OPTIONS)
+    assert cache.reused_tokens >= 19
+    assert_same(got, model.generate(follow, max_new_tokens=4, **OPTIONS))
