@@ -54,6 +54,13 @@ CONFIGS: dict[str, dict] = {
     "qwen3_5_text": dict(**_COMMON, **_GDN, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "qwen3_5_moe_text": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "qwen3_next": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
+    # GatedDeltaNet with PLE (two more states in its cache layer: families/ple.py) + indexed attention
+    "qwen4_exp_text": dict(
+        **_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=["linear_attention",
+                                                                               "indexed_attention"],
+        ple_layer_ids=[1], ple_embed_dim=16, heads_per_ngram=2, ngram_vocab_size_base=97,
+        make_ngram_vocab_size_divisible_by=8, hc_count=2, hc_lowrank=8, eos_token_id=1, indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2),
     "olmo_hybrid": dict(**_COMMON, **_GDN, num_hidden_layers=2, layer_types=_HYBRID),
     "kimi_linear": dict(
         **{**_COMMON, "num_key_value_heads": 4},
@@ -269,16 +276,23 @@ def states(cache: DynamicCache, layer_idx: int) -> tuple[torch.Tensor, torch.Ten
 
 
 class RecordingCache(DynamicCache):
-    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record."""
+    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record (a layer's
+    further conv states, Qwen4-Exp's PLE ones, in `extra` by (layer, offset, row, state index))."""
 
     def __init__(self, model, positions):
         super().__init__(config=model.config)
         self.prefixlab_capture_positions = positions
         self.records: dict[tuple[int, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.extra: dict[tuple[int, int, int | None, int], torch.Tensor] = {}
 
-    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None):
-        assert (layer_idx, offset, row) not in self.records, "each state is recorded once"
-        self.records[(layer_idx, offset, row)] = (conv_state, recurrent_state)
+    def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None, state_idx=0):
+        key = (layer_idx, offset, row)
+        if state_idx:
+            assert (*key, state_idx) not in self.extra and recurrent_state is None
+            self.extra[(*key, state_idx)] = conv_state
+            return
+        assert key not in self.records, "each state is recorded once"
+        self.records[key] = (conv_state, recurrent_state)
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from recurrent_patch_models import (
 
 from prefixlab.recurrent import patch, patched
 
-PADDED_FAMILIES = ["qwen3_5_text", "bamba", "kimi_linear", "lfm2"]
+PADDED_FAMILIES = ["qwen3_5_text", "bamba", "kimi_linear", "lfm2", "qwen4_exp_text"]
 
 
 def left_padded(length: int, pads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +50,13 @@ def test_left_padding_and_per_row_capture(name):
                 for layer in layers:
                     want = tuple(None if s is None else s[row : row + 1] for s in states(expected, layer))
                     assert_same_states(cache.records[(layer, offset, row)], want)
+                for (layer, at, of, index), state in cache.extra.items():  # (Qwen4-Exp's PLE states)
+                    if (at, of) == (offset, row):
+                        want = expected.layers[layer].conv_states[index][row : row + 1]  # (ids: exact)
+                        torch.testing.assert_close(state, want, atol=1e-5, rtol=0)
+        extra = {(layer, index) for layer, _, _, index in cache.extra}
+        assert len(cache.extra) == len(extra) * sum(map(len, offsets))  # each at every offset, or none
+        assert extra == ({(0, 1), (0, 2)} if name == "qwen4_exp_text" else set())
 
 
 @pytest.fixture(scope="module", params=["qwen3_5_text", "bamba"])
