@@ -295,6 +295,17 @@ class RecordingCache(DynamicCache):
         self.records[key] = (conv_state, recurrent_state)
 
 
+def assert_same_extra_states(extra: dict, offset: int, expected: DynamicCache) -> None:
+    """The further conv states a RecordingCache holds at `offset` (Qwen4-Exp's PLE: `extra`) are those `expected`
+    holds, and there is one for each further state `expected` holds."""
+    want = {(layer_idx, index): state for layer_idx, layer in enumerate(expected.layers)
+            for index, state in (getattr(layer, "conv_states", None) or {}).items() if index and state is not None}
+    got = {(layer, index): state for (layer, at, _, index), state in extra.items() if at == offset}
+    assert got.keys() == want.keys()
+    for key, state in got.items():
+        torch.testing.assert_close(state, want[key], atol=TOL, rtol=0)
+
+
 @contextmanager
 def unpatched(model):
     """Run a block on transformers' own layers (the reference), re-patching after."""

@@ -9,6 +9,7 @@ from recurrent_patch_models import (
     TOL,
     RecordingCache,
     assert_close,
+    assert_same_extra_states,
     assert_same_states,
     build,
     forward,
@@ -84,7 +85,7 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
     prefix, prefill_offsets, offsets = 5, [0, 3], [0, 6, 16]
     cache = RecordingCache(model, prefill_offsets)
     forward(model, ids[:, :prefix], cache)
-    prefill_records, cache.records = cache.records, {}
+    prefill_records, cache.records, prefill_extra, cache.extra = cache.records, {}, cache.extra, {}
     cache.prefixlab_capture_positions = offsets
     forward(model, ids[:, prefix:], cache, start=prefix)
     cache.prefixlab_capture_positions = None
@@ -95,10 +96,12 @@ def test_captured_states_equal_the_states_a_shorter_forward_leaves(family_model)
     for layer in layers:
         conv, recurrent = prefill_records[(layer, 0, None)]
         assert not conv.any() and (recurrent is None or not recurrent.any())
-    for records, start, offset in [(prefill_records, 0, 3)] + [(cache.records, prefix, o) for o in offsets]:
+    for (records, extra), start, offset in ([((prefill_records, prefill_extra), 0, 3)]
+                                            + [((cache.records, cache.extra), prefix, o) for o in offsets]):
         expected = reference_states(model, ids[:, : start + offset])
         for layer in layers:
             assert_same_states(records[(layer, offset, None)], states(expected, layer))
+        assert_same_extra_states(extra, offset, expected)
 
 
 @pytest.mark.parametrize("name", ["jamba", "falcon_mamba", "mamba", "zamba"])
