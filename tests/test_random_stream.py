@@ -66,6 +66,7 @@ CASES = [
     ("lfm3", "vllm+", "tight", False),
     ("bailing_hybrid", "marconi", "tight", False),
     ("bailing_hybrid", "sglang+", "loose", True),
+    ("qwen4_exp_text", "dp", "tight+host", True),  # PLE states, QSA indexer keys and positions
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]
