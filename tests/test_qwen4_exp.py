@@ -52,3 +52,29 @@ def test_a_saved_store_reloads_the_indexer_keys(tmp_path):
     got = model.generate(follow, past_key_values=cache, max_new_tokens=4, **OPTIONS)
     assert cache.reused_tokens >= 19
     assert_same(got, model.generate(follow, max_new_tokens=4, **OPTIONS))
+
+
+def test_with_its_vision_tower_text_is_reused_up_to_the_first_image():
+    """Qwen4-Exp's composite model: the indexer's position history is rebuilt as text positions on a resume, so
+    images are not keyed by content (as on Qwen3.5) and a prompt is reused only up to its first placeholder; text
+    and image prompts are exact against the model without prefixlab."""
+    import transformers as tf
+    from hf_models import config
+    from multimodal_helpers import END, GRID_4, IMAGE, START, VIDEO
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+    composite = tf.Qwen4ExpConfig(text_config=config("qwen4_exp").to_dict(), vision_config=vision,
+                                  image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                                  vision_end_token_id=END)
+    torch.manual_seed(0)
+    model = tf.Qwen4ExpForConditionalGeneration(composite).eval()
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    text = (tokens(12, seed=6) % 100 + 3).tolist()  # (no placeholder ids among them)
+    ids = torch.tensor([text + [START] + [IMAGE] * 4 + [END] + (tokens(5, seed=7) % 100 + 3).tolist()])
+    pixels = torch.randn(16, 3 * 2 * 14 * 14, generator=torch.Generator().manual_seed(8))
+    inputs = dict(input_ids=ids, pixel_values=pixels, image_grid_thw=GRID_4, max_new_tokens=3, **OPTIONS)
+    for _ in range(3):
+        cache = HybridPrefixCache(store)
+        assert_same(model.generate(**inputs, past_key_values=cache), model.generate(**inputs))
+    assert 0 < cache.reused_tokens <= len(text) + 1
