@@ -78,3 +78,18 @@ def test_with_its_vision_tower_text_is_reused_up_to_the_first_image():
         cache = HybridPrefixCache(store)
         assert_same(model.generate(**inputs, past_key_values=cache), model.generate(**inputs))
     assert 0 < cache.reused_tokens <= len(text) + 1
+
+
+def test_hydragen_refuses_indexed_attention():
+    """Hydragen attention computes no per-query selection: refused, and sibling batching falls back to one prompt
+    at a time."""
+    import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
+    from prefixlab.attention.hf_cache import HydragenCache
+    from prefixlab.errors import InvalidInputError
+    from prefixlab.fleet.siblings import batching_mode
+
+    model = build("qwen4_exp")
+    model.set_attn_implementation("hydragen")
+    with pytest.raises(InvalidInputError, match="token indexer"):
+        HydragenCache(model.config)
+    assert batching_mode(model) is None
