@@ -93,3 +93,15 @@ def test_hydragen_refuses_indexed_attention():
     with pytest.raises(InvalidInputError, match="token indexer"):
         HydragenCache(model.config)
     assert batching_mode(model) is None
+
+
+def test_a_config_without_the_indexer_fields_is_refused_with_the_reason():
+    """transformers' default Qwen4ExpTextConfig has indexed_attention layers but no QSA fields (its model cannot be
+    built either): the cost model says so instead of failing on a None."""
+    import transformers as tf
+
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.errors import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="QSA indexer_"):
+        ModelSpec.from_config(tf.Qwen4ExpTextConfig())
