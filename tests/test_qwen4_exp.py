@@ -105,3 +105,15 @@ def test_a_config_without_the_indexer_fields_is_refused_with_the_reason():
 
     with pytest.raises(UnsupportedModelError, match="QSA indexer_"):
         ModelSpec.from_config(tf.Qwen4ExpTextConfig())
+
+
+def test_ple_input_ids_are_refused():
+    """The hooks shorten input_ids to the tokens not held; a separate ple_input_ids would not be: refused."""
+    from prefixlab.errors import InvalidInputError
+
+    model = build("qwen4_exp")
+    store = PrefixStore(model, capacity="64MB")
+    ids = tokens(1, 8, seed=9)
+    with pytest.raises(InvalidInputError, match="ple_input_ids"):
+        model(input_ids=ids, ple_input_ids=ids, past_key_values=HybridPrefixCache(store))
+    assert store.stats()["requests"] == 0
