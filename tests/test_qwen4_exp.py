@@ -117,3 +117,25 @@ def test_ple_input_ids_are_refused():
     with pytest.raises(InvalidInputError, match="ple_input_ids"):
         model(input_ids=ids, ple_input_ids=ids, past_key_values=HybridPrefixCache(store))
     assert store.stats()["requests"] == 0
+
+
+def test_indexer_ties_are_broken_alike_in_forwards_of_any_length():
+    """The QSA indexer scores ReLU'd sums that tie exactly at 0 (as GLM-5-Next's DSA ones, which break ties by the
+    forward's length: README "Sparse attention"); but each query's topk runs over its own visible complete blocks
+    only (modeling_qwen4_exp.py :733-754), the same in a forward of any length. With the indexer's queries zeroed
+    every block ties: a reused 24-token prefix (budget: 2 blocks of 2 keys) is still exact, no admit limit."""
+    model = build("qwen4_exp")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if layer.layer_type == "indexed_attention":
+                indexer = layer.self_attn.indexer
+                indexer.index_qk_proj.weight[: indexer.index_n_heads * indexer.index_head_dim] = 0
+    store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
+    assert store.admit_limit == float("inf")
+    system = tokens(24, seed=10)
+    for seed in (11, 12, 13):
+        prompt = torch.cat([system, tokens(6, seed=seed)])[None]
+        cache = HybridPrefixCache(store)
+        assert_same(model.generate(prompt, past_key_values=cache, max_new_tokens=4, **OPTIONS),
+                    model.generate(prompt, max_new_tokens=4, **OPTIONS))
+    assert cache.reused_tokens >= 24
