@@ -365,7 +365,8 @@ class ModelFamily:
     """One model_type: `reader` (config, dtype bytes) -> its ModelSpec layer groups; `layer_family`, the
     prefixlab.recurrent.families class that patches its linear-attention layers (None: KV-only); `patched_only`, why
     transformers' own layers cannot resume exactly (then only a patched model is served); `fresh_states`, the conv
-    states a fresh sequence does not start at zeros (a batch row resuming nothing gets these)."""
+    states a fresh sequence does not start at zeros (a batch row resuming nothing gets these); `indexer_positions`,
+    whether the model keeps its indexers' position history on its first indexed layer (rebuilt on a resume)."""
 
     reader: Callable
     layer_family: str | None
