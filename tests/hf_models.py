@@ -23,6 +23,12 @@ _COMMON = dict(
 _GDN = dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2,
             linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+# Qwen4-Exp: the QSA indexer keeps 2 blocks of 2 keys (+ the partial block) per query, so prompts over ~6 tokens
+# attend sparsely; PLE (n-gram embeddings, dilated conv) on two of the GatedDeltaNet layers
+_QWEN4 = dict(layer_types=["linear_attention"] * 3 + ["indexed_attention"], ple_layer_ids=[1, 3], ple_embed_dim=32,
+              heads_per_ngram=2, ngram_vocab_size_base=97, make_ngram_vocab_size_divisible_by=8, hc_count=2,
+              hc_lowrank=16, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=4,
+              indexer_compress_ratio=2)
 _MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_d_state=16, mamba_chunk_size=8,
                mamba_n_groups=1)
 _LFM = ["conv", "conv", "conv", "full_attention"]  # (LFM3 checkpoints' sliding-window layers are not served)
@@ -35,6 +41,8 @@ FAMILIES = {
     "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(num_hidden_layers=4, **_GDN)),
     "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
     "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
+    "qwen4_exp": (tf.Qwen4ExpTextConfig, tf.Qwen4ExpForCausalLM, dict(
+        num_hidden_layers=4, **{**_GDN, **_QWEN4}, **_QWEN_MOE)),
     "olmo_hybrid": (tf.OlmoHybridConfig, tf.OlmoHybridForCausalLM, dict(num_hidden_layers=4, **_GDN)),
     "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM, dict(
         num_hidden_layers=4, num_key_value_heads=4,
@@ -105,7 +113,12 @@ def config(family: str):
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A tiny fp32 random-init model of `family`, in eval mode."""
     torch.manual_seed(seed)
-    return FAMILIES[family][1](config(family)).eval()
+    model = FAMILIES[family][1](config(family)).eval()
+    with torch.no_grad():  # Qwen4-Exp inits its PLE convs to zeros: random, so that their conv states matter
+        for name, param in model.named_parameters():
+            if name.endswith("ple.conv1d.weight"):
+                param.normal_(std=0.5)
+    return model
 
 
 def cache_argument(model: torch.nn.Module) -> str:

@@ -54,6 +54,13 @@ CONFIGS: dict[str, dict] = {
     "qwen3_5_text": dict(**_COMMON, **_GDN, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "qwen3_5_moe_text": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
     "qwen3_next": dict(**_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID),
+    # GatedDeltaNet with PLE (two more states in its cache layer: families/ple.py) + indexed attention
+    "qwen4_exp_text": dict(
+        **_COMMON, **_GDN, **_MOE, num_hidden_layers=2, head_dim=8, layer_types=["linear_attention",
+                                                                               "indexed_attention"],
+        ple_layer_ids=[1], ple_embed_dim=16, heads_per_ngram=2, ngram_vocab_size_base=97,
+        make_ngram_vocab_size_divisible_by=8, hc_count=2, hc_lowrank=8, eos_token_id=1, indexer_n_heads=2,
+        indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2),
     "olmo_hybrid": dict(**_COMMON, **_GDN, num_hidden_layers=2, layer_types=_HYBRID),
     "kimi_linear": dict(
         **{**_COMMON, "num_key_value_heads": 4},

@@ -36,6 +36,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3NextConfig,
+    Qwen4ExpTextConfig,
     Zamba2Config,
     ZambaConfig,
     ZayaConfig,
@@ -72,11 +73,16 @@ GLM5 = dict(**{**DIMS, "num_key_value_heads": 4}, pad_token_id=0, num_hidden_lay
             index_n_heads=3, hc_mult=3, hc_sinkhorn_iters=2,
             vision_config=dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32,
                                projection_intermediate_size=16))
+# Qwen4-Exp: GatedDeltaNet, indexed attention (QSA), MoE, hyper-connections, PLE on two of its GatedDeltaNet layers
+QWEN4 = dict(**DIMS, **GDN, **QWEN_MOE, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16,
+             heads_per_ngram=2, ngram_vocab_size_base=97, make_ngram_vocab_size_divisible_by=8, eos_token_id=1,
+             indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4, indexer_compress_ratio=2)
 
 TINY = {
     "qwen3_5": lambda: Qwen3_5TextConfig(**DIMS, **GDN),
     "qwen3_5_moe": lambda: Qwen3_5MoeTextConfig(**DIMS, **GDN, **QWEN_MOE),
     "qwen3_next": lambda: Qwen3NextConfig(**DIMS, **GDN, **QWEN_MOE, mlp_only_layers=[1]),
+    "qwen4_exp": lambda: Qwen4ExpTextConfig(**QWEN4),
     "nemotron_h": lambda: NemotronHConfig(
         **DIMS, head_dim=8, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention"],
         mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2, conv_kernel=3, n_routed_experts=4,
@@ -260,7 +266,7 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
     """Per (query, key) pair: 2 FLOPs per query channel (scores) and 2 per value channel (o_proj's input); a DSA
     indexer scores pools of keys, 2 H (d + 1) per (query, pool)."""
     model, _ = run_tiny(model_type, torch.float32)
-    gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+    gated = model_type in {"qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen4_exp"}
     attention = [m for _, m in model.named_modules()  # GatedDeltaNet / KDA layers have a q_proj too
                  if (hasattr(m, "q_proj") or hasattr(m, "q_b_proj")) and not hasattr(m, "conv1d")
                  and not hasattr(m, "conv_qk_depthwise")]
@@ -273,8 +279,16 @@ def test_attention_pair_flops_count_query_and_value_widths(model_type):
     if model_type == "zamba2":  # one shared block serves every hybrid layer
         widths = widths * attention_layers
     assert len(widths) == attention_layers
-    assert spec.pair_flops == pytest.approx(2 * sum(q + v for q, v in widths) + sum(
-        2 * i.n_heads * (i.head_dim + 1) / i.index_kpool for i in indexers), rel=1e-12)
+    assert spec.pair_flops == pytest.approx(2 * sum(q + v for q, v in widths) + sum(map(indexer_pair_flops, indexers)),
+                                            rel=1e-12)
+
+
+def indexer_pair_flops(indexer) -> float:
+    """Per (query, key): a QSA indexer (Qwen4-Exp) scores blocks of `compress_ratio` keys, a DSA one (GLM-5-Next)
+    pools of `index_kpool` keys and weighs its heads."""
+    if hasattr(indexer, "compress_ratio"):
+        return 2 * indexer.index_n_heads * indexer.index_head_dim / indexer.compress_ratio
+    return 2 * indexer.n_heads * (indexer.head_dim + 1) / indexer.index_kpool
 
 
 def test_default_configs_build():

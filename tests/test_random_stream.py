@@ -69,6 +69,7 @@ CASES = [
     ("zaya", "dp", "tight", True),  # attention whose CCA projection keeps a conv state and the delayed V
     ("inkling_text", "marconi", "tight", True),  # four short-conv states per attention layer
     ("inkling2_text", "vllm+", "tight", False),  # the same, two of them with per-token taps
+    ("qwen4_exp_text", "dp", "tight+host", True),  # PLE states, QSA indexer keys and positions
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]

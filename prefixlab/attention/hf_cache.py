@@ -239,6 +239,12 @@ class HydragenCache(Cache):
                 "each layer expands before attending, so HydragenCache cannot hand it shared KV; use "
                 "HybridPrefixCache (or DynamicCache) for this model"
             )
+        if "indexed_attention" in (getattr(text_config, "layer_types", None) or ()):  # Qwen4-Exp
+            raise InvalidInputError(
+                f"{text_config.model_type} attends through a token indexer (QSA: each query's own mask over its "
+                "cached keys), which hydragen attention over shared KV does not compute; use HybridPrefixCache (or "
+                "DynamicCache) for this model"
+            )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             SharedPrefixLayer(share_new_tokens) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)

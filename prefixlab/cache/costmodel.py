@@ -37,7 +37,10 @@ FP32_BYTES = 4
 
 Tokens = int | np.ndarray  # a token count, or an integer array of them (vectorised pricing)
 
-LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe")
+LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe", "ple",
+               "hyper_connection")
+# Token ids kept as a state (Qwen4-Exp's n-gram context) are int64.
+TOKEN_ID_BYTES = 8
 # Dims that may be 0 (a flag, or a part the model may lack); every other dim of a group with layers must be >= 1.
 OPTIONAL_DIMS = frozenset({"gated", "output_gate", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                            "shared_intermediate", "latent_size", "full_rank_gates"})
@@ -119,6 +122,19 @@ def with_dsa_indexer(group: LayerGroup, hidden: int, q_lora_rank: int, heads: in
                    pair_flops=group.pair_flops + 2 * heads * (head_dim + 1) / pool,
                    kv_bytes_per_token=group.kv_bytes_per_token + (2 * head_dim + 1) * dtype_bytes,
                    dims=group.dims + _dims(index_heads=heads, index_head_dim=head_dim, index_pool=pool))
+
+
+def with_qsa_indexer(attention: LayerGroup, hidden: int, index_heads: int, index_head_dim: int, compress_ratio: int,
+                     dtype_bytes: int) -> LayerGroup:
+    """`attention` layers with a QSA token indexer (Qwen4-Exp): one projection to `index_heads` query heads and one
+    key head of `index_head_dim`, the key cached per token beside K and V; each query scores mean-pooled blocks of
+    `compress_ratio` keys (`2 heads dim` per block, so per pair / ratio)."""
+    projection = 2 * hidden * (index_heads + 1) * index_head_dim
+    return replace(attention, linear_flops_per_token=attention.linear_flops_per_token + projection,
+                   pair_flops=attention.pair_flops + 2 * index_heads * index_head_dim / compress_ratio,
+                   kv_bytes_per_token=attention.kv_bytes_per_token + index_head_dim * dtype_bytes,
+                   dims=attention.dims + _dims(index_heads=index_heads, index_head_dim=index_head_dim,
+                                               compress_ratio=compress_ratio))
 
 
 def with_hyper_connections(group: LayerGroup, hidden: int, streams: int) -> LayerGroup:
@@ -281,6 +297,27 @@ def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: in
         "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes,
         _dims(hidden=hidden, conv_kernel=conv_kernel),
     )
+
+
+def ple_layers(count: int, hidden: int, streams: int, embed_dim: int, conv_kernel: int, dilation: int,
+               dtype_bytes: int) -> LayerGroup:
+    """Per-layer embeddings (Qwen4-Exp PLE): hashed n-gram embeddings (a lookup) projected to one key per residual
+    stream and a value (`2 E (s h + h)`), a dilated depthwise conv over the `s h` gated streams. Its state: the
+    conv's last `(K - 1) dilation` inputs and the `dilation - 1` previous token ids (the n-gram context, int64)."""
+    width = streams * hidden
+    state = width * (conv_kernel - 1) * dilation * dtype_bytes + (dilation - 1) * TOKEN_ID_BYTES
+    dims = _dims(hidden=hidden, streams=streams, embed_dim=embed_dim, conv_kernel=conv_kernel, dilation=dilation)
+    return LayerGroup("ple", count, 2 * embed_dim * (width + hidden) + 2 * width * conv_kernel, state_bytes=state,
+                      dims=dims)
+
+
+def gated_residual_layers(count: int, hidden: int, streams: int, rank: int, inject: bool = True) -> LayerGroup:
+    """Qwen4-Exp's hyper-connections (Qwen4ExpTextGatedResidual): the `streams` residual streams mixed through a
+    rank-`rank` bottleneck (`4 s h r`), plus the per-stream injection weights (`2 s h s`) where the block's output
+    is written back (`inject`)."""
+    width = streams * hidden
+    dims = _dims(hidden=hidden, streams=streams, rank=rank)
+    return LayerGroup("hyper_connection", count, 4 * width * rank + (2 * width * streams if inject else 0), dims=dims)
 
 
 @dataclass(frozen=True)

@@ -322,7 +322,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
     def prefixlab_record(self, layer_idx: int, offset: int, conv_state: torch.Tensor | None,
                          recurrent_state: torch.Tensor | None, row: int | None = None, state_idx: int = 0) -> None:
         """Called by patched recurrent layers (recurrent capture protocol) with the states after `offset` tokens of
-        the current forward (of batch row `row` alone, [1, ...], where rows capture apart); the tensors are already
+        the current forward (of batch row `row` alone, [1, ...], where rows capture apart; the layer's state
+        `state_idx`, 0 but for Qwen4-Exp's PLE states, families/ple.py); the tensors are already
         the caller's clones (detached here: with grad enabled the store would otherwise keep the request's autograd
         graph alive)."""
         if row is not None:

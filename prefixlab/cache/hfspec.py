@@ -376,6 +376,32 @@ def _inkling2(c, dtype_bytes):
     extra = 2 * h * c.num_attention_heads + 2 * 2 * h * c.num_key_value_heads * k
     return (replace(attention, linear_flops_per_token=attention.linear_flops_per_token + extra),
             cm.moe_layers(n, h, c.moe_intermediate_size, c.n_routed_experts, c.num_experts_per_tok))
+def _qwen4_exp(c, dtype_bytes):
+    """Qwen4-Exp: GatedDeltaNet ("linear_attention") or gated attention with a QSA indexer ("indexed_attention"),
+    an MoE in every layer, each block read and written through hyper-connections over `hc_count` residual streams
+    (one more mixer at the end), and PLE on the `ple_layer_ids` (one-indexed) layers."""
+    n, n_attention = c.num_hidden_layers, c.layer_types.count("indexed_attention")
+    if n_attention and c.indexer_n_heads is None:
+        raise UnsupportedModelError("qwen4_exp: indexed_attention layers need the QSA indexer_* config fields "
+                                    "(transformers' Qwen4ExpTextQSAIndexer cannot be built without them)")
+    gdn = cm.gated_deltanet_layers(
+        n - n_attention, c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+        c.linear_value_head_dim, c.linear_conv_kernel_dim, dtype_bytes)
+    attention = cm.with_qsa_indexer(_attention(c, n_attention, dtype_bytes, gated=True), c.hidden_size,
+                                    c.indexer_n_heads, c.indexer_head_dim, c.indexer_compress_ratio, dtype_bytes)
+    return (
+        gdn, attention, _qwen_moe(c, n),
+        cm.ple_layers(len(c.ple_layer_ids), c.hidden_size, c.hc_count, c.ple_embed_dim, c.ple_conv_kernel_size,
+                      c.ngram_size, dtype_bytes),
+        cm.gated_residual_layers(2 * n, c.hidden_size, c.hc_count, c.hc_lowrank),
+        cm.gated_residual_layers(1, c.hidden_size, c.hc_count, c.hc_lowrank, inject=False),
+    )
+
+
+def _qwen4_exp_fresh(c) -> dict[tuple[int, int], int]:
+    """A PLE layer's n-gram context (state 2 of its cache layer) starts as eos ids (Qwen4ExpTextNGramEmbedding)."""
+    eos = c.eos_token_id[0] if isinstance(c.eos_token_id, list) else c.eos_token_id
+    return {(layer_id - 1, 2): eos for layer_id in c.ple_layer_ids}
 
 
 # KV-only decoders read by `_dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
@@ -404,11 +430,15 @@ def _dense(c, dtype_bytes):
 class ModelFamily:
     """One model_type: `reader` (config, dtype bytes) -> its ModelSpec layer groups; `layer_family`, the
     prefixlab.recurrent.families class that patches its linear-attention layers (None: KV-only); `patched_only`, why
-    transformers' own layers cannot resume exactly (then only a patched model is served)."""
+    transformers' own layers cannot resume exactly (then only a patched model is served); `fresh_states`, the conv
+    states a fresh sequence does not start at zeros (a batch row resuming nothing gets these); `indexer_positions`,
+    whether the model keeps its indexers' position history on its first indexed layer (rebuilt on a resume)."""
 
     reader: Callable
     layer_family: str | None
     patched_only: str | None = None
+    fresh_states: Callable | None = None  # config -> {(layer, state index): fresh value} where that is not 0
+    indexer_positions: bool = False  # its first indexed layer keeps the indexers' position history (Qwen4-Exp)
 
 
 # transformers 5.23's Mamba1 mixers (Jamba, Mamba, Falcon-Mamba) never hand the cached recurrent state to a
@@ -421,6 +451,7 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "qwen3_5": ModelFamily(_qwen3_5, "GatedDeltaNet"),
     "qwen3_5_moe": ModelFamily(_qwen3_5_moe, "GatedDeltaNet"),
     "qwen3_next": ModelFamily(_qwen3_next, "Qwen3NextGatedDeltaNet"),
+    "qwen4_exp": ModelFamily(_qwen4_exp, "GatedDeltaNet", fresh_states=_qwen4_exp_fresh, indexer_positions=True),
     "olmo_hybrid": ModelFamily(_olmo_hybrid, "OlmoHybridGatedDeltaNet"),
     "kimi_linear": ModelFamily(_kimi_linear, "KimiDeltaAttention"),
     "glm5_next": ModelFamily(_glm5_next, "KimiDeltaAttention"),
@@ -487,6 +518,19 @@ def pads_shift_positions(config) -> bool:
     (modeling_inkling.py InklingAttention.forward: get_query_offset, then tau of q_positions)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return getattr(text, "model_type", None) == "inkling_text" and text.log_scaling_n_floor is not None
+
+
+def family_of(config) -> ModelFamily:
+    """The MODEL_FAMILIES row of a config (its text config's), or a row of defaults for a type it does not know."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return MODEL_FAMILIES.get((getattr(text, "model_type", None) or "").removesuffix("_text"), ModelFamily(None, None))
+
+
+def fresh_states(config) -> dict[tuple[int, int], int]:
+    """{(layer, state index): value} of the conv states that start at that value, not 0, in a fresh sequence."""
+    family = family_of(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return family.fresh_states(text) if family.fresh_states is not None else {}
 
 
 def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.ModelSpec:

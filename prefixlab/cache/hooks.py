@@ -129,6 +129,9 @@ class _ModelHooks:
             raise InvalidInputError(
                 "HybridPrefixCache needs input_ids: inputs_embeds cannot be matched against cached tokens"
             )
+        if kwargs.get("ple_input_ids") is not None:  # Qwen4-Exp reads its n-grams from input_ids without them
+            raise InvalidInputError("with HybridPrefixCache, leave out ple_input_ids (the model reads input_ids, "
+                                    "which the cache shortens to the tokens it does not hold)")
         if not cache.started or kwargs["input_ids"].shape[1] > 1:  # before any lookup (a later turn looks up too)
             check_token_ids(kwargs["input_ids"], module)  # (decode steps feed generate's own tokens: unchecked)
         check_deterministic(module)  # every forward: a later turn on a started cache may run in training mode
@@ -378,4 +381,5 @@ def with_column_positions(kwargs: dict, first: int) -> dict:
         return kwargs
     input_ids = kwargs["input_ids"]
     positions = torch.arange(first, first + input_ids.shape[1], device=input_ids.device)
-    return kwargs | {"position_ids": positions.unsqueeze(0)}
+    # one row per batch row, as models count them (Qwen4-Exp appends them to its per-row indexer positions)
+    return kwargs | {"position_ids": positions.expand(input_ids.shape[0], -1)}

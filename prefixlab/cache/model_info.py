@@ -22,7 +22,7 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
-from prefixlab.cache.hfspec import MODEL_FAMILIES, keeps_recurrent_state, pads_shift_positions
+from prefixlab.cache.hfspec import MODEL_FAMILIES, family_of, fresh_states, keeps_recurrent_state, pads_shift_positions
 from prefixlab.cache.walk import KeptWalk, at
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
@@ -61,6 +61,10 @@ class CacheLayout:
     recurrent_layers: tuple[int, ...] = ()  # those of state_layers whose states hold a recurrent state besides conv
     # those of kv_layers whose attention runs a sparse-attention indexer (DSA) caching per-token keys beside K and V
     indexer_layers: tuple[int, ...] = ()
+    # ((layer, state index), value) of conv states whose fresh value is not 0 (Qwen4-Exp's n-gram context: eos)
+    fresh: tuple[tuple[tuple[int, int], int], ...] = ()
+    # the layer keeping the indexers' position history, rebuilt on a resume (Qwen4-Exp: its first indexed layer)
+    position_history: int | None = None
 
     @classmethod
     def from_config(cls, config) -> CacheLayout:
@@ -76,14 +80,18 @@ class CacheLayout:
             if not isinstance(layer, DynamicLayer | LinearAttentionCacheLayerMixin | DummyLayer):
                 raise UnsupportedModelError(f"layer {index} uses cache layer {type(layer).__name__}, not supported")
         state_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin))
+        family = family_of(config)
         # GLM-5-Next's "shared" layers reuse the previous layer's selection and never write their indexer keys
         indexer_types = getattr(config.get_text_config(decoder=True), "indexer_types", None) or ()
+        indexer_layers = tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)
+                               and dict(enumerate(indexer_types)).get(i) != "shared")
         return cls(
             kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
             state_layers=state_layers,
             recurrent_layers=state_layers if keeps_recurrent_state(config) else (),
-            indexer_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicIndexedLayer)
-                                 and dict(enumerate(indexer_types)).get(i) != "shared"),
+            indexer_layers=indexer_layers,
+            fresh=tuple(sorted(fresh_states(config).items())),
+            position_history=indexer_layers[0] if indexer_layers and family.indexer_positions else None,
         )
 
 

@@ -90,8 +90,10 @@ class MediaTokens:
         self.placeholders = placeholder_token_ids(config)
         self.modality_ids = {m: v for m in ("image", "video") if isinstance(v := _config_id(config, m), int)}
         base = getattr(model, "model", model)
+        # (not past a QSA indexer, Qwen4-Exp: a resume rebuilds its position history as text positions, rows.py)
+        indexed = "indexed_attention" in (getattr(config.get_text_config(), "layer_types", None) or ())
         keyable = ("mm_encoder_outputs" in inspect.signature(model.forward).parameters and computes_positions(model)
-                   and hasattr(base, "get_image_features") and hasattr(base, "get_video_features"))
+                   and hasattr(base, "get_image_features") and hasattr(base, "get_video_features") and not indexed)
         self.keyed_ids = self.modality_ids if keyable else {}  # modality -> placeholder id keyed by content
         # with images and videos keyed, what still stops reuse: other media's placeholders (not their delimiters,
         # embedded as text), and any placeholder in a forward not keyed

@@ -185,18 +185,20 @@ def stack_rows(rows: list[list[torch.Tensor]], common: int, device: torch.device
     return out
 
 
-def stack_states(states: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-    """[batch, ...] copies of each row's state on `device`; zeros (the fresh state) for rows without one."""
+def stack_states(states: list[torch.Tensor | None], device: torch.device, fresh: int = 0) -> torch.Tensor:
+    """[batch, ...] copies of each row's state on `device`; the fresh state (`fresh` everywhere: zeros but for the
+    states CacheLayout.fresh names) for rows without one."""
     like = next(t for t in states if t is not None)
-    return torch.stack([t.to(device) if t is not None else torch.zeros_like(like, device=device) for t in states])
+    return torch.stack([t.to(device) if t is not None else torch.full_like(like, fresh, device=device)
+                        for t in states])
 
 
 def load_rows(layers: list, layout, common: int, sources: list, devices: dict[int, torch.device],
               default: torch.device) -> None:
     """Fill the cache `layers` with copies of each row's matched KV (`sources[row].kv`, its pieces concatenated; a DSA
     indexer's keys too) placed at the last columns before `common` (pad columns before it: zeros, masked out) and
-    each row's states (`sources[row].state`; zeros for rows that resume nothing), each layer's on its device
-    (`devices`, else `default`)."""
+    each row's states (`sources[row].state`; the fresh state for rows that resume nothing), each layer's on its
+    device (`devices`, else `default`)."""
     from transformers.cache_utils import DynamicLayer
 
     for layer_idx in layout.kv_layers:
@@ -213,14 +215,28 @@ def load_rows(layers: list, layout, common: int, sources: list, devices: dict[in
         if not layers[layer_idx].is_indexer_initialized:
             layers[layer_idx].lazy_initialization_indexer(indexer)
         layers[layer_idx].indexer_keys = indexer
+    if layout.position_history is not None:
+        layers[layout.position_history].indexer_position_ids = indexer_positions(
+            [common - source.length for source in sources], common, devices.get(layout.position_history, default))
     states = [source.state if source.length else None for source in sources]
     model = next(state for state in states if state is not None) if any(states) else None
-    for layer_idx, state_idx in model.conv if model else ():
+    fresh = dict(layout.fresh)
+    for layer_idx, state_idx in sorted(model.conv) if model else ():  # (state 0 first: it sets the layer's dtype)
         device = devices.get(layer_idx, default)
-        conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device)
+        conv = stack_states([state and state.conv[(layer_idx, state_idx)] for state in states], device,
+                            fresh.get((layer_idx, state_idx), 0))
         layers[layer_idx].update_conv_state(conv, state_idx, conv_kernel_size=conv.shape[-1])
     for layer_idx, state_idx in model.recurrent if model else ():
         device = devices.get(layer_idx, default)
         recurrent = stack_states([state and state.recurrent[(layer_idx, state_idx)] for state in states], device)
         layers[layer_idx].update_recurrent_state(recurrent, state_idx)
         layers[layer_idx].has_previous_state[state_idx] = True
+
+
+def indexer_positions(pads: list[int], common: int, device: torch.device) -> torch.Tensor:
+    """[3, batch, common] positions of `common` held columns, row b's pads[b] first: the QSA indexers' position
+    history (Qwen4ExpTextModel keeps it on its first indexed layer, in the 3 M-RoPE rows its rotary embedding takes).
+    Held tokens are text at their real positions (images are not reused past their first placeholder); pad columns
+    get 1, as generate gives pads (no query sees them)."""
+    columns = torch.arange(common)[None, :] - torch.tensor(pads)[:, None]
+    return columns.clamp(min=0).masked_fill(columns < 0, 1).expand(3, -1, -1).to(device)

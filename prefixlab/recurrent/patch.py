@@ -30,7 +30,7 @@ from transformers.integrations.accelerate import force_accelerate_hooks
 
 from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
 from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
-from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of
+from prefixlab.recurrent.families import SUPPORTED_CLASSES, Family, family_of, recorder_of
 from prefixlab.recurrent.families.base import ORIGINAL_ATTRIBUTE, run_layer
 
 BACKENDS = ("auto", *PORTABLE_BACKENDS)
@@ -53,13 +53,23 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
     check_not_compiled_wrapper(model, "prefixlab.recurrent.patch")
     targets = linear_attention_layers(model)
     for layer, family in targets:
-        attribute = "_old_forward" if hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer) else "forward"
-        if _ORIGINAL not in vars(layer):
-            setattr(layer, _ORIGINAL, (attribute, vars(layer).get(attribute)))
-        setattr(layer, vars(layer)[_ORIGINAL][0], _PatchedForward(layer, backend, family))
+        _swap(layer, "forward", _PatchedForward(layer, backend, family))
+    for layer in model.modules():  # (only where linear-attention layers are: their cache layers hold the states)
+        if targets and (recorder := recorder_of(layer)) is not None:
+            _swap(layer, recorder.attribute, _Recording(layer))
     if targets:
         model.prefixlab_patched = True  # what PrefixStore checks to let the layers record states mid-forward
     return model
+
+
+def _swap(layer: nn.Module, attribute: str, patched: Any) -> None:
+    """Set `layer.<attribute>` to `patched`, remembering the original once (accelerate's hooks wrap a forward
+    around `_old_forward`: that one is swapped)."""
+    if attribute == "forward" and hasattr(layer, "_hf_hook") and "_old_forward" in vars(layer):
+        attribute = "_old_forward"
+    if _ORIGINAL not in vars(layer):
+        setattr(layer, _ORIGINAL, (attribute, vars(layer).get(attribute)))
+    setattr(layer, vars(layer)[_ORIGINAL][0], patched)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -154,6 +164,8 @@ def linear_attention_layers(model: nn.Module) -> list[tuple[nn.Module, Family]]:
 def looks_linear_attention(layer: nn.Module) -> bool:
     if family_of(layer) is not None:
         return True
+    if recorder_of(layer) is not None:  # (a depthwise conv, but not a mixer: Qwen4-Exp's PLE)
+        return False
     depthwise = any(
         isinstance(child, nn.Conv1d) and child.groups == child.in_channels > 1 for child in layer.children()
     )
@@ -194,3 +206,24 @@ class _PatchedForward:
 
     def __reduce__(self):
         return _PatchedForward, (self.layer, self.backend)
+
+
+class _Recording:
+    """A recorder's layer method (families/ple.py): hands the cache the states at the capture offsets, then runs
+    the layer's own method unchanged. An object for the same reasons as _PatchedForward."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, inputs: torch.Tensor, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        if cache is not None:
+            recorder_of(self.layer).record(self.layer, inputs, cache)
+        attribute, saved = vars(self.layer)[_ORIGINAL]
+        original = saved if saved is not None else getattr(type(self.layer), attribute).__get__(self.layer)
+        return original(inputs, cache, *args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Recording:
+        return _Recording(copy.deepcopy(self.layer, memo))
+
+    def __reduce__(self):
+        return _Recording, (self.layer,)

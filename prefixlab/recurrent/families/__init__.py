@@ -16,6 +16,7 @@ from prefixlab.recurrent.families.gated_delta import (
 from prefixlab.recurrent.families.inline_conv import InlineShortConv
 from prefixlab.recurrent.families.mamba1 import MambaMixer, MultiHeadMambaMixer, NormalisedMambaMixer
 from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
+from prefixlab.recurrent.families.ple import NGramContext, PerLayerEmbeddingConv
 from prefixlab.recurrent.families.short_conv import ShortConv
 
 FAMILIES: tuple[Family, ...] = (
@@ -37,6 +38,11 @@ _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes
 
 SUPPORTED_CLASSES: tuple[str, ...] = tuple(sorted(_BY_CLASS_NAME))
 
+# Other layers that keep states in a linear-attention cache layer, computed exactly by transformers' own code: patched
+# only to record those states at the capture offsets (families/ple.py).
+RECORDERS = (PerLayerEmbeddingConv(), NGramContext())
+_RECORDER_BY_CLASS_NAME = {name: recorder for recorder in RECORDERS for name in recorder.classes}
+
 
 def family_of(layer: nn.Module) -> Family | None:
     """The family serving this layer: its class must be transformers' own (not remote code that reuses a name)."""
@@ -46,4 +52,10 @@ def family_of(layer: nn.Module) -> Family | None:
     return _BY_CLASS_NAME.get(cls.__name__)
 
 
-__all__ = ["FAMILIES", "SUPPORTED_CLASSES", "Family", "family_of"]
+def recorder_of(layer: nn.Module):
+    """The recorder of this layer's extra states (RECORDERS), for transformers' own classes only; else None."""
+    cls = type(layer)
+    return _RECORDER_BY_CLASS_NAME.get(cls.__name__) if cls.__module__.startswith("transformers.models.") else None
+
+
+__all__ = ["FAMILIES", "RECORDERS", "SUPPORTED_CLASSES", "Family", "family_of", "recorder_of"]

@@ -124,7 +124,7 @@ class LayerCache:
             self.conv_state = cache.get_conv_state(layer_idx, state_idx)
             if has_recurrent_state:
                 self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
-        self.rows = _capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
+        self.rows = capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
         self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
 
     def record(self, conv_states: States, recurrent_states: States, recurrent_dtype: torch.dtype | None) -> None:
@@ -137,8 +137,8 @@ class LayerCache:
                 self.cache.prefixlab_record(
                     self.layer_idx,
                     offset,
-                    _owned(conv_states[offset], row),
-                    None if state is None else _owned(state, row).to(recurrent_dtype),
+                    owned(conv_states[offset], row),
+                    None if state is None else owned(state, row).to(recurrent_dtype),
                     **extra,
                 )
 
@@ -165,13 +165,13 @@ def original_forward(layer: nn.Module) -> Any:
     return original if original is not None else getattr(type(layer), attribute).__get__(layer)
 
 
-def _owned(tensor: torch.Tensor, row: int | None) -> torch.Tensor:
+def owned(tensor: torch.Tensor, row: int | None) -> torch.Tensor:
     """A tensor the caller owns: the kernel's fresh state itself, or a copy of one row of it (never a view that
     would keep the whole batch alive)."""
     return tensor if row is None else tensor[row : row + 1].clone()
 
 
-def _capture_rows(positions: Any, batch: int, length: int) -> dict[int | None, tuple[int, ...]]:
+def capture_rows(positions: Any, batch: int, length: int) -> dict[int | None, tuple[int, ...]]:
     """{None: offsets} for shared offsets, {row: offsets} for per-row ones; {} when nothing is captured."""
     if positions is None:
         return {}

@@ -1,4 +1,5 @@
-"""Gated delta rule layers: GatedDeltaNet (Qwen3.5 and -MoE, Qwen3-Next, OLMo-hybrid), KDA (Kimi, Bailing, GLM-5-Next).
+"""Gated delta rule layers: GatedDeltaNet (Qwen3.5 and -MoE, Qwen3-Next, Qwen4-Exp, OLMo-hybrid), KDA (Kimi, Bailing,
+GLM-5-Next).
 
 All of them project q, k, v through one depthwise conv, run the gated delta rule with q/k l2-normalised, and gate
 the outputs with an RMS norm; they differ only in how the projections are laid out (one method each below).
@@ -20,9 +21,9 @@ def _decay(layer: nn.Module, a: torch.Tensor) -> torch.Tensor:
 
 
 class GatedDeltaNet:
-    """Qwen3.5 / Qwen3.5-MoE: a fused q|k|v projection and separate z, b, a projections."""
+    """Qwen3.5 / Qwen3.5-MoE / Qwen4-Exp: a fused q|k|v projection and separate z, b, a projections."""
 
-    classes: tuple[str, ...] = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet")
+    classes: tuple[str, ...] = ("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen4ExpTextGatedDeltaNet")
     has_recurrent_state = True
     conv_name = "conv1d"
     read_directly: tuple[str, ...] = ("conv1d",)
