@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import cache_argument
 from recurrent_patch_models import build, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
@@ -43,7 +44,7 @@ def test_reuse_through_the_store_is_exact_with_states_recorded_in_one_pass(name)
 
 
 def logits_and_tokens(model, ids, cache=None):
-    kwargs = {} if cache is None else {"past_key_values": cache}
+    kwargs = {} if cache is None else {cache_argument(model): cache}
     with torch.no_grad():
         out = model.generate(ids, output_logits=True, return_dict_in_generate=True, **GREEDY, **kwargs)
     return out.sequences, torch.stack(out.logits)
@@ -51,8 +52,9 @@ def logits_and_tokens(model, ids, cache=None):
 
 @pytest.mark.parametrize("name", sorted(STATE_DROPPING_MODEL_TYPES))
 def test_families_served_only_patched_resume_repeated_and_extended_prompts_exactly(name):
-    """Jamba, Zamba (their own layers restart multi-token scans from zeros, 1e-2 off at this unit scale): a prompt
-    again, then extended by 9 tokens, through generate over the store: the uncached model's tokens and fp32 logits."""
+    """Jamba, Zamba, Mamba, Falcon-Mamba (their own layers restart multi-token scans from zeros, 1e-2 off at this
+    unit scale): a prompt again, then extended by 9 tokens, through generate over the store: the uncached model's
+    tokens and fp32 logits."""
     reference, model = build(name, seed=5), build(name, seed=5)
     store = PrefixStore(model, capacity="64MB", policy="vllm+", block_size=4)
     prompt = tokens(1, 23, seed=8)
