@@ -43,7 +43,8 @@ from transformers import (
 )
 
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.hfspec import DENSE_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+from prefixlab.cache.hfspec import SUPPORTED_MODEL_TYPES
+from prefixlab.cache.readers import DENSE_MODEL_TYPES
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 transformers.logging.set_verbosity_error()

@@ -13,7 +13,8 @@ Prefilling `n_new` tokens after `n_past` cached ones costs
 FLOP conventions follow the Marconi paper (Pan et al., MLSys 2025, Appendix A): a (m x k) @ (k x n) matmul is
 `2 m k n` FLOPs, attention counts the full L x L score and value products (`4 L^2 d`, no causal halving), and the
 SSM scan costs `8 d_inner N` per token (decay, discretised input, scan update, output contraction).
-Reading HF configs into layer groups lives in `prefixlab.cache.hfspec`.
+Layer kinds and variants of the newer families (gated heads, token indexers, hyper-connections, CCA, PLE) are in
+`prefixlab.cache.costmodel_variants`; reading HF configs into layer groups in `prefixlab.cache.readers`.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def attention_layers(
     scores and values `4 q` per pair."""
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     projections = 2 * hidden * (q_dim * (2 if gated else 1) + 2 * kv_dim) + 2 * q_dim * (output_size or hidden)
-    dims = _dims(hidden=hidden, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim, output_gate=gated)
+    dims = dims_of(hidden=hidden, heads=num_heads, kv_heads=num_kv_heads, head_dim=head_dim, output_gate=gated)
     return LayerGroup("attention", count, projections, 4 * q_dim, 2 * kv_dim * dtype_bytes, dims=dims)
 
 
@@ -100,77 +101,18 @@ def mla_attention_layers(
     latent = kv_lora_rank + qk_rope_head_dim
     projections = (q_flops + 2 * hidden * latent + 2 * kv_lora_rank * num_heads * (qk_nope_head_dim + v_head_dim)
                    + 2 * v_dim * hidden)
-    dims = _dims(hidden=hidden, heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
+    dims = dims_of(hidden=hidden, heads=num_heads, qk_nope_head_dim=qk_nope_head_dim, qk_rope_head_dim=qk_rope_head_dim,
                  v_head_dim=v_head_dim, kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank or 0)
     return LayerGroup("attention", count, projections, 2 * (q_dim + v_dim), latent * dtype_bytes, dims=dims)
 
 
-def head_gated(layers: LayerGroup) -> LayerGroup:
-    """Attention `layers` (either kind above) whose heads' outputs are scaled by a sigmoid gate projected from the
-    layer input, one scalar per head (LFM3, Ling's MLA): `2 h H` more per token."""
-    dims = dict(layers.dims)
-    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + 2 * dims["hidden"] * dims["heads"],
-                   dims=(*layers.dims, ("head_gate", 1)))
-def with_dsa_indexer(group: LayerGroup, hidden: int, q_lora_rank: int, heads: int, head_dim: int, pool: int,
-                     dtype_bytes: int) -> LayerGroup:
-    """`group`'s attention layers each also running a DSA indexer over pools of `pool` keys (GLM-5-Next), which
-    caches per token its key and pool-gate scores (`head_dim` each) and a valid flag: `2 d + 1` elements.
-    Projections: query from the Q latent `2 q_lora H d`, key and pool gate `2 h d` each, head weights `2 h H`;
-    per (query, pool) `2 H d` scores and `2 H` for their weighting, so `2 H (d + 1) / pool` per (query, key)."""
-    projections = 2 * q_lora_rank * heads * head_dim + 4 * hidden * head_dim + 2 * hidden * heads
-    return replace(group, linear_flops_per_token=group.linear_flops_per_token + projections,
-                   pair_flops=group.pair_flops + 2 * heads * (head_dim + 1) / pool,
-                   kv_bytes_per_token=group.kv_bytes_per_token + (2 * head_dim + 1) * dtype_bytes,
-                   dims=group.dims + _dims(index_heads=heads, index_head_dim=head_dim, index_pool=pool))
-
-
-def with_qsa_indexer(attention: LayerGroup, hidden: int, index_heads: int, index_head_dim: int, compress_ratio: int,
-                     dtype_bytes: int) -> LayerGroup:
-    """`attention` layers with a QSA token indexer (Qwen4-Exp): one projection to `index_heads` query heads and one
-    key head of `index_head_dim`, the key cached per token beside K and V; each query scores mean-pooled blocks of
-    `compress_ratio` keys (`2 heads dim` per block, so per pair / ratio)."""
-    projection = 2 * hidden * (index_heads + 1) * index_head_dim
-    return replace(attention, linear_flops_per_token=attention.linear_flops_per_token + projection,
-                   pair_flops=attention.pair_flops + 2 * index_heads * index_head_dim / compress_ratio,
-                   kv_bytes_per_token=attention.kv_bytes_per_token + index_head_dim * dtype_bytes,
-                   dims=attention.dims + _dims(index_heads=index_heads, index_head_dim=index_head_dim,
-                                               compress_ratio=compress_ratio))
-
-
-def with_hyper_connections(group: LayerGroup, hidden: int, streams: int) -> LayerGroup:
-    """`group`'s layers each behind two hyper-connections (GLM-5-Next; one before the mixer, one before the MLP) over
-    `streams` residual streams: a projection of the `N h` streams to `(2 + N) N` weights, `2 N h (2 + N) N`, and the
-    residual mix of the streams, `2 N N h`, each."""
-    flops = 2 * (2 * streams * hidden * (2 + streams) * streams + 2 * streams * streams * hidden)
-    return replace(group, linear_flops_per_token=group.linear_flops_per_token + flops,
-                   dims=group.dims + _dims(hc_streams=streams))
-
-
-def cca_attention_layers(
-    count: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, time0: int, time1: int,
-    dtype_bytes: int,
-) -> LayerGroup:
-    """Attention behind ZAYA's compressed convolutional (CCA) projection: Q, K and two half-width V projections
-    (`2 h (q + 2 kv)`, as attention's), Q and K mixed by a depthwise conv (kernel `time0`) and a conv grouped by
-    head (kernel `time1`, `2 C d t1` over C = q + kv channels of `d` per group), output `2 q h`, `4 q` per pair.
-    Besides the KV, the layer keeps a state: the last `(time0 - 1) + (time1 - 1)` conv inputs and the previous
-    token's delayed half of V (`kv / 2`), both in the model dtype."""
-    layers = attention_layers(count, hidden, num_heads, num_kv_heads, head_dim, dtype_bytes)
-    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-    channels, history = q_dim + kv_dim, (time0 - 1) + (time1 - 1)
-    convs = 2 * channels * time0 + 2 * channels * head_dim * time1
-    return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + convs,
-                   state_bytes=(channels * history + kv_dim // 2) * dtype_bytes,
-                   dims=layers.dims + _dims(time0=time0, time1=time1))
-
-
-def _dims(**dims: int) -> tuple[tuple[str, int], ...]:
+def dims_of(**dims: int) -> tuple[tuple[str, int], ...]:
     return tuple((name, int(value)) for name, value in dims.items())
 
 
 def mlp_layers(count: int, hidden: int, intermediate: int, gated: bool = True) -> LayerGroup:
     """Dense MLP: up (+ gate for SwiGLU) and down projections, `2 h i` each."""
-    dims = _dims(hidden=hidden, intermediate=intermediate, gated=gated)
+    dims = dims_of(hidden=hidden, intermediate=intermediate, gated=gated)
     return LayerGroup("mlp", count, 2 * hidden * intermediate * (3 if gated else 2), dims=dims)
 
 
@@ -195,7 +137,7 @@ def moe_layers(
         + 2 * matrices * (expert_width * top_k * expert_intermediate + hidden * shared_intermediate)
         + (4 * hidden * latent_size if latent_size else 0)
     )
-    dims = _dims(hidden=hidden, expert_intermediate=expert_intermediate, experts=num_experts, top_k=top_k,
+    dims = dims_of(hidden=hidden, expert_intermediate=expert_intermediate, experts=num_experts, top_k=top_k,
                  shared_intermediate=shared_intermediate, gated=gated, latent_size=latent_size or 0)
     return LayerGroup("moe", count, flops, dims=dims)
 
@@ -222,7 +164,7 @@ def mamba2_layers(
     return _ssm_layers(
         "mamba2", count, hidden, d_inner, d_inner + conv_dim + num_heads, conv_dim, conv_kernel,
         d_inner * state_size, 8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
-        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, state_size=state_size, groups=n_groups,
+        dims_of(hidden=hidden, heads=num_heads, head_dim=head_dim, state_size=state_size, groups=n_groups,
               conv_kernel=conv_kernel),
     )
 
@@ -236,7 +178,7 @@ def mamba_layers(
     layers = _ssm_layers(
         "mamba", count, hidden, d_inner, 2 * d_inner, d_inner, conv_kernel, d_inner * state_size,
         8 * d_inner * state_size, dtype_bytes, state_dtype_bytes,
-        _dims(hidden=hidden, d_inner=d_inner, state_size=state_size, dt_rank=dt_rank, conv_kernel=conv_kernel),
+        dims_of(hidden=hidden, d_inner=d_inner, state_size=state_size, dt_rank=dt_rank, conv_kernel=conv_kernel),
     )
     selective = 2 * d_inner * (dt_rank + 2 * state_size) + 2 * dt_rank * d_inner
     return replace(layers, linear_flops_per_token=layers.linear_flops_per_token + selective)
@@ -267,7 +209,7 @@ def gated_deltanet_layers(
     return _delta_rule_layers(
         "gated_deltanet", count, hidden, num_k_heads, num_v_heads, head_k_dim, head_v_dim,
         num_v_heads * head_v_dim + 2 * num_v_heads, conv_kernel, dtype_bytes, state_dtype_bytes,
-        _dims(hidden=hidden, k_heads=num_k_heads, v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
+        dims_of(hidden=hidden, k_heads=num_k_heads, v_heads=num_v_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
               conv_kernel=conv_kernel),
     )
 
@@ -283,7 +225,7 @@ def kda_layers(
     layers = _delta_rule_layers(
         "kda", count, hidden, num_heads, num_heads, head_dim, head_dim, num_heads + 2 * gate_inner, conv_kernel,
         dtype_bytes, state_dtype_bytes,
-        _dims(hidden=hidden, heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel,
+        dims_of(hidden=hidden, heads=num_heads, head_dim=head_dim, conv_kernel=conv_kernel,
               full_rank_gates=full_rank_gates),
     )
     gate_up_projections = 0 if full_rank_gates else 2 * 2 * head_dim * num_heads * head_dim
@@ -295,29 +237,8 @@ def short_conv_layers(count: int, hidden: int, conv_kernel: int, dtype_bytes: in
     channels, out_proj."""
     return _ssm_layers(
         "short_conv", count, hidden, hidden, 3 * hidden, hidden, conv_kernel, 0, 2 * hidden, dtype_bytes, dtype_bytes,
-        _dims(hidden=hidden, conv_kernel=conv_kernel),
+        dims_of(hidden=hidden, conv_kernel=conv_kernel),
     )
-
-
-def ple_layers(count: int, hidden: int, streams: int, embed_dim: int, conv_kernel: int, dilation: int,
-               dtype_bytes: int) -> LayerGroup:
-    """Per-layer embeddings (Qwen4-Exp PLE): hashed n-gram embeddings (a lookup) projected to one key per residual
-    stream and a value (`2 E (s h + h)`), a dilated depthwise conv over the `s h` gated streams. Its state: the
-    conv's last `(K - 1) dilation` inputs and the `dilation - 1` previous token ids (the n-gram context, int64)."""
-    width = streams * hidden
-    state = width * (conv_kernel - 1) * dilation * dtype_bytes + (dilation - 1) * TOKEN_ID_BYTES
-    dims = _dims(hidden=hidden, streams=streams, embed_dim=embed_dim, conv_kernel=conv_kernel, dilation=dilation)
-    return LayerGroup("ple", count, 2 * embed_dim * (width + hidden) + 2 * width * conv_kernel, state_bytes=state,
-                      dims=dims)
-
-
-def gated_residual_layers(count: int, hidden: int, streams: int, rank: int, inject: bool = True) -> LayerGroup:
-    """Qwen4-Exp's hyper-connections (Qwen4ExpTextGatedResidual): the `streams` residual streams mixed through a
-    rank-`rank` bottleneck (`4 s h r`), plus the per-stream injection weights (`2 s h s`) where the block's output
-    is written back (`inject`)."""
-    width = streams * hidden
-    dims = _dims(hidden=hidden, streams=streams, rank=rank)
-    return LayerGroup("hyper_connection", count, 4 * width * rank + (2 * width * streams if inject else 0), dims=dims)
 
 
 @dataclass(frozen=True)
@@ -435,7 +356,7 @@ def _marconi_7b() -> ModelSpec:
     mamba = LayerGroup(
         "mamba2", 24, 12 * d * d + 16 * d * n + 10 * d,
         state_bytes=(d * n + (expand * d + 2 * n) * conv_kernel) * dtype_bytes,
-        dims=_dims(hidden=d, state_size=n, expand=expand, conv_kernel=conv_kernel),
+        dims=dims_of(hidden=d, state_size=n, expand=expand, conv_kernel=conv_kernel),
     )
     attention = attention_layers(4, d, num_heads=32, num_kv_heads=32, head_dim=128, dtype_bytes=dtype_bytes)
     mlp = mlp_layers(28, d, 4 * d, gated=False)
