@@ -422,3 +422,21 @@ def test_hydragen_on_a_model_it_cannot_batch_serves_one_by_one(capsys, tmp_path,
         assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
                    for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
                                    strict=True))
+
+
+def test_a_model_whose_generating_class_is_its_vision_language_one(capsys, tmp_path):
+    """GLM-5-Next has no AutoModelForCausalLM class, only Glm5NextForConditionalGeneration: --model refused it."""
+    tiny_config("glm5_next").to_json_file(tmp_path / "config.json")
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(3, 120, 16).tolist()
+    with open(tmp_path / "prompts.jsonl", "w") as file:
+        file.writelines(json.dumps({"id": k, "input_ids": prefix + rng.integers(3, 120, 3).tolist(),
+                                    "max_new_tokens": 2}) + "\n" for k in range(3))
+    code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl")
+    assert code == 0 and summary["reused_tokens"] > 0
+    model = serve.load_model(str(tmp_path / "config.json"))
+    assert type(model).__name__ == "Glm5NextForConditionalGeneration"
+    with torch.inference_mode():
+        assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
+                   for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
+                                   strict=True))
