@@ -159,3 +159,20 @@ def test_a_new_prompt_whose_first_column_is_masked_is_still_refused():
     with pytest.raises(InvalidInputError, match="does not continue"), torch.no_grad():
         model(input_ids=tokens(1, 4, seed=6), attention_mask=mask, position_ids=torch.tensor([[1, 0, 1, 2]]),
               past_key_values=cache)
+
+
+@pytest.mark.parametrize("family", ["mamba", "mamba2"])
+def test_a_later_turn_masking_a_held_token_is_refused(family):
+    """A model without position_ids (Mamba, Falcon-Mamba, Mamba2) whose next turn's mask marks a token the cache
+    holds as a pad (a generated pad id, masked as `ids != pad`): the held states took it in, and the turn ran as
+    given, silently other tokens than the uncached model's (logits 3 apart)."""
+    model = build(family)
+    cache = HybridPrefixCache(PrefixStore(model, capacity="64MB", policy="marconi"))
+    first = generate(model, tokens(1, 12, seed=8), cache)
+    ids = torch.cat([first, tokens(1, 3, seed=9)], 1)
+    mask = torch.ones_like(ids)
+    mask[0, 13] = 0  # (a generated token)
+    with pytest.raises(InvalidInputError, match="masks tokens this HybridPrefixCache holds"):
+        generate(model, ids, cache, attention_mask=mask)
+    assert not cache.started  # reset: it serves the turn again, plainly
+    assert torch.equal(generate(model, ids, cache), generate(model, ids))

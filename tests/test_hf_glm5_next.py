@@ -113,3 +113,21 @@ def test_a_direct_admission_past_the_limit_is_refused():
     store = PrefixStore(model, capacity="64MB")
     with pytest.raises(InvalidInputError, match="admit at most that many"):
         store.admit(list(range(3, 3 + LIMIT + 1)), kv=lambda a, b: None, states={})
+
+
+def test_the_simulator_reuses_no_more_than_a_store_would():
+    """The cost model carries the limit (ModelSpec.reuse_limit): a replay and the infinite-cache ceiling reused
+    whole 30-token prompts of a model whose store reuses at most 11 of them."""
+    import numpy as np
+
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.sim.replay import ceiling, simulate
+    from prefixlab.sim.trace import Request
+
+    spec = ModelSpec.from_config(build().config)
+    assert spec.reuse_limit == LIMIT and ModelSpec.from_config(FAMILIES["qwen3_5"][0]()).reuse_limit is None
+    prompt = np.arange(3, 33, dtype=np.int64)
+    requests = [Request("a", 0, 0.0, prompt, prompt[:2]), Request("b", 0, 1.0, prompt.copy())]
+    assert ceiling(requests, spec).reused_tokens == LIMIT
+    for policy in ("dp", "vllm+", "sglang+"):
+        assert 0 < simulate(requests, policy, 10**9, spec, block_size=4).reused_tokens <= LIMIT

@@ -247,6 +247,8 @@ class ModelSpec:
 
     `kv_bytes_per_token` (all attention layers, K and V) and `state_bytes` (one recurrent checkpoint across all
     recurrent layers, recurrent + conv state) are exact byte counts; FLOPs follow the module docstring.
+    `reuse_limit`: the tokens of a sequence a store may hold and reuse (GLM-5-Next's DSA selection limit,
+    hfspec.selection_limit; None: all), which replays honour as a PrefixStore does.
     """
 
     name: str
@@ -254,6 +256,7 @@ class ModelSpec:
     dtype_bytes: int
     layers: tuple[LayerGroup, ...]
     effective_flops_per_second: float = DEFAULT_EFFECTIVE_FLOPS_PER_SECOND
+    reuse_limit: int | None = None
     kv_bytes_per_token: int = field(init=False)
     state_bytes: int = field(init=False)
     linear_flops_per_token: float = field(init=False)

@@ -144,4 +144,4 @@ def spec_from_config(config, dtype: torch.dtype | str | None = None) -> cm.Model
         )
     dtype_bytes = rd.dtype_bytes_of(text, dtype)
     groups = tuple(g for g in reader(text, dtype_bytes) if g.count > 0)
-    return cm.ModelSpec(model_type, text.hidden_size, dtype_bytes, groups)
+    return cm.ModelSpec(model_type, text.hidden_size, dtype_bytes, groups, reuse_limit=selection_limit(config))

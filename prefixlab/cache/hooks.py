@@ -44,7 +44,7 @@ from prefixlab.cache.multimodal import (
     text_only,
     with_model_positions,
 )
-from prefixlab.cache.rows import continues_at, continues_past_masked, continues_plainly
+from prefixlab.cache.rows import continues_at, continues_past_masked, continues_plainly, masks_held
 from prefixlab.errors import InvalidInputError
 
 # (model ref, store id, holds patch) of stores collected without close(), queued by their finalizers (ownership.py)
@@ -259,6 +259,13 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
             "new HybridPrefixCache(store) per request. This cache is reset now"
         )
     length = kwargs["input_ids"].shape[1]
+    if (length > 1 and cache.store.layout.state_layers
+            and masks_held(kwargs.get("attention_mask"), seen, cache.row_pads)):
+        raise InvalidInputError(
+            f"this forward's attention_mask masks tokens this HybridPrefixCache holds as real ones (of its first {seen}"
+            " columns; e.g. a generated pad id marked as a pad in the next turn's mask): the model's recurrent states "
+            "already took them in, so the forward cannot be computed as the mask asks; pass a mask of ones over the "
+            "tokens the cache holds, or a new HybridPrefixCache(store) with the whole input. This cache is reset now")
     if length == 1:
         cache.check_one_token(kwargs["input_ids"], kwargs.get("attention_mask"))
     elif not continues_plainly(kwargs, seen, cache.row_pads, mrope, getattr(cache, "row_ends", None)):

@@ -26,6 +26,8 @@ def replay_request(core: PrefixCacheCore, input_tokens: np.ndarray, output_token
 def replay_tokens(core: PrefixCacheCore, tokens: np.ndarray, input_length: int, namespace: str = "default") -> int:
     """replay_request of validated `tokens` (input followed by output), skipping the public entry checks."""
     spec = core.spec
+    if spec.reuse_limit is not None:  # nothing past it is held or reused (PrefixStore.admit_limit)
+        tokens, input_length = tokens[: spec.reuse_limit], min(input_length, spec.reuse_limit)
     match = core._match(tokens[:input_length], namespace, with_kv=False)
     walk = core.tree.walk(tokens, namespace, resume=match.walk)
     positions = core.admission.plan(walk, len(tokens), match.length, input_length) if core.hybrid else []

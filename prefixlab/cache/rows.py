@@ -142,6 +142,16 @@ def continues_past_masked(position_ids: torch.Tensor | None, mask: torch.Tensor 
     return True
 
 
+def masks_held(mask: torch.Tensor | None, seen: int, pads: list[int] | None) -> bool:
+    """Whether a 2-D `mask` over a cache's `seen` held columns and a forward's new ones masks a column some row
+    holds as a real token (past its leading pads): a recurrent state already took that token in, so no forward can
+    mask it out again (attention can: its KV is masked per column)."""
+    if pads is None or mask is None or mask.dim() != 2 or mask.shape[0] != len(pads) or mask.shape[1] < seen:
+        return False
+    held = ~mask[:, :seen].bool().cpu()
+    return any(bool(held[row, pad:].any()) for row, pad in enumerate(pads) if pad < seen)
+
+
 def continues_plainly(kwargs: dict, seen: int, pads: list[int] | None, mrope: bool, row_ends: list[int] | None) -> bool:
     """Whether a multi-token forward over a cache holding `seen` columns continues it plainly: every column at its
     real position (continues_at) and, unless rows are right-padded (`row_ends`), a 2-D mask over the held and new

@@ -196,6 +196,7 @@ def _hydragen_mode(model) -> str | None:
     import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
     from prefixlab.fleet.siblings import batching_mode
 
+    previous = model.config._attn_implementation
     try:  # without a HydragenCache it runs transformers' SDPA, bit for bit
         model.set_attn_implementation("hydragen")
         mode = batching_mode(model)
@@ -207,14 +208,17 @@ def _hydragen_mode(model) -> str | None:
         print(f"prefixlab: note: --hydragen: the model's generation config sets {', '.join(options)}, which read "
               "each prompt's tokens or length (a padded batch would change them); serving prompts one by one",
               file=sys.stderr)
-        return None
-    if mode is None:
+        mode = None
+    elif mode is None:
         print(f"prefixlab: note: --hydragen: {type(model).__name__} has no attention layer HydragenCache can share; "
               "serving prompts one by one", file=sys.stderr)
     elif mode == "equal":
         print("prefixlab: note: --hydragen: this model has layers that would run over padding and cannot be joined "
               "row by row: only siblings of equal prompt length are batched, the others are served one by one",
               file=sys.stderr)
+    if mode is None and previous is not None and model.config._attn_implementation != previous:
+        # one by one runs the model's own attention: hydragen's refuses scores it changes (Inkling's position_bias)
+        model.set_attn_implementation(previous)
     return mode
 
 

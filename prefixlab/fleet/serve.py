@@ -73,7 +73,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
     builds the same weights) or a local model folder with weights (from_pretrained, local files only), in eval
     mode on `device`."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model)
     if not path.exists():
@@ -84,12 +84,16 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
         raise InvalidInputError(f"--model {model!r} is a folder without weights (*.safetensors or *.bin); pass a "
                                 "folder with them, or its config.json to run random-init weights on purpose")
     try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        # a model whose only generating class is its vision-language one (GLM-5-Next): prompts are text, served by it
+        auto = AutoModelForCausalLM
+        if type(config) not in auto._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+            auto = AutoModelForImageTextToText
         if has_weights:
-            loaded = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+            loaded = auto.from_pretrained(str(path), local_files_only=True)
         else:
-            config = AutoConfig.from_pretrained(str(path), local_files_only=True)
             torch.manual_seed(seed)
-            loaded = AutoModelForCausalLM.from_config(config)
+            loaded = auto.from_config(config)
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
     return loaded.to(device).eval()

@@ -127,6 +127,8 @@ def ceiling(requests: Sequence[Request], spec: ModelSpec) -> SimResult:
     for i, request in enumerate(requests):
         input_tokens = as_tokens(request.input_tokens, f"requests[{i}].input_tokens")  # (as simulate checks them)
         tokens = np.concatenate([input_tokens, as_tokens(request.output_tokens, f"requests[{i}].output_tokens")])
+        if spec.reuse_limit is not None:  # nothing past it is held or reused (PrefixStore.admit_limit)
+            input_tokens, tokens = input_tokens[: spec.reuse_limit], tokens[: spec.reuse_limit]
         hits[i] = tree.walk(input_tokens, "default").shared_length
         walk = tree.walk(tokens, "default")
         if walk.shared_length < len(tokens):
