@@ -218,6 +218,9 @@ CONFIGS: dict[str, dict] = {
                           moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, d_rel=4, rel_extent=16,
                           conv_kernel_size=3, log_scaling_n_floor=8, n_layers_per_attn_res_block=1, eos_token_id=2),
     "lfm3": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, head_dim=8),
+    # lightning attention (no conv) in blocks of 4 tokens, then GQA; Mixtral-style MoE
+    "minimax": dict(**_COMMON, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID, block_size=4,
+                    num_local_experts=4, num_experts_per_tok=2),
 }
 
 # Models whose forward takes the cache as `cache_params` (pure Mamba / Mamba2) and has no positions.
