@@ -27,7 +27,8 @@ class LightningAttention:
     read_directly: tuple[str, ...] = ()  # every child is called as a module
 
     def run(self, layer: nn.Module, hidden_states: torch.Tensor, position_embeddings: Any = None,
-            attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            attention_mask: Any = None, past_key_values: Any = None, **kwargs: Any,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """(output, final state) as MiniMaxLightningAttention.forward returns them, the states at the offsets the
         cache asks for recorded, the final one written through the cache's set_linear_cache as transformers does."""
         cache = past_key_values
