@@ -21,7 +21,8 @@ from recurrent_patch_models import (
 from prefixlab.recurrent import patch, patched
 
 PADDED_FAMILIES = [
-    "qwen3_5_text", "bamba", "kimi_linear", "lfm2", "zaya", "inkling_text", "inkling2_text", "qwen4_exp_text", "minimax",
+    "qwen3_5_text", "bamba", "kimi_linear", "lfm2", "zaya", "inkling_text", "inkling2_text", "qwen4_exp_text",
+    "minimax",
 ]
 
 
