@@ -141,8 +141,9 @@ def reference_cache(model: torch.nn.Module):
     """The cache an uncached reference generate() passes: None (the model's default cache), except for MiniMax,
     whose default MiniMaxCache() is built without the config, so transformers 5.23 masks its decode steps as if
     nothing were cached (masking_utils.find_first_full_attention_index picks its layer 0, an empty DynamicLayer of a
-    linear-attention layer): left-padded rows then attend their pads' keys (test_minimax_default_cache_...). The
-    reference is then transformers' own layers over a cache built from the config (cache/hf_minimax.py)."""
+    linear-attention layer): left-padded rows then attend their pads' keys (test_minimax_default_cache_...); and
+    its beam search does not reorder the lightning states (test_minimax_beam_search_...). The reference is then
+    transformers' own layers over a cache built from the config (cache/hf_minimax.py)."""
     return dynamic_cache(model.config) if model.config.model_type == "minimax" else None
 
 

@@ -185,6 +185,30 @@ def test_minimax_default_cache_masks_left_padded_decode_steps_wrongly():
         assert decode_error(reference_cache(model)) <= TOLERANCE
 
 
+def test_minimax_beam_search_reuses_and_reorders_its_states():
+    """Beam search reorders the lightning states with the KV (transformers 5.23's MiniMaxCache does not: its
+    `linear_cache` list is left out of Cache.reorder_cache, so its beams continue other beams' states; if the first
+    assertion starts failing, transformers fixed it)."""
+    model, prompt = build("minimax"), torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(3))
+    store = PrefixStore(model, block_size=4)
+
+    def beams(cache=None):
+        served = {} if cache is None else {"past_key_values": cache}
+        return model.generate(prompt, max_new_tokens=4, num_beams=2, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True, pad_token_id=0, eos_token_id=None, **served)
+
+    with torch.no_grad():
+        reference = beams(reference_cache(model))
+        default = beams()  # (transformers' own MiniMaxCache)
+        assert max((a - b).abs().max().item()
+                   for a, b in zip(default.logits, reference.logits, strict=True)) > 100 * TOLERANCE
+        generate(model, prompt, HybridPrefixCache(store))
+        cache = HybridPrefixCache(store)
+        assert_same(reference, beams(cache))
+    assert cache.reused_tokens == 29  # (all but the prompt's last token)
+    store.close()
+
+
 def test_minimax_with_a_sliding_window_is_refused():
     model = build("minimax")
     model.config.sliding_window = 8
