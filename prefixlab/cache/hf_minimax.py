@@ -45,6 +45,7 @@ def _minimax_dynamic_cache() -> type:
         def set_linear_cache(self, layer_idx: int, linear_cache: torch.Tensor) -> None:
             self.update_recurrent_state(linear_cache, layer_idx)
 
+        # (MiniMaxCache's own edit its list; the cache layers edit their states themselves)
         batch_repeat_interleave = DynamicCache.batch_repeat_interleave
         batch_select_indices = DynamicCache.batch_select_indices
 

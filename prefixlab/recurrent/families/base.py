@@ -122,8 +122,8 @@ class LayerCache:
         self.conv_state = self.recurrent_state = None
         if cache is not None and has_conv_state:
             self.conv_state = cache.get_conv_state(layer_idx, state_idx)
-            if has_recurrent_state:
-                self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
+        if cache is not None and has_recurrent_state:
+            self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
         self.rows = capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
         self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
 

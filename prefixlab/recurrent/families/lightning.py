@@ -6,8 +6,8 @@ conv and no conv state. transformers keeps S in MiniMaxCache's own `linear_cache
 transformers computes a prefill from zeros block by block (modeling_minimax.py:204-239) and continues a cached state
 token by token (:241-253), the same sum in another order (equal up to rounding). This forward runs the block path
 from any state, in segments that end at the capture offsets, so the state there is recorded in the one pass; a
-forward without captures or cached state runs exactly transformers' ops, a one-token forward over a cached state
-its token step."""
+forward from zeros without captures runs exactly transformers' ops, a one-token forward over a cached state its
+token step."""
 
 from __future__ import annotations
 
