@@ -8,6 +8,8 @@ import os
 import torch
 import transformers as tf
 
+from prefixlab.cache.hf_minimax import dynamic_cache
+
 VOCAB = 128
 # PREFIXLAB_TEST_DEVICE=cuda runs the device-aware tests (the random stream, the numeric contract) on a GPU
 # (benchmarks/gpu_check.sh; CI has none)
@@ -85,6 +87,10 @@ FAMILIES = {
         num_hidden_layers=2, layer_types=["hybrid"] * 2, moe_intermediate_size=32, n_routed_experts=4,
         num_experts_per_tok=2, d_rel=8, rel_extent=12, conv_kernel_size=3, log_scaling_n_floor=8,
         n_layers_per_attn_res_block=1)),  # (with d_rel=4, rel_extent=16 greedy decoding gives the pad id 0)
+    # lightning attention (no conv; its state outside transformers' cache layers: cache/hf_minimax.py) in blocks of 8
+    "minimax": (tf.MiniMaxConfig, tf.MiniMaxForCausalLM, dict(
+        num_hidden_layers=4, layer_types=_GDN["layer_types"], block_size=8, num_local_experts=4,
+        num_experts_per_tok=2)),
     "mamba2": (tf.Mamba2Config, tf.Mamba2ForCausalLM, dict(
         num_hidden_layers=2, num_heads=8, head_dim=16, state_size=16, chunk_size=8, n_groups=1, expand=2)),
     "mamba": (tf.MambaConfig, tf.MambaForCausalLM, dict(num_hidden_layers=2, state_size=16, expand=2)),
@@ -129,6 +135,16 @@ def cache_argument(model: torch.nn.Module) -> str:
 def tokens(*shape: int, seed: int = 0) -> torch.Tensor:
     """Random token ids (none of the special ids 0-2) of `shape`, by seed."""
     return torch.randint(3, VOCAB, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def reference_cache(model: torch.nn.Module):
+    """The cache an uncached reference generate() passes: None (the model's default cache), except for MiniMax,
+    whose default MiniMaxCache() is built without the config, so transformers 5.23 masks its decode steps as if
+    nothing were cached (masking_utils.find_first_full_attention_index picks its layer 0, an empty DynamicLayer of a
+    linear-attention layer): left-padded rows then attend their pads' keys (test_minimax_default_cache_...); and
+    its beam search does not reorder the lightning states (test_minimax_beam_search_...). The reference is then
+    transformers' own layers over a cache built from the config (cache/hf_minimax.py)."""
+    return dynamic_cache(model.config) if model.config.model_type == "minimax" else None
 
 
 def generate(model: torch.nn.Module, input_ids: torch.Tensor, cache=None, **kwargs) -> torch.Tensor:

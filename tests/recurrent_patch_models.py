@@ -18,6 +18,7 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
 )
 
+from prefixlab.cache.hf_minimax import dynamic_cache
 from prefixlab.recurrent import patch, unpatch
 
 VOCAB = 64
@@ -218,6 +219,9 @@ CONFIGS: dict[str, dict] = {
                           moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, d_rel=4, rel_extent=16,
                           conv_kernel_size=3, log_scaling_n_floor=8, n_layers_per_attn_res_block=1, eos_token_id=2),
     "lfm3": dict(**_COMMON, num_hidden_layers=2, layer_types=["conv", "full_attention"], conv_L_cache=3, head_dim=8),
+    # lightning attention (no conv) in blocks of 4 tokens, then GQA; Mixtral-style MoE
+    "minimax": dict(**_COMMON, num_hidden_layers=2, head_dim=8, layer_types=_HYBRID, block_size=4,
+                    num_local_experts=4, num_experts_per_tok=2),
 }
 
 # Models whose forward takes the cache as `cache_params` (pure Mamba / Mamba2) and has no positions.
@@ -250,7 +254,7 @@ def build(name: str, seed: int = 0, scale: float = 0.5, dtype: torch.dtype = tor
 
 
 def new_cache(model: torch.nn.Module) -> DynamicCache:
-    return DynamicCache(config=model.config)
+    return dynamic_cache(model.config)  # (MiniMax's forward takes only a MiniMaxCache)
 
 
 def forward(model: torch.nn.Module, ids: torch.Tensor, cache=None, start: int = 0, attention_mask=None):
@@ -285,23 +289,25 @@ def states(cache: DynamicCache, slot: Slot) -> tuple[torch.Tensor, torch.Tensor 
     """(conv state, recurrent state or None) a cache slot holds, cloned."""
     layer_idx, state_idx = slot if isinstance(slot, tuple) else (slot, 0)
     layer = cache.layers[layer_idx]
-    recurrent = layer.recurrent_states[state_idx]
-    return layer.conv_states[state_idx].clone(), None if recurrent is None else recurrent.clone()
+    conv, recurrent = layer.conv_states[state_idx], layer.recurrent_states[state_idx]
+    return tuple(None if state is None else state.clone() for state in (conv, recurrent))  # (MiniMax: no conv)
 
 
-class RecordingCache(DynamicCache):
-    """A DynamicCache that asks patched layers for states at `positions` and keeps what they record, by (slot,
-    offset, row)."""
-
-    def __init__(self, model, positions):
-        super().__init__(config=model.config)
-        self.prefixlab_capture_positions = positions
-        self.records: dict[tuple[Slot, int, int | None], tuple[torch.Tensor, torch.Tensor | None]] = {}
+class _Recording:
+    """Asks patched layers for states at `positions` and keeps what they record, by (slot, offset, row)."""
 
     def prefixlab_record(self, layer_idx, offset, conv_state, recurrent_state, row=None, state_idx=0):
         slot = (layer_idx, state_idx) if state_idx else layer_idx
         assert (slot, offset, row) not in self.records, "each state is recorded once"
         self.records[(slot, offset, row)] = (conv_state, recurrent_state)
+
+
+def RecordingCache(model, positions) -> DynamicCache:  # noqa: N802 (it reads as the class it builds)
+    """A cache of the model's class (new_cache) that records what patched layers hand it (_Recording)."""
+    cache = type("RecordingCache", (_Recording, type(new_cache(model))), {})(config=model.config)
+    cache.prefixlab_capture_positions = positions
+    cache.records = {}
+    return cache
 
 
 @contextmanager

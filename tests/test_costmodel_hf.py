@@ -27,6 +27,7 @@ from transformers import (
     LlamaConfig,
     Mamba2Config,
     MambaConfig,
+    MiniMaxConfig,
     MistralConfig,
     NemotronHConfig,
     OlmoHybridConfig,
@@ -131,6 +132,8 @@ TINY = {
         **DIMS, num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=4, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_conv_kernel_dim=3, pad_token_id=0),
     "kimi_linear": lambda: KimiLinearConfig(**KIMI),
+    "minimax": lambda: MiniMaxConfig(**DIMS, num_hidden_layers=3, head_dim=16, block_size=4, num_local_experts=4,
+                                     layer_types=["linear_attention", "full_attention", "linear_attention"]),
     "glm5_next": lambda: Glm5NextConfig(**GLM5),
     # KV-only decoders; head_dim=16 differs from hidden / heads where the config has a head_dim
     "llama": lambda: LlamaConfig(**DIMS, num_hidden_layers=2, head_dim=16),
@@ -157,8 +160,10 @@ def run_tiny(model_type: str, dtype: torch.dtype):
 
 
 def cache_tensors(cache):
-    """(attention K/V tensors and DSA indexer keys, recurrent states, conv states) a transformers cache holds."""
-    kv, recurrent, conv = [], [], []
+    """(attention K/V tensors and DSA indexer keys, recurrent states, conv states) a transformers cache holds
+    (MiniMaxCache: its lightning-attention states in its own `linear_cache` list)."""
+    kv, conv = [], []
+    recurrent = [t for t in getattr(cache, "linear_cache", ()) if isinstance(t, torch.Tensor)]
     for layer in cache.layers:
         kv += [t for t in (getattr(layer, name, None) for name in ("keys", "values", "indexer_keys"))
                if isinstance(t, torch.Tensor) and t.numel()]
@@ -252,8 +257,8 @@ def flops_from_weights(model, cache) -> float:
             or config.n_routed_experts
         expected += 2 * sum(p.numel() for p in experts) * config.num_experts_per_tok / n_experts
     _, recurrent, _ = cache_tensors(cache)
-    if config.model_type != "zaya":  # (ZAYA's recurrent state is the previous token's delayed V: no scan)
-        expected += 8 * sum(t.numel() for t in recurrent)
+    # (ZAYA's recurrent state is the previous token's delayed V: no scan; MiniMax's is updated by k^T v, read by q S)
+    expected += {"zaya": 0, "minimax": 4}.get(config.model_type, 8) * sum(t.numel() for t in recurrent)
     if config.model_type.startswith("lfm"):
         expected += 2 * config.hidden_size * config.layer_types.count("conv")
     for name, p in params.items():
@@ -297,9 +302,10 @@ def test_default_configs_build():
                    GraniteMoeHybridConfig(), JambaConfig(), ZambaConfig(), Zamba2Config(), Lfm2Config(), Mamba2Config(),
                    MambaConfig(), FalconMambaConfig(), OlmoHybridConfig(), KimiLinearConfig(), Glm5NextTextConfig(),
                    Lfm2MoeConfig(layer_types=["conv", "full_attention"] * 16), BailingHybridConfig(), LlamaConfig(),
-                   Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None)):
+                   Qwen2Config(), Qwen3Config(), GemmaConfig(), MistralConfig(sliding_window=None), MiniMaxConfig()):
         spec = ModelSpec.from_config(config, dtype=torch.bfloat16)
-        recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "kda", "short_conv"))
+        recurrent = sum(spec.layer_count(k) for k in ("mamba", "mamba2", "gated_deltanet", "kda", "short_conv",
+                                                      "lightning"))
         assert (spec.state_bytes > 0) == (recurrent > 0), type(config).__name__  # default Lfm2Config: attention only
         assert spec.state_bytes + spec.kv_bytes_per_token > 0
         assert spec.prefill_flops(4096) > spec.prefill_flops(2048) > 0

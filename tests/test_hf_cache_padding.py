@@ -4,7 +4,7 @@ column (rows without one start fresh), exact against the same batched generate w
 import pytest
 import recurrent_patch_models
 import torch
-from hf_models import FAMILIES, build, cache_argument
+from hf_models import FAMILIES, build, cache_argument, reference_cache
 from test_hf_cache import generate, new_store, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
@@ -165,7 +165,7 @@ def test_left_padded_batch_with_transformers_layers_is_exact(family):
     rows = [tokens(12, seed=1), tokens(4, seed=2), tokens(11, seed=3)]  # pads 0, 8, 1: columns 2-7 pad row 1
     batch, mask = left_pad(rows)
     options = dict(attention_mask=mask, eos_token_id=None, max_new_tokens=3)
-    got, expected = run(batch, HybridPrefixCache(store), **options), run(batch, **options)
+    got, expected = run(batch, HybridPrefixCache(store), **options), run(batch, reference_cache(model), **options)
     assert torch.equal(got.sequences, expected.sequences)
     for mine, theirs in zip(got.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=0)

@@ -303,6 +303,20 @@ def test_a_refused_load_leaves_the_cache_empty_and_reset_takes_another_batch(pai
         cache.reset()
 
 
+def test_minimax_is_refused_with_what_to_use():
+    """MiniMax's model takes only its own MiniMaxCache: a HydragenCache is refused up front, and the fleet does not
+    batch its siblings through one."""
+    from hf_models import build
+
+    from prefixlab.fleet.siblings import batching_mode
+
+    model = build("minimax")
+    model.set_attn_implementation("hydragen")
+    with pytest.raises(InvalidInputError, match="MiniMaxCache.*HybridPrefixCache"):
+        HydragenCache(model.config)
+    assert batching_mode(model) is None
+
+
 def test_a_model_that_caps_its_attention_scores_is_refused():
     """Gemma 2's attn_logit_softcapping was dropped over a loaded prefix (greedy tokens differed from eager)."""
     from transformers import Gemma2Config

@@ -1,6 +1,7 @@
 """A randomized stream of real requests through PrefixStore, compared with the same model without prefixlab.
 
-Tiny random-init models of every family the store serves (GatedDeltaNet, KDA, Mamba2, Mamba1, short conv, KV-only),
+Tiny random-init models of every family the store serves (GatedDeltaNet, KDA, Mamba2, Mamba1, short conv, lightning
+attention, KV-only),
 several policies, tight and loose capacities, patched and unpatched layers. A seeded RNG draws requests that share
 prefixes the way traffic does: questions over a few system prompts, follow-up turns of earlier conversations, and
 unrelated prompts, in left-padded batches of 1-3 rows, a quarter of them prefilled in chunks (`prefill_chunk_size`:
@@ -22,10 +23,10 @@ import hf_models
 import pytest
 import recurrent_patch_models
 import torch
-from transformers import DynamicCache
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.hf import HybridPrefixCache
+from prefixlab.cache.hf_minimax import dynamic_cache
 from prefixlab.cache.store import PrefixStore
 
 TOLERANCE = 1e-5
@@ -70,6 +71,8 @@ CASES = [
     ("inkling_text", "marconi", "tight", True),  # four short-conv states per attention layer
     ("inkling2_text", "vllm+", "tight", False),  # the same, two of them with per-token taps
     ("qwen4_exp_text", "dp", "tight+host", True),  # PLE states, QSA indexer keys and positions
+    ("minimax", "sglang+", "tight", True),  # lightning attention: a recurrent state, no conv state
+    ("minimax", "marconi", "loose", False),
     ("llama", "marconi", "tight", True),
     ("llama", "vllm+", "loose", True),
 ]
@@ -156,7 +159,8 @@ def test_random_stream_is_exact(family, policy, capacity, patch):
             served = generate(model, ids, mask, cache, chunk)
             # a chunked request against transformers' own chunked prefill (a one-token last chunk runs as a decode
             # step, which on Nemotron-H / Zamba2 is not what a prefill computes)
-            expected = generate(reference, ids, mask, DynamicCache(config=reference.config) if chunk else None, chunk)
+            expected = generate(reference, ids, mask, dynamic_cache(reference.config) if chunk
+                                else hf_models.reference_cache(reference), chunk)
             where = f"request {request}, rows {rows}, prefill chunk {chunk}"
             assert torch.equal(served.sequences, expected.sequences), f"{where}: tokens differ"
             for step, (got, want) in enumerate(zip(served.logits, expected.logits, strict=True)):

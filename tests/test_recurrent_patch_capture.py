@@ -22,6 +22,7 @@ from prefixlab.recurrent import patch, patched
 
 PADDED_FAMILIES = [
     "qwen3_5_text", "bamba", "kimi_linear", "lfm2", "zaya", "inkling_text", "inkling2_text", "qwen4_exp_text",
+    "minimax",
 ]
 
 

@@ -245,6 +245,11 @@ class HydragenCache(Cache):
                 "cached keys), which hydragen attention over shared KV does not compute; use HybridPrefixCache (or "
                 "DynamicCache) for this model"
             )
+        if text_config.model_type == "minimax":
+            raise InvalidInputError(
+                "minimax's model takes no cache but its own MiniMaxCache (transformers modeling_minimax.py, "
+                "MiniMaxModel.forward), which HydragenCache is not; use HybridPrefixCache(store) for this model"
+            )
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             SharedPrefixLayer(share_new_tokens) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)

@@ -38,8 +38,8 @@ FP32_BYTES = 4
 
 Tokens = int | np.ndarray  # a token count, or an integer array of them (vectorised pricing)
 
-LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "mlp", "moe", "ple",
-               "hyper_connection")
+LAYER_KINDS = ("attention", "mamba", "mamba2", "gated_deltanet", "kda", "short_conv", "lightning", "mlp", "moe",
+               "ple", "hyper_connection")
 # Token ids kept as a state (Qwen4-Exp's n-gram context) are int64.
 TOKEN_ID_BYTES = 8
 # Dims that may be 0 (a flag, or a part the model may lack); every other dim of a group with layers must be >= 1.

@@ -1,6 +1,7 @@
 """Layer kinds and variants of the newer hybrid families, in costmodel's units and conventions: per-head output
 gates (LFM3, Ling), token indexers caching keys beside the KV (GLM-5-Next's DSA, Qwen4-Exp's QSA),
-hyper-connections over several residual streams, ZAYA's CCA attention, Qwen4-Exp's per-layer embeddings (PLE)."""
+hyper-connections over several residual streams, ZAYA's CCA attention, Qwen4-Exp's per-layer embeddings (PLE),
+MiniMax's lightning attention."""
 
 from __future__ import annotations
 
@@ -87,3 +88,14 @@ def gated_residual_layers(count: int, hidden: int, streams: int, rank: int, inje
     width = streams * hidden
     dims = dims_of(hidden=hidden, streams=streams, rank=rank)
     return LayerGroup("hyper_connection", count, 4 * width * rank + (2 * width * streams if inject else 0), dims=dims)
+
+
+def lightning_layers(count: int, hidden: int, num_heads: int, head_dim: int, dtype_bytes: int) -> LayerGroup:
+    """MiniMax lightning attention: a linear attention with a per-head constant decay and no conv. qkv_proj
+    (`2 h 3 H d`), the sigmoid output gate (`2 h H d`) and out_proj (`2 H d h`); per token the state update
+    `S = e^-s S + k^T v` and the read `q S` (`4 H d^2`). The state, the decayed K^T V sum `H d d`, is kept in the
+    model's dtype (the values')."""
+    inner = num_heads * head_dim
+    flops = 2 * hidden * 3 * inner + 2 * hidden * inner + 2 * inner * hidden + 4 * inner * head_dim
+    return LayerGroup("lightning", count, flops, state_bytes=inner * head_dim * dtype_bytes,
+                      dims=dims_of(hidden=hidden, heads=num_heads, head_dim=head_dim))

@@ -47,6 +47,7 @@ from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.explain import RequestReport, RowReport
 from prefixlab.cache.hf_edits import TensorEdits
 from prefixlab.cache.hf_guard import ModelGuard
+from prefixlab.cache.hf_minimax import cache_class
 from prefixlab.cache.hf_resume import RowResume
 from prefixlab.cache.model_info import runs_uncached
 from prefixlab.cache.multimodal import first_key
@@ -69,6 +70,12 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
     """
 
     is_compileable = False  # generate() on CUDA compiles over all-linear caches (Mamba2); DynamicCache is exempt too
+
+    def __new__(cls, store: PrefixStore | None = None, *args, **kwargs):
+        """The class the store's model takes (hf_minimax.cache_class: MiniMax needs a MiniMaxCache)."""
+        if cls is HybridPrefixCache and isinstance(store, PrefixStore):
+            cls = cache_class(store.model.config)
+        return super().__new__(cls)
 
     def __init__(self, store: PrefixStore | None = None, namespace: str = "default", **store_options):
         if store is not None and not isinstance(store, PrefixStore):
@@ -102,6 +109,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         used with its store's model."""
         if self.store is None:
             self.store = PrefixStore.default_for(model, **self._store_options)
+            if type(self) is HybridPrefixCache:  # (as __new__ would have picked, had the store been given)
+                self.__class__ = cache_class(model.config)
             DynamicCache.__init__(self, config=model.config)
         check_bound_store(self.store, model)
 

@@ -62,19 +62,13 @@ MODEL_FAMILIES: dict[str, ModelFamily] = {
     "zaya": ModelFamily(rd.zaya, "ZayaCCA"),
     "inkling": ModelFamily(rd.inkling, "InlineShortConv"),
     "inkling2": ModelFamily(rd.inkling2, "InlineShortConv"),
+    "minimax": ModelFamily(rd.minimax, "LightningAttention"),
     **{model_type: ModelFamily(rd.dense, None) for model_type in rd.DENSE_MODEL_TYPES},
 }
 READERS: dict[str, Callable] = {model_type: family.reader for model_type, family in MODEL_FAMILIES.items()}
 
 # Hybrid model types that are not served, with why (transformers 5.23) and what it would take: the refusal says so.
-REFUSED_MODEL_TYPES: dict[str, str] = {
-    "minimax": (
-        "MiniMaxModel.forward accepts no cache but its own MiniMaxCache (modeling_minimax.py:652, a ValueError for "
-        "any other, HybridPrefixCache included), which keeps each lightning-attention layer's state (the decayed "
-        "K^T V sum) in a list of its own (MiniMaxCache.linear_cache, set / read at modeling_minimax.py:199 and 269), "
-        "not in the cache layers' recurrent states that prefixlab checkpoints and restores. Serve it with "
-        "transformers' own MiniMaxCache, without prefix reuse"),
-}
+REFUSED_MODEL_TYPES: dict[str, str] = {}
 SUPPORTED_MODEL_TYPES = tuple(sorted(READERS))
 
 
@@ -93,13 +87,23 @@ def family_of(config) -> ModelFamily:
     return MODEL_FAMILIES.get(model_type_of(config), ModelFamily(None, None))
 
 
+def _layer_family(config):
+    from prefixlab.recurrent.families import FAMILIES
+
+    return next((f for f in FAMILIES if type(f).__name__ == family_of(config).layer_family), None)
+
+
 def keeps_recurrent_state(config) -> bool:
     """Whether the model's linear-attention cache layers hold a recurrent state besides the conv state (LFM2's
     short convolutions hold only the conv state). True for a model type this table does not know."""
-    from prefixlab.recurrent.families import FAMILIES
-
-    layer_family = next((f for f in FAMILIES if type(f).__name__ == family_of(config).layer_family), None)
+    layer_family = _layer_family(config)
     return layer_family is None or layer_family.has_recurrent_state
+
+
+def keeps_conv_state(config) -> bool:
+    """Whether the model's linear-attention cache layers hold a conv state (MiniMax's lightning attention has no
+    conv). True for a model type this table does not know."""
+    return getattr(_layer_family(config), "has_conv_state", True)
 
 
 def selection_limit(config) -> int | None:

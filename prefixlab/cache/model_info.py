@@ -22,7 +22,14 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.cache.devices import accelerate_hooks, execution_device
-from prefixlab.cache.hfspec import MODEL_FAMILIES, family_of, fresh_states, keeps_recurrent_state, pads_shift_positions
+from prefixlab.cache.hfspec import (
+    MODEL_FAMILIES,
+    family_of,
+    fresh_states,
+    keeps_conv_state,
+    keeps_recurrent_state,
+    pads_shift_positions,
+)
 from prefixlab.cache.walk import KeptWalk, at
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
@@ -59,6 +66,7 @@ class CacheLayout:
     kv_layers: tuple[int, ...]
     state_layers: tuple[int, ...]
     recurrent_layers: tuple[int, ...] = ()  # those of state_layers whose states hold a recurrent state besides conv
+    conv_layers: tuple[int, ...] | None = None  # those of state_layers holding a conv state (None: all of them)
     # those of kv_layers whose attention runs a sparse-attention indexer (DSA) caching per-token keys beside K and V
     indexer_layers: tuple[int, ...] = ()
     # ((layer, state index), value) of conv states whose fresh value is not 0 (Qwen4-Exp's n-gram context: eos)
@@ -89,6 +97,7 @@ class CacheLayout:
             kv_layers=tuple(i for i, layer in enumerate(layers) if isinstance(layer, DynamicLayer)),
             state_layers=state_layers,
             recurrent_layers=state_layers if keeps_recurrent_state(config) else (),
+            conv_layers=state_layers if keeps_conv_state(config) else (),
             indexer_layers=indexer_layers,
             fresh=tuple(sorted(fresh_states(config).items())),
             position_history=indexer_layers[0] if indexer_layers and family.indexer_positions else None,

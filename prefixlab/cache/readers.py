@@ -287,6 +287,19 @@ def qwen4_exp_fresh(c) -> dict[tuple[int, int], int]:
     return {(layer_id - 1, 2): eos for layer_id in c.ple_layer_ids}
 
 
+def minimax(c, dtype_bytes):
+    """MiniMax(-Text-01): lightning attention ("linear_attention") or GQA ("full_attention") layers, each followed by a
+    Mixtral-style MoE (softmax router, `num_experts_per_tok` of `num_local_experts`). Sliding windows are refused."""
+    n = c.num_hidden_layers
+    if c.sliding_window is not None:  # (untested here: its full-attention cache layers with a windowed mask)
+        raise UnsupportedModelError(f"minimax with sliding_window={c.sliding_window} is not supported; use "
+                                    "sliding_window=None")
+    n_attention = count_attention(c.layer_types[:n])
+    return (cmv.lightning_layers(n - n_attention, c.hidden_size, c.num_attention_heads, _head_dim(c), dtype_bytes),
+            attention_of(c, n_attention, dtype_bytes),
+            cm.moe_layers(n, c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok))
+
+
 # KV-only decoders read by `dense`: q, k, v, o attention and a gated MLP in every layer, nothing recurrent.
 DENSE_MODEL_TYPES = ("gemma", "llama", "mistral", "qwen2", "qwen3")
 

@@ -282,7 +282,8 @@ def check_state(state: object, layout, name: str = "state") -> None:
     if not isinstance(state, TensorState):
         raise InvalidInputError(f"{name} must be a TensorState, got {type(state).__name__}")
     conv, recurrent = (sorted({layer for layer, _ in part}) for part in (state.conv, state.recurrent))
-    if conv != sorted(layout.state_layers) or recurrent != sorted(layout.recurrent_layers):
-        raise InvalidInputError(f"{name} must hold a conv state for each recurrent layer {list(layout.state_layers)} "
+    conv_layers = layout.state_layers if layout.conv_layers is None else layout.conv_layers
+    if conv != sorted(conv_layers) or recurrent != sorted(layout.recurrent_layers):
+        raise InvalidInputError(f"{name} must hold a conv state for each recurrent layer {list(conv_layers)} "
                                 f"and a recurrent state for {list(layout.recurrent_layers)}; got conv {conv}, "
                                 f"recurrent {recurrent}")

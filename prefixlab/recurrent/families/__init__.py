@@ -14,6 +14,7 @@ from prefixlab.recurrent.families.gated_delta import (
     Qwen3NextGatedDeltaNet,
 )
 from prefixlab.recurrent.families.inline_conv import InlineShortConv
+from prefixlab.recurrent.families.lightning import LightningAttention
 from prefixlab.recurrent.families.mamba1 import MambaMixer, MultiHeadMambaMixer, NormalisedMambaMixer
 from prefixlab.recurrent.families.mamba2 import FalconH1Mixer, Mamba2Mixer
 from prefixlab.recurrent.families.ple import NGramContext, PerLayerEmbeddingConv
@@ -33,6 +34,7 @@ FAMILIES: tuple[Family, ...] = (
     ShortConv(),
     ZayaCCA(),
     InlineShortConv(),
+    LightningAttention(),
 )
 _BY_CLASS_NAME = {name: family for family in FAMILIES for name in family.classes}
 

@@ -15,7 +15,7 @@ A layer that keeps several states (Inkling's short convs, one cache slot each) a
 Offsets count positions of this forward's (left-padded) input, so offset o is the state after its first o tokens;
 each list is sorted and distinct. Recorded tensors are fresh clones in the layout and dtype the cache layer stores
 (conv state [B, C, K]: the last K conv inputs, zeros before the first token; recurrent_state None for conv-only
-layers).
+layers, conv_state None for layers without a conv: MiniMax's lightning attention).
 A cache with `prefixlab_decode_differs(flag)` is handed, by each decode step of a layer whose decode and prefill
 forms may differ (Nemotron-H, Zamba2), a bool tensor saying whether they did for this token (no device sync).
 """
@@ -117,13 +117,13 @@ class LayerCache:
     """One layer's view of the transformers Cache for one forward: cached states in, capture offsets, records out."""
 
     def __init__(self, cache: Any, layer_idx: int, batch: int, length: int, has_recurrent_state: bool,
-                 state_idx: int = 0):
+                 state_idx: int = 0, has_conv_state: bool = True):
         self.cache, self.layer_idx, self.state_idx = cache, layer_idx, state_idx
         self.conv_state = self.recurrent_state = None
-        if cache is not None:
+        if cache is not None and has_conv_state:
             self.conv_state = cache.get_conv_state(layer_idx, state_idx)
-            if has_recurrent_state:
-                self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
+        if cache is not None and has_recurrent_state:
+            self.recurrent_state = cache.get_recurrent_state(layer_idx, state_idx)
         self.rows = capture_rows(getattr(cache, CAPTURE_ATTRIBUTE, None), batch, length)
         self.positions = tuple(sorted(set().union(*self.rows.values()))) if self.rows else ()
 
@@ -133,11 +133,11 @@ class LayerCache:
         for row, offsets in self.rows.items():
             extra = ({} if row is None else {"row": row}) | ({"state_idx": self.state_idx} if self.state_idx else {})
             for offset in offsets:
-                state = recurrent_states.get(offset)
+                state, conv = recurrent_states.get(offset), conv_states.get(offset)
                 self.cache.prefixlab_record(
                     self.layer_idx,
                     offset,
-                    owned(conv_states[offset], row),
+                    None if conv is None else owned(conv, row),
                     None if state is None else owned(state, row).to(recurrent_dtype),
                     **extra,
                 )
