@@ -7,8 +7,8 @@ import torch
 from hf_models import build
 
 from prefixlab.cache.devices import layer_devices
-from prefixlab.cache.model_info import weights_version
 from prefixlab.cache.walk import KeptWalk
+from prefixlab.cache.weights import weights_version
 
 
 def test_the_walk_is_kept_while_only_weights_values_change():

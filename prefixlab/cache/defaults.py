@@ -1,5 +1,5 @@
-"""A model's default PrefixStore, the store `HybridPrefixCache()` (built without one) binds to, and the checks of
-what a cache is bound to.
+"""A model's default PrefixStore, the store `HybridPrefixCache()` (built without one) binds to, the checks of what a
+cache is bound to, and of the options a store is built with.
 
 The model holds weak references to its open stores (`model._prefixlab_open_stores`, in the order they were built;
 a global registry would keep models alive): the default is the first of them still open, so its `close()`, or its
@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from prefixlab.cache.model_info import model_identity, parse_capacity
+from prefixlab.cache.model_info import STATE_DROPPING_MODEL_TYPES, model_identity, parse_capacity
 from prefixlab.cache.sharing import check_open
-from prefixlab.errors import InvalidInputError, ModelMismatchError
+from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, check_not_compiled_wrapper
 
 if TYPE_CHECKING:
     from prefixlab.cache.store import PrefixStore
@@ -133,3 +133,26 @@ def normalize_option(name: str, value):
 
         check_policy_name(value)
     return value
+
+
+def check_store_arguments(model: torch.nn.Module, patch: bool, core_options: dict) -> None:
+    """Refuse what a PrefixStore cannot be built on: not a transformers model, a compiled wrapper, an option the core
+    does not take, a family whose states are reused exactly only through prefixlab's kernels with patch=False."""
+    from prefixlab.cache.core import PrefixCacheCore
+
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+    check_not_compiled_wrapper(model, "PrefixStore")
+    keywords = sorted(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
+                      if parameter.kind is parameter.KEYWORD_ONLY)
+    if unknown := sorted(set(core_options) - set(keywords)):
+        raise InvalidInputError(
+            f"PrefixStore has no option {', '.join(unknown)}; it takes capacity, policy, offload_capacity, "
+            f"block_size, patch, media_cache and {', '.join(keywords)}"
+        )
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in STATE_DROPPING_MODEL_TYPES and not (patch or getattr(model, "prefixlab_patched", False)):
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly "
+            "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
+        )

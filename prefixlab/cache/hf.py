@@ -54,7 +54,7 @@ from prefixlab.cache.multimodal import first_key
 from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads, right_padded
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
-from prefixlab.cache.tensors import TensorState, row_kv, snapshot_states
+from prefixlab.cache.tensors import row_kv, row_states, snapshot_states
 from prefixlab.errors import InvalidInputError
 
 
@@ -393,21 +393,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             stop = end if self.row_ends is None else min(end, self.row_ends[row])
             if stop <= pad:
                 continue
-            states = {pos - pad: TensorState({k: _row_of(t, row) for k, t in snap["conv"].items()},
-                                             {k: _row_of(t, row) for k, t in snap["recurrent"].items()})
-                      for pos, snap in snapshots.items() if pad < pos <= stop}
-            # right padding: the states each row captured alone (its end's among them), none past its end
-            states |= {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
-                                        {k: t[0] for k, t in snap["recurrent"].items()})
-                       for (of, pos), snap in self._row_captured.items() if of == row and pos <= stop}
+            states = row_states(snapshots, self._row_captured, row, pad, stop)
             kv = row_kv(self.layers, self.store.layout, row, pad)
             self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
         offered = end - self._committed
         self._committed = end
         return offered
 
-
-def _row_of(snapshot: torch.Tensor, row: int) -> torch.Tensor:
-    """A batch row of a state snapshot (owned: never written again) for the store: the snapshot itself for a batch
-    of one, else a copy (a view would keep the whole batch's tensor alive)."""
-    return snapshot[row] if snapshot.shape[0] == 1 else snapshot[row].clone()

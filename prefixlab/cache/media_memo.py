@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from prefixlab.cache.model_info import weights_version
+from prefixlab.cache.weights import weights_version
 
 MEDIA_CACHE_BYTES = 256 * 2**20  # the default PrefixStore(media_cache=...)
 

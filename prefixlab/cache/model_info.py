@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import json
 import operator
 import re
@@ -21,7 +20,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
-from prefixlab.cache.devices import accelerate_hooks, execution_device
+from prefixlab.cache.devices import execution_device
 from prefixlab.cache.hfspec import (
     MODEL_FAMILIES,
     family_of,
@@ -30,13 +29,13 @@ from prefixlab.cache.hfspec import (
     keeps_recurrent_state,
     pads_shift_positions,
 )
-from prefixlab.cache.walk import KeptWalk, at
+from prefixlab.cache.weights import rope_types
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 from prefixlab.recurrent.families.mamba2 import NO_DT_LIMIT, time_step_limit
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_VERSION, _TRAINING = operator.attrgetter("_version"), operator.attrgetter("training")
+_TRAINING = operator.attrgetter("training")
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -168,61 +167,6 @@ def check_config_still_served(model: torch.nn.Module, layout: CacheLayout) -> No
                                  "does not serve as built: store.close() and build a new PrefixStore(model, ...)")
 
 
-# the optimizer step (a process-wide count) after which each parameter, by id, was last stepped: fused optimizers
-# (torch's `fused=True` Adam / AdamW / SGD / Adagrad, HF Trainer's default) write weights without a version count
-_STEPPED_AT: dict[int, int] = {}
-_optimizer_steps = itertools.count(1)
-
-
-def _note_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    step = next(_optimizer_steps)
-    for group in optimizer.param_groups:
-        _STEPPED_AT.update(dict.fromkeys(map(id, group["params"]), step))
-
-
-@functools.cache
-def watch_optimizer_steps() -> None:
-    """Count every torch optimizer's steps from now on, once per process (a store's first build calls it)."""
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    register_optimizer_step_post_hook(_note_optimizer_step)
-
-
-def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tuple:
-    """Changes whenever a parameter is written in place (an optimizer step, fused or not, load_state_dict), replaced,
-    or given new storage (`param.data = ...`, moved to another device): each one's identity, version counter,
-    storage address and last torch optimizer step (watch_optimizer_steps).
-    Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
-    without a version counter (made under torch.inference_mode) and weights accelerate offloads to CPU memory
-    (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
-    their place in the offload files. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no
-    version there) or by torch.distributed collectives (`broadcast` into parameters), and adapters switched without
-    writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
-    calls."""
-    walk, values = kept.of(model) if kept is not None else (None, None)
-    if values is None:  # (no walk kept, accelerate's hooks)
-        params, buffers, offloaded = _tensors(model)
-    else:
-        positions = walk.derived("tensors", lambda: [walk.positions(tensors) for tensors in _tensors(model)])
-        params, buffers, offloaded = (at(values, where) for where in positions)
-    try:  # (maps: a model's hundreds of parameters are read at each request)
-        ids = tuple(map(id, params))
-        versioned, sampled = (ids, tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params)),
-                              tuple(map(_STEPPED_AT.get, ids))), list(buffers)
-    except RuntimeError:  # an inference tensor, which has no version counter: count it by its values
-        versioned, sampled = [], list(buffers)
-        for param in params:
-            try:
-                versioned.append((id(param), param._version, param.data_ptr(), _STEPPED_AT.get(id(param))))
-            except RuntimeError:
-                sampled.append(param)
-    on_disk = tuple(value for value in offloaded if isinstance(value, tuple))
-    # offloaded tensors' identities are not kept (a loader may build a new tensor at every access)
-    offloaded = [value for value in offloaded if not isinstance(value, tuple)]
-    return (tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled + offloaded),
-            on_disk)
-
-
 def pads_change_states(model: torch.nn.Module) -> bool:
     """Whether a left pad changes a row's recurrent states on this model: transformers zeroes padded positions
     before a linear-attention layer's input projection, but a non-zero bias there (Mamba2's `use_bias`, Bamba /
@@ -253,7 +197,7 @@ def rope_limit(model: torch.nn.Module) -> int | None:
     length (and, for "dynamic", on the longest one before), so only what runs below it can be reused exactly."""
     limits = []
     for module in model.modules():
-        for layer_type, kind in _rope_types(module):
+        for layer_type, kind in rope_types(module):
             if kind == "longrope":
                 parameters = module.config.rope_parameters
                 parameters = parameters if layer_type is None else parameters[layer_type]
@@ -267,80 +211,6 @@ def runs_uncached(store, pads: list[int], length: int) -> bool:
     """Whether a left-padded batch of `length` columns must run uncached, nothing reused or admitted: its pads change
     the model's states (pads_change_states), or it reaches the model's RoPE rescaling (rope_limit)."""
     return (max(pads) > 0 and store.pads_change_states) or (store.rope_limit is not None and length >= store.rope_limit)
-
-
-def _rope_types(module: torch.nn.Module) -> list[tuple[str | None, str]]:
-    """[(layer type or None, rope type)] of a rotary embedding module whose frequencies rescale with the length."""
-    kinds = module.__dict__.get("rope_type")  # (a plain attribute of transformers' rotary embeddings)
-    pairs = kinds.items() if isinstance(kinds, dict) else [(None, kinds)]
-    return [(layer_type, kind) for layer_type, kind in pairs
-            if isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")]
-
-
-def _value_samples(tensors: list[torch.Tensor], count: int = 64) -> tuple[bytes, ...]:
-    """The bytes (bits: a NaN equals itself) of `count` elements spread over each of `tensors`, one copy to the host
-    per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for tensor in tensors:
-        if tensor.device.type != "meta" and tensor.numel() and tensor.element_size():
-            flat = tensor.detach().reshape(-1)
-            sample = flat[:: max(1, flat.numel() // count)][:count].contiguous().view(torch.uint8)
-            by_device.setdefault(tensor.device, []).append(sample)
-    return tuple(torch.cat(samples).cpu().numpy().tobytes() for samples in by_device.values())
-
-
-def _tensors(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-    """(parameters, buffers, offloaded weights) of `model`, each once, in a fixed order: `model.parameters()` without
-    its nested generators, which cost each request (weights_version runs once per request) several times this walk's
-    time. A meta tensor that an accelerate hook offloads counts as the value it loads for the forward; a rescaling
-    RoPE's current frequencies do not count."""
-    found, seen, stack = ([], [], []), set(), [model]
-    while stack:
-        module = stack.pop()
-        offloaded = _offloaded_values(module) if "_hf_hook" in module.__dict__ else {}
-        # a rescaling RoPE's frequencies follow each forward's length (rope_limit), not the weights
-        rescaled = {f"{t or ''}{'_' if t else ''}inv_freq" for t, _ in _rope_types(module)}
-        for kind, tensors in enumerate((module._parameters.items(), module._buffers.items())):
-            for name, tensor in tensors:
-                if tensor is not None and id(tensor) not in seen and not (kind and name in rescaled):
-                    seen.add(id(tensor))
-                    if id(tensor) in offloaded:
-                        found[2].append(offloaded[id(tensor)])
-                    else:
-                        found[kind].append(tensor)
-        stack.extend(child for child in reversed(module._modules.values()) if child is not None)
-    return found
-
-
-def _offloaded_values(module: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """The values accelerate's offloading hooks on `module` load for its forward (`AlignDevicesHook(offload=True)`,
-    as `cpu_offload`, `disk_offload` and `device_map` with "cpu" / "disk" attach), by the id of the meta tensor that
-    stands for each between forwards; those of its submodules too where one hook places them all."""
-    values = {}
-    for hook in accelerate_hooks(module):
-        weights = getattr(hook, "weights_map", None)
-        if not getattr(hook, "offload", False) or weights is None:
-            continue
-        recurse = bool(getattr(hook, "place_submodules", False))
-        for name, tensor in (*module.named_parameters(recurse=recurse), *module.named_buffers(recurse=recurse)):
-            if tensor.device.type == "meta":
-                try:
-                    values[id(tensor)] = _offloaded_value(weights, name)
-                except KeyError:  # a non-persistent buffer: not offloaded
-                    continue
-    return values
-
-
-def _offloaded_value(weights, name: str) -> torch.Tensor | tuple:
-    """The tensor an offloading hook loads for `name`, or for one read from disk its index entry (file, offset,
-    dtype, shape): reading it at every request would cost a forward's reads, and a file changes only when rewritten."""
-    loader, key = weights, name
-    while hasattr(loader, "dataset") and hasattr(loader, "prefix"):  # accelerate's PrefixedDataset
-        loader, key = loader.dataset, f"{loader.prefix}{key}"
-    index, in_memory = getattr(loader, "index", None), getattr(loader, "state_dict", None)
-    if isinstance(index, dict) and key in index and not (isinstance(in_memory, dict) and key in in_memory):
-        return ("offloaded to disk", key, json.dumps(index[key], sort_keys=True, default=str))
-    return weights[name]
 
 
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:

@@ -15,7 +15,6 @@ thread uses the store next, between its forwards. Never pass one HybridPrefixCac
 
 from __future__ import annotations
 
-import inspect
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -25,7 +24,7 @@ import torch
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.defaults import default_for, normalize_option, register, unregister
+from prefixlab.cache.defaults import check_store_arguments, default_for, normalize_option, register, unregister
 from prefixlab.cache.devices import execution_device
 from prefixlab.cache.explain import MISS_REASONS, REASONS, why
 from prefixlab.cache.hfspec import selection_limit
@@ -42,8 +41,6 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     pads_change_states,
     parse_capacity,
     rope_limit,
-    watch_optimizer_steps,
-    weights_version,
 )
 from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
@@ -59,11 +56,8 @@ from prefixlab.cache.tensors import (
 )
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.walk import KeptWalk
-from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_not_compiled_wrapper
-
-# PrefixCacheCore's keyword options, which a store passes on (alpha, checkpoint_budget, ...)
-CORE_OPTIONS = frozenset(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
-                         if parameter.kind is parameter.KEYWORD_ONLY)
+from prefixlab.cache.weights import watch_optimizer_steps, weights_version
+from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 
 class PrefixStore:
@@ -92,21 +86,7 @@ class PrefixStore:
     def __init__(self, model: torch.nn.Module, capacity: int | str = "4GB", policy: str = "dp", *,
                  offload_capacity: int | str | None = None, block_size: int = 32, patch: bool = True,
                  media_cache: int | str = MEDIA_CACHE_BYTES, **core_options):
-        if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
-            raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
-        check_not_compiled_wrapper(model, "PrefixStore")
-        if unknown := sorted(set(core_options) - CORE_OPTIONS):
-            raise InvalidInputError(
-                f"PrefixStore has no option {', '.join(unknown)}; it takes capacity, policy, offload_capacity, "
-                f"block_size, patch, media_cache and {', '.join(sorted(CORE_OPTIONS))}"
-            )
-        already_patched = bool(getattr(model, "prefixlab_patched", False))
-        model_type = getattr(model.config, "model_type", "")
-        if model_type in STATE_DROPPING_MODEL_TYPES and not (patch or already_patched):
-            raise UnsupportedModelError(
-                f"{type(model).__name__}: {STATE_DROPPING_MODEL_TYPES[model_type]}; prefixes cannot be reused exactly "
-                "unless its layers are patched: keep patch=True or call prefixlab.recurrent.patch(model) first"
-            )
+        check_store_arguments(model, patch, core_options)
         self.model = model
         self.lock = threading.RLock()  # serialises every change to the store (never held across a forward)
         self.identity = model_identity(model)
@@ -115,7 +95,8 @@ class PrefixStore:
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.layout = CacheLayout.from_config(model.config)
         # why its layers must stay patched, if so (a config of such a family may have no recurrent layer)
-        self._patched_only = STATE_DROPPING_MODEL_TYPES.get(model_type) if self.layout.state_layers else None
+        self._patched_only = (STATE_DROPPING_MODEL_TYPES.get(getattr(model.config, "model_type", ""))
+                              if self.layout.state_layers else None)
         # decode steps compute differently from prefills: only prefills are admitted (see decode_differs_from_prefill)
         self.decode_differs = decode_differs_from_prefill(model)
         # the fewest tokens of a prompt a lookup leaves to compute: 1 yields the logits; there, 1 over a cached state

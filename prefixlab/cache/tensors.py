@@ -245,6 +245,25 @@ def snapshot_states(layers: list, state_layers: tuple[int, ...]) -> dict[str, di
     return {"conv": conv, "recurrent": recurrent}
 
 
+def row_states(snapshots: dict[int, dict], row_captured: dict[tuple[int, int], dict], row: int, pad: int,
+               stop: int) -> dict[int, TensorState]:
+    """Batch row `row`'s states by real position, for its admission up to `stop`: those of the batch's `snapshots`
+    (column: snapshot_states' dict) past its `pad` columns, and (right padding) those it captured alone
+    (`row_captured`, (row, column): [1, ...] tensors; its end's among them)."""
+    states = {pos - pad: TensorState({k: _row_of(t, row) for k, t in snap["conv"].items()},
+                                     {k: _row_of(t, row) for k, t in snap["recurrent"].items()})
+              for pos, snap in snapshots.items() if pad < pos <= stop}
+    return states | {pos: TensorState({k: t[0] for k, t in snap["conv"].items()},
+                                      {k: t[0] for k, t in snap["recurrent"].items()})
+                     for (of, pos), snap in row_captured.items() if of == row and pos <= stop}
+
+
+def _row_of(snapshot: torch.Tensor, row: int) -> torch.Tensor:
+    """A batch row of a state snapshot (owned: never written again) for the store: the snapshot itself for a batch
+    of one, else a copy (a view would keep the whole batch's tensor alive)."""
+    return snapshot[row] if snapshot.shape[0] == 1 else snapshot[row].clone()
+
+
 def row_kv(layers: list, layout, row: int, pad: int) -> Callable[[int, int], TensorKV]:
     """kv(a, b): batch row `row`'s KV in the cache `layers` (of a CacheLayout `layout`) for its real tokens [a, b)
     (after its `pad` columns)."""
