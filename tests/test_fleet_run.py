@@ -125,24 +125,6 @@ def test_a_rerun_refuses_records_of_a_config_with_the_same_weights(capsys, files
     assert "made from another prompt, max_new_tokens or model" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("hydragen", [False, True])
-def test_a_model_that_takes_its_cache_as_cache_params(capsys, tmp_path, hydragen):
-    """Mamba2 takes its cache as cache_params= (generate refused past_key_values=: every run failed)."""
-    tiny_config("mamba2").to_json_file(tmp_path / "config.json")
-    rng = np.random.default_rng(1)
-    prefix = rng.integers(3, 120, 60).tolist()
-    with open(tmp_path / "prompts.jsonl", "w") as file:
-        file.writelines(json.dumps({"id": k, "input_ids": prefix + rng.integers(3, 120, 4).tolist(),
-                                    "max_new_tokens": 2}) + "\n" for k in range(4))
-    code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl", *(["--hydragen"] if hydragen else []))
-    assert code == 0 and summary["reused_tokens"] > 0
-    model = serve.load_model(str(tmp_path / "config.json"))
-    with torch.inference_mode():
-        assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
-                   for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
-                                   strict=True))
-
-
 def test_radix_order_prefills_fewer_tokens_than_input_order(capsys, files, tmp_path):
     prefilled = {}
     for order in ("radix", "input"):
@@ -403,40 +385,3 @@ def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, 
 def test_an_out_that_cannot_be_written_is_a_clear_error(capsys, files):
     assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", "/proc/out.jsonl"]) == 2
     assert "cannot write" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("family", ["inkling", "inkling2"])
-def test_hydragen_on_a_model_it_cannot_batch_serves_one_by_one(capsys, tmp_path, family):
-    """Inkling's attention adds a position bias (Inkling2's sinks too), which hydragen attention refuses: --hydragen
-    notes that it serves prompts one by one, so they run the model's own attention (every run failed)."""
-    tiny_config(family).to_json_file(tmp_path / "config.json")
-    rng = np.random.default_rng(2)
-    prefix = rng.integers(3, 120, 12).tolist()
-    with open(tmp_path / "prompts.jsonl", "w") as file:
-        file.writelines(json.dumps({"id": k, "input_ids": prefix + rng.integers(3, 120, 2).tolist(),
-                                    "max_new_tokens": 2}) + "\n" for k in range(3))
-    code, summary, err = run(capsys, tmp_path, tmp_path / "out.jsonl", "--hydragen")
-    assert code == 0 and "serving prompts one by one" in err and summary["reused_tokens"] > 0
-    model = serve.load_model(str(tmp_path / "config.json"))
-    with torch.inference_mode():
-        assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
-                   for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
-                                   strict=True))
-
-
-def test_a_model_whose_generating_class_is_its_vision_language_one(capsys, tmp_path):
-    """GLM-5-Next has no AutoModelForCausalLM class, only Glm5NextForConditionalGeneration: --model refused it."""
-    tiny_config("glm5_next").to_json_file(tmp_path / "config.json")
-    rng = np.random.default_rng(3)
-    prefix = rng.integers(3, 120, 16).tolist()
-    with open(tmp_path / "prompts.jsonl", "w") as file:
-        file.writelines(json.dumps({"id": k, "input_ids": prefix + rng.integers(3, 120, 3).tolist(),
-                                    "max_new_tokens": 2}) + "\n" for k in range(3))
-    code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl")
-    assert code == 0 and summary["reused_tokens"] > 0
-    model = serve.load_model(str(tmp_path / "config.json"))
-    assert type(model).__name__ == "Glm5NextForConditionalGeneration"
-    with torch.inference_mode():
-        assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
-                   for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),
-                                   strict=True))
