@@ -10,15 +10,20 @@ GRID_4 = torch.tensor([[1, 4, 4]])  # 16 patches merged 2 x 2: four placeholder 
 TEXT = list(range(5, 13))  # the text before the image: what may be reused
 
 
-def build_model():
-    """A tiny Qwen3.5 with its vision tower (Gated DeltaNet + attention layers, as the real one)."""
+# family -> (composite config class, model class) of the vision-language models the tests build
+_COMPOSITES = {"qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
+               "qwen4_exp": ("Qwen4ExpConfig", "Qwen4ExpForConditionalGeneration")}
+
+
+def build_model(family: str = "qwen3_5"):
+    """A tiny Qwen3.5 (or `family`) with its vision tower (Gated DeltaNet + attention layers, as the real one)."""
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                   temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
-    config = tf.Qwen3_5Config(text_config=text_config("qwen3_5").to_dict(), vision_config=vision,
-                              image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
-                              vision_end_token_id=END)
+    config_class, model_class = (getattr(tf, name) for name in _COMPOSITES[family])
+    config = config_class(text_config=text_config(family).to_dict(), vision_config=vision, image_token_id=IMAGE,
+                          video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     torch.manual_seed(0)
-    return tf.Qwen3_5ForConditionalGeneration(config).eval()
+    return model_class(config).eval()
 
 
 def pixels(seed):

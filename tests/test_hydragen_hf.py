@@ -3,8 +3,8 @@ stored once (counted in bytes), prefixes fed from outside, padding, and bad inpu
 
 import pytest
 import torch
+from hydragen_helpers import assert_hydragen_refused, generate_seeded
 from hydragen_helpers import assert_same as _assert_same
-from hydragen_helpers import generate_seeded
 from transformers import (
     DynamicCache,
     Lfm2Config,
@@ -254,13 +254,8 @@ def test_latent_attention_models_are_refused_with_what_to_use(family):
     models one by one."""
     from hf_models import FAMILIES, config
 
-    from prefixlab.fleet.siblings import batching_mode
-
     model = FAMILIES[family][1](config(family)).eval()
-    model.set_attn_implementation("hydragen")
-    with pytest.raises(InvalidInputError, match="multi-head latent attention.*HybridPrefixCache"):
-        HydragenCache(model.config)
-    assert batching_mode(model) is None
+    assert_hydragen_refused(model, "multi-head latent attention.*HybridPrefixCache")
 
 
 def test_right_padded_candidates_scored_over_a_loaded_prefix(pair):
@@ -308,13 +303,7 @@ def test_minimax_is_refused_with_what_to_use():
     batch its siblings through one."""
     from hf_models import build
 
-    from prefixlab.fleet.siblings import batching_mode
-
-    model = build("minimax")
-    model.set_attn_implementation("hydragen")
-    with pytest.raises(InvalidInputError, match="MiniMaxCache.*HybridPrefixCache"):
-        HydragenCache(model.config)
-    assert batching_mode(model) is None
+    assert_hydragen_refused(build("minimax"), "MiniMaxCache.*HybridPrefixCache")
 
 
 def test_a_model_that_caps_its_attention_scores_is_refused():

@@ -58,17 +58,9 @@ def test_with_its_vision_tower_text_is_reused_up_to_the_first_image():
     """Qwen4-Exp's composite model: the indexer's position history is rebuilt as text positions on a resume, so
     images are not keyed by content (as on Qwen3.5) and a prompt is reused only up to its first placeholder; text
     and image prompts are exact against the model without prefixlab."""
-    import transformers as tf
-    from hf_models import config
-    from multimodal_helpers import END, GRID_4, IMAGE, START, VIDEO
+    from multimodal_helpers import END, GRID_4, IMAGE, START, build_model
 
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
-                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
-    composite = tf.Qwen4ExpConfig(text_config=config("qwen4_exp").to_dict(), vision_config=vision,
-                                  image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
-                                  vision_end_token_id=END)
-    torch.manual_seed(0)
-    model = tf.Qwen4ExpForConditionalGeneration(composite).eval()
+    model = build_model("qwen4_exp")
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4)
     text = (tokens(12, seed=6) % 100 + 3).tolist()  # (no placeholder ids among them)
     ids = torch.tensor([text + [START] + [IMAGE] * 4 + [END] + (tokens(5, seed=7) % 100 + 3).tolist()])
@@ -83,16 +75,9 @@ def test_with_its_vision_tower_text_is_reused_up_to_the_first_image():
 def test_hydragen_refuses_indexed_attention():
     """Hydragen attention computes no per-query selection: refused, and sibling batching falls back to one prompt
     at a time."""
-    import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
-    from prefixlab.attention.hf_cache import HydragenCache
-    from prefixlab.errors import InvalidInputError
-    from prefixlab.fleet.siblings import batching_mode
+    from hydragen_helpers import assert_hydragen_refused
 
-    model = build("qwen4_exp")
-    model.set_attn_implementation("hydragen")
-    with pytest.raises(InvalidInputError, match="token indexer"):
-        HydragenCache(model.config)
-    assert batching_mode(model) is None
+    assert_hydragen_refused(build("qwen4_exp"), "token indexer")
 
 
 def test_a_config_without_the_indexer_fields_is_refused_with_the_reason():
