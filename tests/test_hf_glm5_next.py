@@ -64,18 +64,24 @@ def test_reuse_stops_at_the_selection_limit_and_is_exact(patch):
     """Questions over a 24-token system prompt reuse its first 11 tokens, never more; a follow-up turn too."""
     model = build()
     store = PrefixStore(model, capacity="64MB", policy="marconi", block_size=4, patch=patch)
-    system, reused = tokens(1, 24, seed=1), []
+    system, reused, caches = tokens(1, 24, seed=1), [], []
     for seed in range(3):
         prompt = torch.cat([system, tokens(1, 5, seed=10 + seed)], dim=1)
-        cache = HybridPrefixCache(store)
+        caches.append(cache := HybridPrefixCache(store))
         out = served(model, prompt, cache)
         reused.append(cache.reused_tokens)
         assert_same(out, served(model, prompt))
     follow_up = torch.cat([out.sequences, tokens(1, 3, seed=20)], dim=1)
-    cache = HybridPrefixCache(store)
+    caches.append(cache := HybridPrefixCache(store))
     assert_same(served(model, follow_up, cache), served(model, follow_up))
     assert reused == [0, LIMIT, LIMIT] and cache.reused_tokens == LIMIT  # a state is kept at the limit
-    assert "tokens left out (past a media placeholder or the model's store.admit_limit)" in str(cache.report())
+    # every token held past the limit is left out, counted as such (not as decoded tokens left out)
+    held = cache.held_tokens().shape[1]
+    assert f"{held - store.admit_limit} tokens left out past a media placeholder or the model's store.admit_limit" in str(
+        cache.report())
+    stats = store.stats()
+    assert stats["limited_tokens_left_out"] == sum(c.report().limited_left_out for c in caches) > 0
+    assert stats["decoded_tokens_left_out"] == 0 and all(c.report().decoded_left_out == 0 for c in caches)
     store.core.check_invariants()
 
 

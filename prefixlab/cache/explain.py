@@ -62,7 +62,8 @@ class RequestReport:
     refused_rows: int = 0  # rows the budget could not hold at all (not stored; store.stats()['rejected'])
     # decoded tokens held but not admitted: a decode step computed what a prefill would not (model_info.py)
     decoded_left_out: int = 0
-    limited: bool = False  # the tokens left out are those past what the request may admit (leave_out_decoded)
+    # tokens held but past what the request may admit (a media placeholder, the model's store.admit_limit)
+    limited_left_out: int = 0
 
     @property
     def reused(self) -> int:
@@ -79,21 +80,20 @@ class RequestReport:
         self.refused_rows += 0 if admission else 1
         self._describe()
 
-    def leave_out_decoded(self, tokens: int, limited: bool = False) -> None:
-        """The request's last `tokens` tokens are not admitted (cache/hf.py commit): decoded ones a decode step
-        computed otherwise than a prefill, or (`limited`) all past what the request may admit."""
-        self.decoded_left_out, self.limited = tokens, limited
+    def leave_out(self, decoded: int, limited: int) -> None:
+        """The request's last `limited` + `decoded` tokens are not admitted (cache/hf.py commit): `limited` past what
+        the request may admit, then `decoded` ones a decode step computed otherwise than a prefill."""
+        self.decoded_left_out, self.limited_left_out = decoded, limited
         if self.admission.startswith("admitted"):
             self._describe()
 
     def _describe(self) -> None:
         self.admission = (f"admitted {self.admitted_tokens} new tokens and {self.admitted_states} new states"
                           + (f"; {self.refused_rows} row(s) refused for capacity" if self.refused_rows else "")
-                          + (f"; its last {self.decoded_left_out} tokens left out (past a media placeholder or the "
-                             "model's store.admit_limit)" if self.decoded_left_out and self.limited else "")
+                          + (f"; {self.limited_left_out} tokens left out past a media placeholder or the model's "
+                             "store.admit_limit" if self.limited_left_out else "")
                           + (f"; its last {self.decoded_left_out} decoded tokens left out (a decode step of this "
-                             "model computed what a prefill would not)" if self.decoded_left_out and not self.limited
-                             else ""))
+                             "model computed what a prefill would not)" if self.decoded_left_out else ""))
 
     def __str__(self) -> str:
         if not self.rows:

@@ -378,8 +378,10 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         decoded = self._seen if self._decode_start is None or not differed else self._decode_start
         end = min(decoded, self._admit_limit)
-        self.store.count_left_out((self._seen - end - self._report.decoded_left_out) * len(self._admit_rows))
-        self._report.leave_out_decoded(self._seen - end, limited=end < decoded)
+        report, rows = self._report, len(self._admit_rows)  # (counted once: a later commit adds what is new)
+        self.store.count_left_out((self._seen - decoded - report.decoded_left_out) * rows,
+                                  (decoded - end - report.limited_left_out) * rows)
+        report.leave_out(self._seen - decoded, decoded - end)
         if end <= self._committed:
             return 0
         tokens = self.held_tokens()

@@ -120,7 +120,7 @@ class PrefixStore:
         self._open: dict[int, object] = {}
         self.generation = 0  # bumped by clear(): caches that began before it admit nothing (HybridPrefixCache.commit)
         self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
-                          "offload_hits": 0, "decoded_tokens_left_out": 0}
+                          "offload_hits": 0, "decoded_tokens_left_out": 0, "limited_tokens_left_out": 0}
         self._reasons = dict.fromkeys(REASONS, 0)
         self.closed = False
         # last, so that a store refused above leaves the model as it was: its share of the kernel patch and of the
@@ -299,9 +299,11 @@ class PrefixStore:
         return why(core, as_tokens(tokens), match)
 
     @serialized
-    def count_left_out(self, tokens: int) -> None:
-        """Count decoded tokens a cache held but did not admit (a decode step computed what a prefill would not)."""
-        self._counters["decoded_tokens_left_out"] += tokens
+    def count_left_out(self, decoded: int, limited: int) -> None:
+        """Count tokens a cache held but did not admit: `decoded` ones a decode step computed otherwise than a
+        prefill, `limited` ones past what its request may admit (a media placeholder, `admit_limit`)."""
+        self._counters["decoded_tokens_left_out"] += decoded
+        self._counters["limited_tokens_left_out"] += limited
 
     @serialized
     def record_request(self, rows: list, replacing: list = ()) -> None:
@@ -373,7 +375,8 @@ class PrefixStore:
         whether a tuning is running...) plus reuse per sequence served:
         sequences, hit_sequences, reused_tokens, reused_bytes (KV + state bytes loaded from the store), offload_hits
         (sequences whose reuse was loaded from the host tier),
-        decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill),
+        decoded_tokens_left_out (summed over rows: model_info.decode_differs_from_prefill), limited_tokens_left_out
+        (past a media placeholder or `admit_limit`),
         `reasons` {reason: sequences} over every code of cache/explain.py's REASONS and `miss_reasons`, the same
         without "hit" (format either with `prefixlab.cache.explain.format_reasons`)."""
         self.flush(lookup=True)  # (a monitor polling while generate() decodes: its steps are admitted at its end)
