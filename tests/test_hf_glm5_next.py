@@ -76,9 +76,8 @@ def test_reuse_stops_at_the_selection_limit_and_is_exact(patch):
     assert_same(served(model, follow_up, cache), served(model, follow_up))
     assert reused == [0, LIMIT, LIMIT] and cache.reused_tokens == LIMIT  # a state is kept at the limit
     # every token held past the limit is left out, counted as such (not as decoded tokens left out)
-    held = cache.held_tokens().shape[1]
-    assert f"{held - store.admit_limit} tokens left out past a media placeholder or the model's store.admit_limit" in str(
-        cache.report())
+    left_out, report = cache.held_tokens().shape[1] - store.admit_limit, str(cache.report())
+    assert f"{left_out} tokens left out past a media placeholder or the model's store.admit_limit" in report
     stats = store.stats()
     assert stats["limited_tokens_left_out"] == sum(c.report().limited_left_out for c in caches) > 0
     assert stats["decoded_tokens_left_out"] == 0 and all(c.report().decoded_left_out == 0 for c in caches)

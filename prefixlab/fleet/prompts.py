@@ -1,10 +1,12 @@
 """The prompt file of `prefixlab run`: one JSON object per line.
 
     {"id": "q1", "text": "Summarize ...", "max_new_tokens": 32}
+    {"id": "c1", "messages": [{"role": "system", "content": "You are ..."}, {"role": "user", "content": "Hi"}]}
     {"id": 7, "input_ids": [101, 2023, 318]}
 
-`id` (string or int, unique) and exactly one of `text` (needs a tokenizer) or `input_ids` are required;
-`max_new_tokens` is optional (default: the command's --max-new-tokens). Generation is greedy.
+`id` (string or int, unique) and exactly one of `text` (needs a tokenizer), `messages` (a chat: needs a tokenizer
+with a chat template; fleet/tokenizer.py) or `input_ids` are required; `max_new_tokens` is optional (default: the
+command's --max-new-tokens). Generation is greedy.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from prefixlab.errors import InvalidInputError
+from prefixlab.fleet.tokenizer import PromptTokenizer
 
 ON_ERROR_CHOICES = ("stop", "skip")
-KEYS = {"id", "text", "input_ids", "max_new_tokens"}
+KEYS = {"id", "text", "messages", "input_ids", "max_new_tokens"}
+PROMPT_KEYS = ("text", "messages", "input_ids")
 
 
 @dataclass(slots=True)
@@ -41,7 +44,7 @@ class Prompt:
         return digest.hexdigest()[:16]
 
 
-def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_tokens: int) -> tuple:
+def _parse(obj: object, tokenizer: PromptTokenizer | None, default_new_tokens: int) -> tuple:
     if not isinstance(obj, dict):
         raise ValueError("expected a JSON object")
     unknown = set(obj) - KEYS
@@ -50,14 +53,19 @@ def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_t
     prompt_id = obj.get("id")
     if isinstance(prompt_id, bool) or not isinstance(prompt_id, str | int):
         raise ValueError("'id' must be a string or an int")
-    if ("text" in obj) == ("input_ids" in obj):
-        raise ValueError("give exactly one of 'text' and 'input_ids'")
-    if "text" in obj:
-        if not isinstance(obj["text"], str):
-            raise ValueError("'text' must be a string")
-        if encode is None:
-            raise ValueError("a 'text' prompt needs a tokenizer: pass --tokenizer tokenizer.json (or use input_ids)")
-        ids = encode(obj["text"])
+    if sum(key in obj for key in PROMPT_KEYS) != 1:
+        raise ValueError("give exactly one of 'text', 'messages' and 'input_ids'")
+    if "text" in obj or "messages" in obj:
+        if tokenizer is None:
+            kind = "text" if "text" in obj else "messages"
+            raise ValueError(f"a '{kind}' prompt needs a tokenizer: pass --tokenizer (a tokenizer.json, or a "
+                             "transformers tokenizer folder for messages) or use input_ids")
+        if "text" in obj:
+            if not isinstance(obj["text"], str):
+                raise ValueError("'text' must be a string")
+            ids = tokenizer.encode(obj["text"])
+        else:
+            ids = tokenizer.encode_chat(_messages(obj["messages"]))
     else:
         ids = obj["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
@@ -71,7 +79,16 @@ def _parse(obj: object, encode: Callable[[str], list[int]] | None, default_new_t
     return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens
 
 
-def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = None, *, max_new_tokens: int = 16,
+def _messages(messages: object) -> list[dict]:
+    """A chat as its template takes it: a non-empty list of {"role": str, "content": str} objects."""
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages):
+        raise ValueError("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects (strings)")
+    return messages
+
+
+def read_prompts(path: str | Path, tokenizer: PromptTokenizer | None = None, *, max_new_tokens: int = 16,
                  on_error: str = "stop", vocab_size: int | None = None,
                  max_positions: int | None = None) -> list[Prompt]:
     """The prompts of a JSONL file. A malformed line raises InvalidInputError naming file:line (`on_error="stop"`)
@@ -90,7 +107,7 @@ def read_prompts(path: str | Path, encode: Callable[[str], list[int]] | None = N
             if not line.strip():
                 continue
             try:
-                prompt_id, tokens, new_tokens = _parse(json.loads(line), encode, max_new_tokens)
+                prompt_id, tokens, new_tokens = _parse(json.loads(line), tokenizer, max_new_tokens)
                 if vocab_size is not None and tokens.max() >= vocab_size:
                     raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
                 if max_positions is not None and len(tokens) + new_tokens > max_positions:

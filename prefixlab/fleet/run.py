@@ -28,16 +28,7 @@ from prefixlab.cache.explain import format_reasons
 from prefixlab.cli import positive_int, seed_int
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import launch, outputs
-
-
-def _encoder(tokenizer: str | None):
-    """(encode(text) -> ids, decode(ids) -> text), or (None, None) without a tokenizer."""
-    if tokenizer is None:
-        return None, None
-    from prefixlab.sim.build import TextEncoder
-
-    text_encoder = TextEncoder(tokenizer)
-    return (lambda text: text_encoder([text])[0]), text_encoder.tokenizer.decode
+from prefixlab.fleet.tokenizer import PromptTokenizer, prompt_tokenizer
 
 
 def _store_model(args: argparse.Namespace, model):
@@ -50,11 +41,11 @@ def _store_model(args: argparse.Namespace, model):
     return StoreModel(args.policy, parse_capacity(args.capacity), spec)
 
 
-def _output_digest(model_digest: str, tokenizer: str | None) -> str:
+def _output_digest(model_digest: str, tokenizer: PromptTokenizer | None) -> str:
     """What a run's records are made with: the model, and the tokenizer that decodes their `text` (if any)."""
     if tokenizer is None:
         return model_digest
-    return hashlib.sha256(model_digest.encode() + Path(tokenizer).read_bytes()).hexdigest()[:16]
+    return hashlib.sha256(model_digest.encode() + tokenizer.digest()).hexdigest()[:16]
 
 
 def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> None:
@@ -106,11 +97,11 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     if out.exists() and not out.is_file():
         raise InvalidInputError(f"--out {args.out!r} is not a regular file (a pipe or device): the run rewrites OUT "
                                 "at the end; pass the path of a file (OUT.jsonl)")
-    encode, decode = _encoder(args.tokenizer)
+    tokenizer = prompt_tokenizer(args.tokenizer, args.model)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
     batching = _hydragen_mode(model) if args.hydragen else None
     text_config = model.config.get_text_config()
-    prompts = read_prompts(args.prompts, encode, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
+    prompts = read_prompts(args.prompts, tokenizer, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
                            vocab_size=text_config.vocab_size,
                            max_positions=getattr(text_config, "max_position_embeddings", None))
     if len(prompts) < processes and state.is_main_process:  # (a resumed run often has fewer left: the same)
@@ -120,7 +111,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     digests = gather_object([serve.model_digest(model)])
     if len(set(digests)) > 1:
         raise InvalidInputError(f"the processes built different models ({digests}); check --seed and --model")
-    digest = _output_digest(digests[0], args.tokenizer)
+    digest = _output_digest(digests[0], tokenizer)
 
     store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
@@ -166,7 +157,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             with tqdm(total=len(mine), desc=f"process {rank}", unit="req", file=sys.stderr, disable=None,
                       position=rank) as bar:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
-                            decode=decode, progress=bar.update, stats=stats, model_digest=digest)
+                            decode=tokenizer and tokenizer.decode, progress=bar.update, stats=stats,
+                            model_digest=digest)
         try:
             gathered = launch.gather_patiently(stats.as_dict())
         except RuntimeError:  # a peer died while this process waited (torch.distributed's error)
@@ -302,7 +294,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("prompts", help="JSONL: one {id, text | input_ids, max_new_tokens?} object per line")
     cmd.add_argument("--model", required=True, help="config.json (random init, seeded) or a model folder with weights")
     cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
-    cmd.add_argument("--tokenizer", help="tokenizers JSON file, for text prompts and decoded outputs")
+    cmd.add_argument("--tokenizer", help="a tokenizers JSON file or a transformers tokenizer folder (default: the "
+                     "--model folder's own, if any), for text / messages prompts and decoded outputs")
     cmd.add_argument("--routing", default="affinity",
                      help=f"across processes: {', '.join(ASSIGNMENTS)} (default affinity)")
     cmd.add_argument("--order", default="radix",
