@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hf_models import cache_argument
@@ -232,3 +234,41 @@ def test_a_decode_step_through_the_store_runs_no_more_ops_than_transformers_own(
     finally:
         store.close()
     assert 0 < decode[True] <= 1.15 * decode[False], decode
+
+
+@pytest.mark.parametrize("by_hand", [False, True])
+def test_a_layer_replaced_under_the_store_is_patched_at_the_next_request(by_hand):
+    """A linear-attention module put into a patched model (here a fresh copy of one) ran transformers' forward,
+    which records no states: every request's admission then failed (InvalidInputError from cache.report(), a
+    warning at the store's next use). The store patches it, with the backend the other layers run, at the next
+    request: the store empties (new weights), then reuses again, exactly; close() (or unpatch) restores it."""
+    import copy
+
+    from prefixlab.recurrent.patch import is_patched, unpatch
+
+    prompt = tokens(1, 30, seed=3)
+    model = build("qwen3_5_text")
+    if by_hand:
+        patch(model, backend="naive")
+    store = PrefixStore(model, capacity="64MB", block_size=4)
+    layer = next(layer for layer in model.model.layers if hasattr(layer, "linear_attn"))
+    with torch.no_grad():
+        model.generate(prompt, past_key_values=HybridPrefixCache(store), **GREEDY)
+        layer.linear_attn = copy.deepcopy(layer.linear_attn)
+        vars(layer.linear_attn).pop("_prefixlab_original_forward")  # as built fresh: its own forward
+        vars(layer.linear_attn).pop("forward")
+        assert not is_patched(layer.linear_attn)
+        served = []
+        for _ in range(2):
+            cache = HybridPrefixCache(store)
+            with pytest.warns(RuntimeWarning, match="weights changed") if not served else contextlib.nullcontext():
+                served.append(model.generate(prompt, past_key_values=cache, **GREEDY))
+            assert cache.report().admission.startswith("admitted")
+        assert is_patched(layer.linear_attn) and cache.reused_tokens == prompt.shape[1] - 1
+        assert vars(layer.linear_attn)["forward"].backend == ("naive" if by_hand else "auto")
+        store.close()
+        if by_hand:
+            unpatch(model)
+        assert not is_patched(model)
+        expected = model.generate(prompt, **GREEDY)
+    assert all(torch.equal(out, expected) for out in served)

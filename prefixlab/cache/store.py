@@ -15,6 +15,7 @@ thread uses the store next, between its forwards. Never pass one HybridPrefixCac
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.walk import KeptWalk
 from prefixlab.cache.weights import watch_optimizer_steps, weights_version
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.recurrent.patch import patch_new_layers
 
 
 class PrefixStore:
@@ -225,6 +227,10 @@ class PrefixStore:
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
         weights = weights_version(self.model, self.walk)
+        if self.records_in_kernel:  # a layer replaced under the store runs its own forward, recording no state
+            walk = self.walk.walk  # (the one weights_version just checked; None: accelerate hooks, walked each call)
+            new_layers = functools.partial(patch_new_layers, self.model)
+            walk.derived("new layers patched", new_layers) if walk is not None else new_layers()
         if serving:
             check_deterministic(self.model, self.walk.modules(self.model))  # (submodules in training mode too)
         changed = ("the model's config" if identity != self.identity else

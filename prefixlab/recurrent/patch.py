@@ -37,6 +37,7 @@ BACKENDS = ("auto", *PORTABLE_BACKENDS)
 _ORIGINAL = ORIGINAL_ATTRIBUTE  # (attribute swapped, its instance value before patching or None)
 _OWNERS = "_prefixlab_patch_owners"  # how many owners hold a patch that `hold` applied
 _OWNERS_LOCK = threading.Lock()
+_BACKEND = "_prefixlab_patch_backend"  # the backend `patch` last ran with
 
 
 def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
@@ -59,7 +60,25 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
             _swap(layer, recorder.attribute, _Recording(layer))
     if targets:
         model.prefixlab_patched = True  # what PrefixStore checks to let the layers record states mid-forward
+        vars(model)[_BACKEND] = backend  # (for layers put in later: patch_new_layers)
     return model
+
+
+def patch_new_layers(model: nn.Module) -> int:
+    """In a patched model, patch the linear-attention layers (and state recorders) that run their own forward:
+    modules put into the model after it was patched (a layer replaced), with the backend its patched layers run.
+    Returns how many. (Such a layer records no states mid-forward, so a store could admit none of its requests: a
+    store calls this whenever the model's module tree changed.)"""
+    if not vars(model).get("prefixlab_patched"):
+        return 0
+    targets = linear_attention_layers(model)
+    fresh = [(layer, family) for layer, family in targets if _ORIGINAL not in vars(layer)]
+    for layer, family in fresh:
+        _swap(layer, "forward", _PatchedForward(layer, vars(model).get(_BACKEND, "auto"), family))
+    recorders = [layer for layer in model.modules() if _ORIGINAL not in vars(layer) and recorder_of(layer) is not None]
+    for layer in recorders if targets else ():
+        _swap(layer, recorder_of(layer).attribute, _Recording(layer))
+    return len(fresh) + (len(recorders) if targets else 0)
 
 
 def _swap(layer: nn.Module, attribute: str, patched: Any) -> None:
@@ -85,6 +104,7 @@ def unpatch(model: nn.Module) -> nn.Module:
             setattr(layer, attribute, original)
     vars(model).pop("prefixlab_patched", None)
     vars(model).pop(_OWNERS, None)
+    vars(model).pop(_BACKEND, None)
     return model
 
 
