@@ -4,9 +4,14 @@
     {"id": "c1", "messages": [{"role": "system", "content": "You are ..."}, {"role": "user", "content": "Hi"}]}
     {"id": 7, "input_ids": [101, 2023, 318]}
 
+    {"id": "r1", "input_ids": [101, 2023], "temperature": 0.8, "top_p": 0.95, "seed": 7}
+
 `id` (string or int, unique) and exactly one of `text` (needs a tokenizer), `messages` (a chat: needs a tokenizer
 with a chat template; fleet/tokenizer.py) or `input_ids` are required; `max_new_tokens` is optional (default: the
-command's --max-new-tokens). Generation is greedy.
+command's --max-new-tokens). Generation is greedy unless `temperature` > 0: then sampled, with `top_p` / `top_k` if
+given (others as the model's generation config says) and the random generator seeded with `seed` (default: one
+derived from the id), so a prompt's output is the same whichever process serves it, in whatever order, cached or
+not, and on a rerun.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.tokenizer import PromptTokenizer
 
 ON_ERROR_CHOICES = ("stop", "skip")
-KEYS = {"id", "text", "messages", "input_ids", "max_new_tokens"}
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
+KEYS = {"id", "text", "messages", "input_ids", "max_new_tokens", *SAMPLING_KEYS}
 PROMPT_KEYS = ("text", "messages", "input_ids")
 
 
@@ -35,12 +41,16 @@ class Prompt:
     id: str | int
     tokens: np.ndarray
     max_new_tokens: int
+    sampling: tuple[tuple[str, float | int], ...] = ()  # sorted (option, value) pairs; () = greedy
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of what the output depends on besides the model: the token ids and max_new_tokens."""
+        """A short hash of what the output depends on besides the model: the token ids, max_new_tokens and the
+        sampling options."""
         digest = hashlib.sha256(np.asarray(self.tokens, dtype=np.int64).tobytes())
         digest.update(str(self.max_new_tokens).encode())
+        if self.sampling:  # (a greedy prompt's fingerprint stays what earlier versions wrote)
+            digest.update(json.dumps(self.sampling).encode())
         return digest.hexdigest()[:16]
 
 
@@ -76,7 +86,37 @@ def _parse(obj: object, tokenizer: PromptTokenizer | None, default_new_tokens: i
     new_tokens = obj.get("max_new_tokens", default_new_tokens)
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError("'max_new_tokens' must be a positive int")
-    return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens
+    return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens, _sampling(obj, prompt_id)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and np.isfinite(value)
+
+
+def _sampling(obj: dict, prompt_id: str | int) -> tuple:
+    """The sampling options of a prompt line, sorted, with its seed; () for greedy (no or a zero temperature)."""
+    temperature = obj.get("temperature", 0)
+    if not _number(temperature) or temperature < 0:
+        raise ValueError("'temperature' must be a number >= 0 (0: greedy)")
+    given = [key for key in SAMPLING_KEYS[1:] if key in obj]
+    if temperature == 0:
+        if given:
+            raise ValueError(f"{', '.join(repr(k) for k in given)} apply to sampling: give 'temperature' > 0")
+        return ()
+    options = {"temperature": float(temperature)}
+    if "top_p" in obj:
+        if not _number(obj["top_p"]) or not 0 < obj["top_p"] <= 1:
+            raise ValueError("'top_p' must be a number in (0, 1]")
+        options["top_p"] = float(obj["top_p"])
+    for key, low in (("top_k", 0), ("seed", 0)):
+        if key in obj:
+            value = obj[key]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value < 2**63:
+                raise ValueError(f"'{key}' must be an int in [{low}, 2**63)")
+            options[key] = value
+    # (a seed from the id: the same on every process and rerun, different for each prompt)
+    options.setdefault("seed", int(hashlib.sha256(json.dumps(prompt_id).encode()).hexdigest()[:15], 16))
+    return tuple(sorted(options.items()))
 
 
 def _messages(messages: object) -> list[dict]:
@@ -107,7 +147,7 @@ def read_prompts(path: str | Path, tokenizer: PromptTokenizer | None = None, *, 
             if not line.strip():
                 continue
             try:
-                prompt_id, tokens, new_tokens = _parse(json.loads(line), tokenizer, max_new_tokens)
+                prompt_id, tokens, new_tokens, sampling = _parse(json.loads(line), tokenizer, max_new_tokens)
                 if vocab_size is not None and tokens.max() >= vocab_size:
                     raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
                 if max_positions is not None and len(tokens) + new_tokens > max_positions:
@@ -124,7 +164,7 @@ def read_prompts(path: str | Path, tokenizer: PromptTokenizer | None = None, *, 
                 raise InvalidInputError(f"{path}:{number}: duplicate id {prompt_id!r} (first on line "
                                         f"{first_line[prompt_id]}); ids must be unique")
             first_line[prompt_id] = number
-            prompts.append(Prompt(len(prompts), prompt_id, tokens, new_tokens))
+            prompts.append(Prompt(len(prompts), prompt_id, tokens, new_tokens, sampling))
     if not prompts:
         raise InvalidInputError(f"{path}: no prompts")
     return prompts

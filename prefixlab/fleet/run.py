@@ -291,7 +291,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     from prefixlab.fleet.schedule import ASSIGNMENTS
 
     cmd = subparsers.add_parser("run", help="batch inference over a prompt file with prefix reuse (accelerate-ready)")
-    cmd.add_argument("prompts", help="JSONL: one {id, text | input_ids, max_new_tokens?} object per line")
+    cmd.add_argument("prompts", help="JSONL: one {id, text | messages | input_ids, max_new_tokens?, temperature?, "
+                     "top_p?, top_k?, seed?} object per line")
     cmd.add_argument("--model", required=True, help="config.json (random init, seeded) or a model folder with weights")
     cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
     cmd.add_argument("--tokenizer", help="a tokenizers JSON file or a transformers tokenizer folder (default: the "

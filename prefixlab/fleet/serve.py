@@ -123,8 +123,11 @@ def decode_kv_bytes(model, prompt_tokens: int, generated_tokens: int) -> int:
     return sum(prompt_tokens + t for t in steps) * kv_bytes_per_token(model)
 
 
-def _greedy(model, tokens, max_new_tokens: int, cache=None) -> tuple[list[int], float]:
-    """One prompt's greedy generate() (through `cache` if given): (new token ids, prefill wall seconds)."""
+def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = ()) -> tuple[list[int], float]:
+    """One prompt's generate() (through `cache` if given), greedy or (`sampling`: Prompt.sampling) sampled from a
+    generator seeded for it alone: (new token ids, prefill wall seconds)."""
+    import contextlib
+
     import torch
     from transformers import LogitsProcessorList
 
@@ -132,27 +135,36 @@ def _greedy(model, tokens, max_new_tokens: int, cache=None) -> tuple[list[int], 
     from prefixlab.fleet.siblings import GREEDY
 
     input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    options = dict(sampling)
+    seed = options.pop("seed", None)
+    decoding = GREEDY | ({"do_sample": True} | options if options else {})
+    # (the process's own random state is left as it was: the prompt's draws depend on its seed alone)
+    rng = (torch.random.fork_rng(devices=[input_ids.device] if input_ids.is_cuda else [])
+           if seed is not None else contextlib.nullcontext())
     clock, started = FirstTokenClock(), time.perf_counter()
-    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
-                         **GREEDY, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
-                         **({cache_keyword(model): cache} if cache is not None else {}))
+    with rng:
+        if seed is not None:
+            torch.manual_seed(seed)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                             **decoding, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
+                             **({cache_keyword(model): cache} if cache is not None else {}))
     return out[0, input_ids.shape[1]:].tolist(), clock.at[0] - started
 
 
-def generate(model, store, tokens, max_new_tokens: int) -> tuple[list[int], int, str, float]:
-    """Greedy generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
+def generate(model, store, tokens, max_new_tokens: int, sampling: tuple = ()) -> tuple[list[int], int, str, float]:
+    """Generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
     cache.report() for that reuse, prefill wall seconds)."""
     from prefixlab.cache.hf import HybridPrefixCache
 
     cache = HybridPrefixCache(store)
-    output_ids, prefill_seconds = _greedy(model, tokens, max_new_tokens, cache)
+    output_ids, prefill_seconds = _generate(model, tokens, max_new_tokens, cache, sampling)
     reason = cache.report().rows[0].reason  # report() admits now, so the next step can reuse this one
     return output_ids, cache.reused_tokens, reason, prefill_seconds
 
 
-def generate_uncached(model, tokens, max_new_tokens: int) -> list[int]:
-    """The same greedy generation without prefixlab (the exactness reference)."""
-    return _greedy(model, tokens, max_new_tokens)[0]
+def generate_uncached(model, tokens, max_new_tokens: int, sampling: tuple = ()) -> list[int]:
+    """The same generation without prefixlab (the exactness reference)."""
+    return _generate(model, tokens, max_new_tokens, sampling=sampling)[0]
 
 
 def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = None) -> dict[str | int, list[int]]:
@@ -164,7 +176,8 @@ def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = N
     outputs, started = {}, time.perf_counter()
     with torch.inference_mode():
         for prompt in prompts:
-            outputs[prompt.id], prefill_seconds = _greedy(model, prompt.tokens, prompt.max_new_tokens)
+            outputs[prompt.id], prefill_seconds = _generate(model, prompt.tokens, prompt.max_new_tokens,
+                                                            sampling=prompt.sampling)
             stats.add_request(len(prompt.tokens), 0, len(outputs[prompt.id]))
             stats.prefill_seconds += prefill_seconds
     stats.seconds += time.perf_counter() - started
@@ -228,7 +241,8 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
             progress(1)
 
     def serve_one(prompt: Prompt) -> None:
-        output_ids, reused, reason, prefill_seconds = generate(model, store, prompt.tokens, prompt.max_new_tokens)
+        output_ids, reused, reason, prefill_seconds = generate(model, store, prompt.tokens, prompt.max_new_tokens,
+                                                               prompt.sampling)
         stats.prefill_seconds += prefill_seconds
         stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
         stats.kv_bytes_read += decode_kv_bytes(model, len(prompt.tokens), len(output_ids))
@@ -241,8 +255,11 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
         for index, length in steps:
             if isinstance(index, tuple):  # siblings under a prime of `length` tokens: one Hydragen batch
                 group, result = [prompts[i] for i in index], None
+                for prompt in (p for p in group if p.sampling):  # (its draws are its own seed's, not a batch's)
+                    serve_one(prompt)
+                group = [p for p in group if not p.sampling]
                 try:
-                    if batching:
+                    if batching and len(group) > 1:
                         result = generate_group(model, store, [p.tokens for p in group], length,
                                                 [p.max_new_tokens for p in group], _pad_id(model))
                 except PrefixlabError as err:  # raised before any output, the store left as it was
