@@ -272,3 +272,36 @@ def test_a_layer_replaced_under_the_store_is_patched_at_the_next_request(by_hand
         assert not is_patched(model)
         expected = model.generate(prompt, **GREEDY)
     assert all(torch.equal(out, expected) for out in served)
+
+
+def test_a_later_turns_decode_steps_that_differ_leave_out_only_their_own_tokens():
+    """A chat continued on one cache, over patched Nemotron-H layers whose first turn decoded as a prefill would and
+    whose second turn's decode steps differ (flagged so here, as where the dt clamp bites). Before: the second
+    commit left out everything from the first turn's decode start, so the report and store.stats() counted the
+    first turn's admitted decoded tokens as left out (10 instead of 3) and the second turn's prompt, prefilled from
+    exact states, was never admitted. Now only the second turn's decoded tokens are left out."""
+    reference, model = build("nemotron_h", seed=3), build("nemotron_h", seed=3)
+    for each in (reference, model):
+        for layer in each.modules():
+            if hasattr(layer, "time_step_limit"):
+                layer.dt_bias.data += 8.0
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4)
+    try:
+        cache = HybridPrefixCache(store)
+        first, _ = logits_and_tokens(model, tokens(1, 12, seed=1), cache)
+        assert cache.report().decoded_left_out == 0
+        flag = cache.prefixlab_decode_differs
+        cache.prefixlab_decode_differs = lambda differs: flag(torch.ones_like(differs))
+        turn = torch.cat([first, tokens(1, 4, seed=2)], dim=1)
+        sequences, logits = logits_and_tokens(model, turn, cache)
+        expected = logits_and_tokens(reference, turn)
+        assert torch.equal(sequences, expected[0])
+        torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
+        decoded = sequences.shape[1] - 1 - turn.shape[1]
+        assert cache.report().decoded_left_out == store.stats()["decoded_tokens_left_out"] == decoded == 3
+        again = HybridPrefixCache(store)
+        logits_and_tokens(model, turn, again)
+        assert again.reused_tokens > first.shape[1]  # (the second turn's prompt was admitted)
+        store.core.check_invariants()
+    finally:
+        store.close()

@@ -377,6 +377,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         decoded = self._seen if self._decode_start is None or not differed else self._decode_start
+        if not differed:  # decode steps so far computed as prefills: a later turn's decode steps start their own span
+            self._decode_start, self._decode_differs = None, {}
         end = min(decoded, self._admit_limit)
         report, rows = self._report, len(self._admit_rows)  # (counted once: a later commit adds what is new)
         self.store.count_left_out((self._seen - decoded - report.decoded_left_out) * rows,
