@@ -11,6 +11,7 @@ from recurrent_patch_models import build, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
+from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent import patch
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -304,4 +305,30 @@ def test_a_later_turns_decode_steps_that_differ_leave_out_only_their_own_tokens(
         assert again.reused_tokens > first.shape[1]  # (the second turn's prompt was admitted)
         store.core.check_invariants()
     finally:
+        store.close()
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_a_layer_replaced_by_a_module_that_keeps_no_state_is_named(patched):
+    """A linear-attention layer replaced by a module that writes no state to the cache (no linear-attention layer
+    patch_new_layers could patch): generate is the model's own, and admitting it fails. Before: "states[6] must hold
+    a conv state for each recurrent layer [0] ..." (an argument check of store.admit, which the caller never
+    called). Now the error names the layer that kept no state and why."""
+
+    class Stateless(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return torch.zeros_like(hidden_states)
+
+    prompt = tokens(1, 30, seed=3)
+    model = build("qwen3_5_text")
+    store = PrefixStore(model, capacity="64MB", block_size=4, patch=patched)
+    model.model.layers[0].linear_attn = Stateless()
+    with torch.no_grad():
+        expected = model.generate(prompt, **GREEDY)
+        cache = HybridPrefixCache(store)
+        with pytest.warns(RuntimeWarning, match="weights changed"):
+            assert torch.equal(model.generate(prompt, past_key_values=cache, **GREEDY), expected)
+    with pytest.raises(InvalidInputError, match=r"recurrent layer\(s\) \[0\] kept no state in the cache"):
+        cache.report()
+    with pytest.warns(RuntimeWarning, match="not admitted: the model's recurrent layer"):  # (close admits it again)
         store.close()
