@@ -12,7 +12,7 @@ from prefixlab.cli import main
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import serve
 from prefixlab.fleet.prompts import read_prompts
-from prefixlab.fleet.tokenizer import PromptTokenizer
+from prefixlab.fleet.tokenizer import PromptTokenizer, prompt_tokenizer
 
 WORDS = ["[UNK]", "<s>", "</s>", "system", "user", "assistant", ":", *"you are a librarian the library opens at nine "
          "closes late on sunday and monday ? when what time".split()]
@@ -109,3 +109,30 @@ def test_what_chat_prompts_need_is_said_per_line(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InvalidInputError, match="holds no tokenizer files"):
         PromptTokenizer(tmp_path / "empty")
+
+
+def test_a_chat_the_template_refuses_is_a_bad_line(tmp_path, capsys):
+    """Chat templates refuse chats with raise_exception (roles that do not alternate): a malformed line, skippable."""
+    folder = tokenizer_folder(tmp_path / "tokenizer", chat_template=(
+        "{% if messages[0]['role'] == 'system' %}{{ raise_exception('roles must alternate user/assistant') }}"
+        "{% endif %}" + TEMPLATE))
+    prompts = tmp_path / "chat.jsonl"
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"id": 1, "messages": [{"role": "user", "content": "when the library opens ?"}]},
+        {"id": 2, "messages": [SYSTEM, {"role": "user", "content": "when the library opens ?"}]}]))
+    with pytest.raises(InvalidInputError, match=r"chat.jsonl:2: the chat template .* refused these messages: roles"):
+        read_prompts(prompts, PromptTokenizer(folder))
+    assert [p.id for p in read_prompts(prompts, PromptTokenizer(folder), on_error="skip")] == [1]
+    assert "skipped" in capsys.readouterr().err
+
+
+def test_a_tokenizer_json_the_tokenizers_library_cannot_read(tmp_path, capsys):
+    """(e.g. saved by a newer tokenizers): --tokenizer names it; in the --model folder it is only a note."""
+    folder = tokenizer_folder(tmp_path / "model")
+    saved = json.loads((folder / "tokenizer.json").read_text())
+    saved["model"]["type"] = "FromTheFuture"
+    (folder / "tokenizer.json").write_text(json.dumps(saved))
+    with pytest.raises(InvalidInputError, match="not a transformers tokenizer folder"):
+        PromptTokenizer(folder)
+    assert prompt_tokenizer(None, str(folder)) is None
+    assert "the model folder's tokenizer is not used" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from recurrent_patch_models import build, tokens
 
 from prefixlab.cache.hf import HybridPrefixCache
 from prefixlab.cache.store import STATE_DROPPING_MODEL_TYPES, PrefixStore
+from prefixlab.errors import InvalidInputError
 from prefixlab.recurrent import patch
 
 GREEDY = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
@@ -272,3 +273,62 @@ def test_a_layer_replaced_under_the_store_is_patched_at_the_next_request(by_hand
         assert not is_patched(model)
         expected = model.generate(prompt, **GREEDY)
     assert all(torch.equal(out, expected) for out in served)
+
+
+def test_a_later_turns_decode_steps_that_differ_leave_out_only_their_own_tokens():
+    """A chat continued on one cache, over patched Nemotron-H layers whose first turn decoded as a prefill would and
+    whose second turn's decode steps differ (flagged so here, as where the dt clamp bites). Before: the second
+    commit left out everything from the first turn's decode start, so the report and store.stats() counted the
+    first turn's admitted decoded tokens as left out (10 instead of 3) and the second turn's prompt, prefilled from
+    exact states, was never admitted. Now only the second turn's decoded tokens are left out."""
+    reference, model = build("nemotron_h", seed=3), build("nemotron_h", seed=3)
+    for each in (reference, model):
+        for layer in each.modules():
+            if hasattr(layer, "time_step_limit"):
+                layer.dt_bias.data += 8.0
+    store = PrefixStore(model, capacity="64MB", policy="sglang+", block_size=4)
+    try:
+        cache = HybridPrefixCache(store)
+        first, _ = logits_and_tokens(model, tokens(1, 12, seed=1), cache)
+        assert cache.report().decoded_left_out == 0
+        flag = cache.prefixlab_decode_differs
+        cache.prefixlab_decode_differs = lambda differs: flag(torch.ones_like(differs))
+        turn = torch.cat([first, tokens(1, 4, seed=2)], dim=1)
+        sequences, logits = logits_and_tokens(model, turn, cache)
+        expected = logits_and_tokens(reference, turn)
+        assert torch.equal(sequences, expected[0])
+        torch.testing.assert_close(logits, expected[1], rtol=0, atol=1e-5)
+        decoded = sequences.shape[1] - 1 - turn.shape[1]
+        assert cache.report().decoded_left_out == store.stats()["decoded_tokens_left_out"] == decoded == 3
+        again = HybridPrefixCache(store)
+        logits_and_tokens(model, turn, again)
+        assert again.reused_tokens > first.shape[1]  # (the second turn's prompt was admitted)
+        store.core.check_invariants()
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("patched", [True, False])
+def test_a_layer_replaced_by_a_module_that_keeps_no_state_is_named(patched):
+    """A linear-attention layer replaced by a module that writes no state to the cache (no linear-attention layer
+    patch_new_layers could patch): generate is the model's own, and admitting it fails. Before: "states[6] must hold
+    a conv state for each recurrent layer [0] ..." (an argument check of store.admit, which the caller never
+    called). Now the error names the layer that kept no state and why."""
+
+    class Stateless(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return torch.zeros_like(hidden_states)
+
+    prompt = tokens(1, 30, seed=3)
+    model = build("qwen3_5_text")
+    store = PrefixStore(model, capacity="64MB", block_size=4, patch=patched)
+    model.model.layers[0].linear_attn = Stateless()
+    with torch.no_grad():
+        expected = model.generate(prompt, **GREEDY)
+        cache = HybridPrefixCache(store)
+        with pytest.warns(RuntimeWarning, match="weights changed"):
+            assert torch.equal(model.generate(prompt, past_key_values=cache, **GREEDY), expected)
+    with pytest.raises(InvalidInputError, match=r"recurrent layer\(s\) \[0\] kept no state in the cache"):
+        cache.report()
+    with pytest.warns(RuntimeWarning, match="not admitted: the model's recurrent layer"):  # (close admits it again)
+        store.close()

@@ -54,7 +54,7 @@ from prefixlab.cache.multimodal import first_key
 from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_positions, resolve_pads, right_padded
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
-from prefixlab.cache.tensors import row_kv, row_states, snapshot_states
+from prefixlab.cache.tensors import check_held_states, row_kv, row_states, snapshot_states
 from prefixlab.errors import InvalidInputError
 
 
@@ -377,6 +377,8 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             return 0
         differed = any(bool(flag) for flag in self._decode_differs.values())  # one device sync per device
         decoded = self._seen if self._decode_start is None or not differed else self._decode_start
+        if not differed:  # decode steps so far computed as prefills: a later turn's decode steps start their own span
+            self._decode_start, self._decode_differs = None, {}
         end = min(decoded, self._admit_limit)
         report, rows = self._report, len(self._admit_rows)  # (counted once: a later commit adds what is new)
         self.store.count_left_out((self._seen - decoded - report.decoded_left_out) * rows,
@@ -396,6 +398,7 @@ class HybridPrefixCache(RowResume, TensorEdits, ModelGuard, DynamicCache, ModelD
             if stop <= pad:
                 continue
             states = row_states(snapshots, self._row_captured, row, pad, stop)
+            check_held_states(states, self.store.layout)
             kv = row_kv(self.layers, self.store.layout, row, pad)
             self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
         offered = end - self._committed

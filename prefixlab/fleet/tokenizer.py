@@ -34,7 +34,8 @@ class PromptTokenizer:
 
             try:
                 self.hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
-            except (ValueError, OSError, KeyError, TypeError) as err:
+            # (tokenizers raises a bare Exception on a tokenizer.json it cannot read, e.g. one from a newer version)
+            except Exception as err:
                 raise InvalidInputError(f"--tokenizer {str(path)!r}: not a transformers tokenizer folder "
                                         f"({' '.join(str(err).split())})") from None
             self.fast = None
@@ -57,7 +58,12 @@ class PromptTokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError(f"'messages' need a chat template and the tokenizer in {str(self.path)!r} has none "
                              "(chat_template in tokenizer_config.json or chat_template.jinja); use text / input_ids")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        from jinja2 import TemplateError
+
+        try:
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except TemplateError as err:  # templates refuse chats with raise_exception (e.g. roles that do not alternate)
+            raise ValueError(f"the chat template of {str(self.path)!r} refused these messages: {err}") from None
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: list[int]) -> str:
