@@ -99,6 +99,8 @@ def _sampling(obj: dict, prompt_id: str | int) -> tuple:
     if not _number(temperature) or temperature < 0:
         raise ValueError("'temperature' must be a number >= 0 (0: greedy)")
     given = [key for key in SAMPLING_KEYS[1:] if key in obj]
+    if 0 < temperature < np.finfo(np.float32).tiny:  # (logits / temperature overflow float32 to inf: NaN probabilities)
+        raise ValueError(f"'temperature' {temperature!r} is below float32's smallest normal number; use 0 for greedy")
     if temperature == 0:
         if given:
             raise ValueError(f"{', '.join(repr(k) for k in given)} apply to sampling: give 'temperature' > 0")
