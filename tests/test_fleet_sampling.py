@@ -70,7 +70,7 @@ def test_a_greedy_prompt_keeps_its_fingerprint_and_a_sampled_ones_seed_defaults_
     ({"temperature": -1}, "'temperature' must be a number >= 0"),
     ({"temperature": True}, "'temperature' must be a number >= 0"),
     ({"temperature": float("nan")}, "'temperature' must be a number >= 0"),
-    ({"temperature": 1e-40}, "below float32's smallest normal number; use 0 for greedy"),
+    ({"temperature": 1e-40}, "'temperature' 1e-40 is below float32's smallest normal number; use 0 for greedy"),
     ({"temperature": 1, "top_p": 0}, r"'top_p' must be a number in \(0, 1\]"),
     ({"temperature": 1, "top_k": -1}, r"'top_k' must be an int in \[0, 2\*\*63\)"),
     ({"temperature": 1, "seed": 1.5}, r"'seed' must be an int"),
