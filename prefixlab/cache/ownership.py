@@ -27,6 +27,18 @@ def hold_patch(model: torch.nn.Module, apply: bool) -> bool:
         ) from err
 
 
+
+def patch_replaced_layers(model: torch.nn.Module, kept) -> None:
+    """Patch the linear-attention layers put into a patched model since (a module replaced under a store: it runs its
+    own forward, which records no state), once per module tree of the store's KeptWalk `kept` (at every call for a
+    model with accelerate hooks, which is walked at every call)."""
+    from prefixlab.recurrent.patch import patch_new_layers
+
+    if kept.walk is None:
+        patch_new_layers(model)
+    else:
+        kept.walk.derived("new layers patched", lambda: patch_new_layers(model))
+
 # What collected stores have to give back. The garbage collector runs a finalizer wherever the collected thread was,
 # possibly inside attach/detach or the patch's hold/let_go with their (non re-entrant) locks held: a finalizer that
 # took them deadlocked. So it only queues; the queue is drained at the next safe point (release_collected).

@@ -15,7 +15,6 @@ thread uses the store next, between its forwards. Never pass one HybridPrefixCac
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -43,7 +42,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
     parse_capacity,
     rope_limit,
 )
-from prefixlab.cache.ownership import hold_patch, release_collected, release_when_collected
+from prefixlab.cache.ownership import hold_patch, patch_replaced_layers, release_collected, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import (
@@ -59,7 +58,6 @@ from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.walk import KeptWalk
 from prefixlab.cache.weights import watch_optimizer_steps, weights_version
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
-from prefixlab.recurrent.patch import patch_new_layers
 
 
 class PrefixStore:
@@ -227,10 +225,8 @@ class PrefixStore:
                                         "taken off while this store was open: prefixlab.recurrent.patch(model) "
                                         "again, or close the store and build a new one")
         weights = weights_version(self.model, self.walk)
-        if self.records_in_kernel:  # a layer replaced under the store runs its own forward, recording no state
-            walk = self.walk.walk  # (the one weights_version just checked; None: accelerate hooks, walked each call)
-            new_layers = functools.partial(patch_new_layers, self.model)
-            walk.derived("new layers patched", new_layers) if walk is not None else new_layers()
+        if self.records_in_kernel:  # (after weights_version: the walk it keeps is the model's tree now)
+            patch_replaced_layers(self.model, self.walk)
         if serving:
             check_deterministic(self.model, self.walk.modules(self.model))  # (submodules in training mode too)
         changed = ("the model's config" if identity != self.identity else
@@ -306,8 +302,7 @@ class PrefixStore:
 
     @serialized
     def count_left_out(self, decoded: int, limited: int) -> None:
-        """Count tokens a cache held but did not admit: `decoded` ones a decode step computed otherwise than a
-        prefill, `limited` ones past what its request may admit (a media placeholder, `admit_limit`)."""
+        """Count tokens a cache held but did not admit: `decoded` (decode_differs), `limited` (admit_limit)."""
         self._counters["decoded_tokens_left_out"] += decoded
         self._counters["limited_tokens_left_out"] += limited
 

@@ -312,13 +312,17 @@ def check_held_states(states: dict[int, TensorState], layout) -> None:
     """check_state for the states a HybridPrefixCache holds, naming the cause where layers hold none: a module
     that keeps no state in the cache runs there (one put in place of a linear-attention layer), so that the
     error does not read as a bad argument of an API call the caller never made."""
-    conv_layers = layout.state_layers if layout.conv_layers is None else layout.conv_layers
     for state in states.values():
-        missing = sorted({*conv_layers} - {layer for layer, _ in state.conv}
-                         | {*layout.recurrent_layers} - {layer for layer, _ in state.recurrent})
-        if missing:
+        try:
+            check_state(state, layout)
+        except InvalidInputError:
+            conv_layers = layout.state_layers if layout.conv_layers is None else layout.conv_layers
+            missing = sorted({*conv_layers} - {layer for layer, _ in state.conv}
+                             | {*layout.recurrent_layers} - {layer for layer, _ in state.recurrent})
+            if not missing:
+                raise
             raise InvalidInputError(
                 f"the model's recurrent layer(s) {missing} kept no state in the cache over this request: the module "
                 "running there (one put in place of a linear-attention layer?) does not write its states to the cache "
                 "as transformers' layers do, so no prefix through it can be stored; put back a layer prefixlab "
-                "supports, or generate without a PrefixStore")
+                "supports, or generate without a PrefixStore") from None
