@@ -175,7 +175,7 @@ def test_bad_input(capsys, files, tmp_path):
     for content, message in (([lines[0], lines[0]], "duplicate id"), (['{"id": 1, "text": "hi"}'], "tokenizer"),
                              (['{"id": 1, "input_ids": [1, 999]}'], "vocabulary"),
                              ([json.dumps({"id": 1, "input_ids": [1] * 505, "max_new_tokens": 8})], "context of 512"),
-                             (['{"id": 1, "input_ids": [1], "stop": ["x"]}'], "unknown keys")):
+                             (['{"id": 1, "input_ids": [1], "stop_sequences": ["x"]}'], "unknown keys")):
         bad.write_text("\n".join(content) + "\n")
         assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
         assert message in capsys.readouterr().err

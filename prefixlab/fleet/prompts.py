@@ -5,6 +5,7 @@
     {"id": 7, "input_ids": [101, 2023, 318]}
 
     {"id": "r1", "input_ids": [101, 2023], "temperature": 0.8, "top_p": 0.95, "seed": 7}
+    {"id": "s1", "text": "List three colours:", "stop": ["\\n\\n", "4."], "stop_token_ids": [13]}
 
 `id` (string or int, unique) and exactly one of `text` (needs a tokenizer), `messages` (a chat: needs a tokenizer
 with a chat template; fleet/tokenizer.py) or `input_ids` are required; `max_new_tokens` is optional (default: the
@@ -12,6 +13,11 @@ command's --max-new-tokens). Generation is greedy unless `temperature` > 0: then
 given (others as the model's generation config says) and the random generator seeded with `seed` (default: one
 derived from the id), so a prompt's output is the same whichever process serves it, in whatever order, cached or
 not, and on a rerun.
+
+Stop conditions (fleet/stops.py): `stop_token_ids` (a list of token ids: generation also stops after any of them, as
+`generate(eos_token_id=[the model's EOS ids..., *stop_token_ids])` stops) and `stop` (a string or a list of them:
+`generate(stop_strings=..., tokenizer=...)`, so it needs a tokenizer). The stop token, or the token that completes a
+stop string, is kept in the output, as transformers keeps it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ from prefixlab.fleet.tokenizer import PromptTokenizer
 
 ON_ERROR_CHOICES = ("stop", "skip")
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "seed")
-KEYS = {"id", "text", "messages", "input_ids", "max_new_tokens", *SAMPLING_KEYS}
+STOP_KEYS = ("stop_token_ids", "stop")
+KEYS = {"id", "text", "messages", "input_ids", "max_new_tokens", *SAMPLING_KEYS, *STOP_KEYS}
 PROMPT_KEYS = ("text", "messages", "input_ids")
 
 
@@ -42,15 +49,19 @@ class Prompt:
     tokens: np.ndarray
     max_new_tokens: int
     sampling: tuple[tuple[str, float | int], ...] = ()  # sorted (option, value) pairs; () = greedy
+    stop_token_ids: tuple[int, ...] = ()  # sorted, each once
+    stop_strings: tuple[str, ...] = ()  # sorted, each once (the line's `stop`)
 
     @property
     def fingerprint(self) -> str:
-        """A short hash of what the output depends on besides the model: the token ids, max_new_tokens and the
-        sampling options."""
+        """A short hash of what the output depends on besides the model: the token ids, max_new_tokens, the
+        sampling options and the stop conditions."""
         digest = hashlib.sha256(np.asarray(self.tokens, dtype=np.int64).tobytes())
         digest.update(str(self.max_new_tokens).encode())
         if self.sampling:  # (a greedy prompt's fingerprint stays what earlier versions wrote)
             digest.update(json.dumps(self.sampling).encode())
+        if self.stop_token_ids or self.stop_strings:  # (so does one without stop conditions)
+            digest.update(json.dumps({"stop_token_ids": self.stop_token_ids, "stop": self.stop_strings}).encode())
         return digest.hexdigest()[:16]
 
 
@@ -78,15 +89,39 @@ def _parse(obj: object, tokenizer: PromptTokenizer | None, default_new_tokens: i
             ids = tokenizer.encode_chat(_messages(obj["messages"]))
     else:
         ids = obj["input_ids"]
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
-                                                for t in ids):
+        if not _token_ids(ids):
             raise ValueError("'input_ids' must be a list of token ids (ints in [0, 2**63))")
     if not ids:
         raise ValueError("the prompt is empty")
     new_tokens = obj.get("max_new_tokens", default_new_tokens)
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 1:
         raise ValueError("'max_new_tokens' must be a positive int")
-    return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens, _sampling(obj, prompt_id)
+    return prompt_id, np.asarray(ids, dtype=np.int64), new_tokens, _sampling(obj, prompt_id), *_stops(obj, tokenizer)
+
+
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**63
+                                           for t in value)
+
+
+def _stops(obj: dict, tokenizer: PromptTokenizer | None) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The stop conditions of a prompt line: (stop token ids, stop strings), each sorted and once; () where none."""
+    ids = obj.get("stop_token_ids", [])
+    if not _token_ids(ids):
+        raise ValueError("'stop_token_ids' must be a list of token ids (ints in [0, 2**63))")
+    strings = obj.get("stop", [])
+    strings = [strings] if isinstance(strings, str) else strings
+    if not isinstance(strings, list) or not all(isinstance(s, str) for s in strings):
+        raise ValueError("'stop' must be a string or a list of strings")
+    if not all(strings):
+        raise ValueError("'stop' strings must not be empty (an empty string would stop at once)")
+    strings = tuple(sorted(set(strings)))
+    if strings:
+        if tokenizer is None:
+            raise ValueError("'stop' strings need a tokenizer (transformers matches them against its vocabulary): "
+                             "pass --tokenizer (or a --model folder with its tokenizer), or use stop_token_ids")
+        tokenizer.check_stop_strings(strings)
+    return tuple(sorted(set(ids))), strings
 
 
 def _number(value: object) -> bool:
@@ -149,9 +184,12 @@ def read_prompts(path: str | Path, tokenizer: PromptTokenizer | None = None, *, 
             if not line.strip():
                 continue
             try:
-                prompt_id, tokens, new_tokens, sampling = _parse(json.loads(line), tokenizer, max_new_tokens)
+                prompt_id, tokens, new_tokens, sampling, stop_ids, stop_strings = _parse(json.loads(line), tokenizer,
+                                                                                         max_new_tokens)
                 if vocab_size is not None and tokens.max() >= vocab_size:
                     raise ValueError(f"token id {int(tokens.max())} is outside the model's vocabulary ({vocab_size})")
+                if vocab_size is not None and stop_ids and stop_ids[-1] >= vocab_size:
+                    raise ValueError(f"stop token id {stop_ids[-1]} is outside the model's vocabulary ({vocab_size})")
                 if max_positions is not None and len(tokens) + new_tokens > max_positions:
                     raise ValueError(f"{len(tokens)} prompt tokens + {new_tokens} new tokens exceed the model's "
                                      f"context of {max_positions} (max_position_embeddings): shorten the prompt or "
@@ -166,7 +204,7 @@ def read_prompts(path: str | Path, tokenizer: PromptTokenizer | None = None, *, 
                 raise InvalidInputError(f"{path}:{number}: duplicate id {prompt_id!r} (first on line "
                                         f"{first_line[prompt_id]}); ids must be unique")
             first_line[prompt_id] = number
-            prompts.append(Prompt(len(prompts), prompt_id, tokens, new_tokens, sampling))
+            prompts.append(Prompt(len(prompts), prompt_id, tokens, new_tokens, sampling, stop_ids, stop_strings))
     if not prompts:
         raise InvalidInputError(f"{path}: no prompts")
     return prompts

@@ -158,7 +158,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
                       position=rank) as bar:
                 serve.serve(model, store, prompts, steps, launch.with_test_exit(writer.write, rank), process=rank,
                             decode=tokenizer and tokenizer.decode, progress=bar.update, stats=stats,
-                            model_digest=digest)
+                            model_digest=digest, stop_tokenizer=tokenizer and tokenizer.stopping_tokenizer())
         try:
             gathered = launch.gather_patiently(stats.as_dict())
         except RuntimeError:  # a peer died while this process waited (torch.distributed's error)
@@ -292,7 +292,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     cmd = subparsers.add_parser("run", help="batch inference over a prompt file with prefix reuse (accelerate-ready)")
     cmd.add_argument("prompts", help="JSONL: one {id, text | messages | input_ids, max_new_tokens?, temperature?, "
-                     "top_p?, top_k?, seed?} object per line")
+                     "top_p?, top_k?, seed?, stop_token_ids?, stop?} object per line")
     cmd.add_argument("--model", required=True, help="config.json (random init, seeded) or a model folder with weights")
     cmd.add_argument("--out", required=True, help="output JSONL (resumed if it exists: finished ids are skipped)")
     cmd.add_argument("--tokenizer", help="a tokenizers JSON file or a transformers tokenizer folder (default: the "

@@ -123,9 +123,11 @@ def decode_kv_bytes(model, prompt_tokens: int, generated_tokens: int) -> int:
     return sum(prompt_tokens + t for t in steps) * kv_bytes_per_token(model)
 
 
-def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = ()) -> tuple[list[int], float]:
+def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = (),
+              stops: dict | None = None) -> tuple[list[int], float]:
     """One prompt's generate() (through `cache` if given), greedy or (`sampling`: Prompt.sampling) sampled from a
-    generator seeded for it alone: (new token ids, prefill wall seconds)."""
+    generator seeded for it alone, with the stop options `stops` (fleet/stops.generate_options): (new token ids,
+    prefill wall seconds)."""
     import contextlib
 
     import torch
@@ -147,37 +149,43 @@ def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = 
             torch.manual_seed(seed)
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                              **decoding, pad_token_id=_pad_id(model), logits_processor=LogitsProcessorList([clock]),
-                             **({cache_keyword(model): cache} if cache is not None else {}))
+                             **({cache_keyword(model): cache} if cache is not None else {}), **(stops or {}))
     return out[0, input_ids.shape[1]:].tolist(), clock.at[0] - started
 
 
-def generate(model, store, tokens, max_new_tokens: int, sampling: tuple = ()) -> tuple[list[int], int, str, float]:
+def generate(model, store, tokens, max_new_tokens: int, sampling: tuple = (),
+             stops: dict | None = None) -> tuple[list[int], int, str, float]:
     """Generation of one prompt through the store: (new token ids, prompt tokens reused, the reason code of
     cache.report() for that reuse, prefill wall seconds)."""
     from prefixlab.cache.hf import HybridPrefixCache
 
     cache = HybridPrefixCache(store)
-    output_ids, prefill_seconds = _generate(model, tokens, max_new_tokens, cache, sampling)
+    output_ids, prefill_seconds = _generate(model, tokens, max_new_tokens, cache, sampling, stops)
     reason = cache.report().rows[0].reason  # report() admits now, so the next step can reuse this one
     return output_ids, cache.reused_tokens, reason, prefill_seconds
 
 
-def generate_uncached(model, tokens, max_new_tokens: int, sampling: tuple = ()) -> list[int]:
+def generate_uncached(model, tokens, max_new_tokens: int, sampling: tuple = (), stops: dict | None = None) -> list[int]:
     """The same generation without prefixlab (the exactness reference)."""
-    return _generate(model, tokens, max_new_tokens, sampling=sampling)[0]
+    return _generate(model, tokens, max_new_tokens, sampling=sampling, stops=stops)[0]
 
 
-def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = None) -> dict[str | int, list[int]]:
-    """The baseline: `prompts` one by one through a plain greedy generate() loop, without prefixlab (the model
-    must not be patched); returns id -> new token ids and counts into `stats` like serve()."""
+def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = None,
+                stop_tokenizer=None) -> dict[str | int, list[int]]:
+    """The baseline: `prompts` one by one through a plain generate() loop, without prefixlab (the model must not be
+    patched); returns id -> new token ids and counts into `stats` like serve(). `stop_tokenizer`: what stop strings
+    are matched with (PromptTokenizer.stopping_tokenizer)."""
     import torch
+
+    from prefixlab.fleet.stops import generate_options
 
     stats = stats if stats is not None else ProcessStats()
     outputs, started = {}, time.perf_counter()
     with torch.inference_mode():
         for prompt in prompts:
+            stops = generate_options(model, prompt.stop_token_ids, prompt.stop_strings, stop_tokenizer)
             outputs[prompt.id], prefill_seconds = _generate(model, prompt.tokens, prompt.max_new_tokens,
-                                                            sampling=prompt.sampling)
+                                                            sampling=prompt.sampling, stops=stops)
             stats.add_request(len(prompt.tokens), 0, len(outputs[prompt.id]))
             stats.prefill_seconds += prefill_seconds
     stats.seconds += time.perf_counter() - started
@@ -215,21 +223,23 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
           write: Callable[[dict], None],
           *, process: int = 0, decode: Callable[[list[int]], str] | None = None,
           progress: Callable[[int], object] | None = None, stats: ProcessStats | None = None,
-          model_digest: str | None = None) -> ProcessStats:
+          model_digest: str | None = None, stop_tokenizer=None) -> ProcessStats:
     """Run `steps` ((prompt index, prime length) from prefixlab.fleet.schedule, or ((indices...), prime length):
     siblings batched by prefixlab.fleet.siblings) over `prompts`, writing one record per finished prompt with
-    `write` (with the prompt's fingerprint and `model_digest`, which a resumed run checks). Counts go into `stats`
+    `write` (with the prompt's fingerprint and `model_digest`, which a resumed run checks, and its finish_reason).
+    `stop_tokenizer` matches the prompts' stop strings (PromptTokenizer.stopping_tokenizer). Counts go into `stats`
     as they happen (what a stopped run did is kept)."""
     import torch
 
     from prefixlab.fleet.siblings import generate_group, kv_bytes_per_token
+    from prefixlab.fleet.stops import ends_on_stop_string, eos_ids, finish_reason, generate_options
 
     stats = stats if stats is not None else ProcessStats(process=process)
     started = time.perf_counter()
 
-    def finish(prompt: Prompt, output_ids: list[int], reused: int) -> None:
+    def finish(prompt: Prompt, output_ids: list[int], reused: int, why: str) -> None:
         record = {"id": prompt.id, "output_ids": output_ids, "prompt_tokens": len(prompt.tokens),
-                  "reused_tokens": reused, "process": process, "request": prompt.fingerprint}
+                  "reused_tokens": reused, "process": process, "request": prompt.fingerprint, "finish_reason": why}
         if model_digest is not None:
             record["model"] = model_digest
         if decode is not None:
@@ -241,27 +251,35 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
             progress(1)
 
     def serve_one(prompt: Prompt) -> None:
-        output_ids, reused, reason, prefill_seconds = generate(model, store, prompt.tokens, prompt.max_new_tokens,
-                                                               prompt.sampling)
+        output_ids, reused, reason, prefill_seconds = generate(
+            model, store, prompt.tokens, prompt.max_new_tokens, prompt.sampling,
+            generate_options(model, prompt.stop_token_ids, prompt.stop_strings, stop_tokenizer))
         stats.prefill_seconds += prefill_seconds
         stats.reasons[reason] = stats.reasons.get(reason, 0) + 1
         stats.kv_bytes_read += decode_kv_bytes(model, len(prompt.tokens), len(output_ids))
         held = (len(prompt.tokens) + max(len(output_ids) - 1, 0)) * kv_bytes_per_token(model)
         stats.kv_bytes_held_peak = max(stats.kv_bytes_held_peak, held)
-        finish(prompt, output_ids, reused)
+        matched = (lambda: ends_on_stop_string([*prompt.tokens.tolist(), *output_ids], prompt.stop_strings,
+                                               stop_tokenizer)) if prompt.stop_strings else None
+        finish(prompt, output_ids, reused, finish_reason(output_ids, prompt.max_new_tokens, eos_ids(model),
+                                                         prompt.stop_token_ids, matched))
 
     batching = True
     with torch.inference_mode():
         for index, length in steps:
             if isinstance(index, tuple):  # siblings under a prime of `length` tokens: one Hydragen batch
                 group, result = [prompts[i] for i in index], None
-                for prompt in (p for p in group if p.sampling):  # (its draws are its own seed's, not a batch's)
+                # alone: a sampled prompt's draws are its own seed's, not a batch's; stop strings are matched over
+                # the whole sequence, which a padded row's is not
+                alone = [p for p in group if p.sampling or p.stop_strings]
+                for prompt in alone:
                     serve_one(prompt)
-                group = [p for p in group if not p.sampling]
+                group = [p for p in group if p not in alone]
                 try:
                     if batching and len(group) > 1:
                         result = generate_group(model, store, [p.tokens for p in group], length,
-                                                [p.max_new_tokens for p in group], _pad_id(model))
+                                                [p.max_new_tokens for p in group], _pad_id(model),
+                                                [p.stop_token_ids for p in group])
                 except PrefixlabError as err:  # raised before any output, the store left as it was
                     batching = False
                     print(f"prefixlab: note: --hydragen: cannot batch this model's siblings ({err}); serving "
@@ -279,8 +297,8 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
                 stats.kv_bytes_held_peak = max(stats.kv_bytes_held_peak, result.kv_bytes_held)
                 # not a store report (the batch reads the prime's entry, nothing is admitted): its own reason
                 stats.reasons["hydragen_batch"] = stats.reasons.get("hydragen_batch", 0) + len(group)
-                for prompt, output_ids in zip(group, result.outputs, strict=True):
-                    finish(prompt, output_ids, result.reused_tokens)
+                for prompt, output_ids, why in zip(group, result.outputs, result.finish_reasons, strict=True):
+                    finish(prompt, output_ids, result.reused_tokens, why)
                 continue
             prompt = prompts[index]
             if length and _resumable(store, prompt.tokens[:length]) >= length:

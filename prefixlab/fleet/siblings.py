@@ -18,8 +18,9 @@ Exactness (greedy tokens of each row = the uncached model's, tested per family i
   whose pads add at most 25 % on a CPU, 100 % on a GPU); otherwise one by one. Equal-length rows need no padding:
   one batched prefill.
 - other layer kinds ("equal"): only rows of equal length are batched; the rest are served one by one.
-Per-row `max_new_tokens` are exact: greedy decoding is prefix-consistent, so each row keeps its first
-`max_new_tokens` tokens, cut after its first EOS as `generate` of that row alone would stop.
+Per-row `max_new_tokens` and stop token ids are exact: greedy decoding is prefix-consistent, so each row keeps its
+first `max_new_tokens` tokens, cut after its first EOS or stop token as `generate` of that row alone would stop (a
+row done early is padded by generate while the others decode; fleet/stops.row_stops).
 
 Admission: a Hydragen batch is not admitted into the store (its KV sits in Hydragen's shared + suffix layout). The
 prime step before the group already left the store its checkpoint; the siblings' own tokens are not cached, so a
@@ -50,6 +51,7 @@ class GroupResult:
     kv_bytes_read: int  # attention KV read by the decode steps (the shared level once per step)
     kv_bytes_held: int  # attention KV the batch held at its end (the shared level once, padding slots included)
     prefill_seconds: float = 0.0  # wall time to the first token's logits (the rows' prefills included)
+    finish_reasons: tuple[str, ...] = ()  # per row: "stop", "eos" or "length" (fleet/stops.finish_reason)
 
 
 def batching_mode(model) -> str | None:
@@ -162,11 +164,6 @@ def kv_bytes_per_token(model) -> int:
     return ModelSpec.from_config(model.config, dtype=model.dtype).kv_bytes_per_token
 
 
-def _eos_ids(model) -> set[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
-
-
 def keep_row(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
     """A row of a longer greedy batch as `generate` of that row alone returns it: `max_new_tokens`, cut after EOS."""
     tokens = tokens[:max_new_tokens]
@@ -177,16 +174,18 @@ def keep_row(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]
 
 
 def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
-                   max_new_tokens: Sequence[int], pad_id: int = 0) -> GroupResult | None:
+                   max_new_tokens: Sequence[int], pad_id: int = 0,
+                   stop_token_ids: Sequence[Sequence[int]] | None = None) -> GroupResult | None:
     """Greedy generation of `rows` (prompts that share their first `shared_length` tokens) as one Hydragen batch
-    over the store's cached prefix; None where a hybrid's ragged rows find no prefix in the store (serve them one by
-    one). The model must use attn_implementation="hydragen"."""
+    over the store's cached prefix, each row stopping at its own `stop_token_ids` too; None where a hybrid's ragged
+    rows find no prefix in the store (serve them one by one). The model must use attn_implementation="hydragen"."""
     import torch
-    from transformers import LogitsProcessorList
+    from transformers import LogitsProcessorList, StoppingCriteriaList
 
     from prefixlab.attention.compose import hydragen_cache_from_store
     from prefixlab.errors import InvalidInputError
     from prefixlab.fleet.serve import FirstTokenClock
+    from prefixlab.fleet.stops import eos_ids, finish_reason, row_stops
 
     mode = batching_mode(model)
     if mode is None:
@@ -227,17 +226,22 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
         mask[b, :reused], mask[b, reused + gap:] = 1, 1
     padding = computed_pads if mode == "rows" and ragged else int((width - mask.sum(1)).sum())
     clock = FirstTokenClock()
+    stops = [set(ids) for ids in stop_token_ids] if stop_token_ids is not None else [set()] * len(rows)
+    # (rows that stop on their own ids are done early: the batch ends once every row is)
+    criteria = StoppingCriteriaList([row_stops(max_new_tokens, stops, width)] if any(stops) else [])
     out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device), past_key_values=cache,
                          max_new_tokens=max(max_new_tokens), **GREEDY, pad_token_id=pad_id,
-                         logits_processor=LogitsProcessorList([clock]))
-    eos = _eos_ids(model)
-    outputs = [keep_row(out[b, width:].tolist(), n, eos) for b, n in enumerate(max_new_tokens)]
+                         logits_processor=LogitsProcessorList([clock]), stopping_criteria=criteria)
+    eos = eos_ids(model)
+    outputs = [keep_row(out[b, width:].tolist(), n, set(eos) | stops[b]) for b, n in enumerate(max_new_tokens)]
+    reasons = tuple(finish_reason(row, n, eos, stops[b]) for b, (row, n) in enumerate(zip(outputs, max_new_tokens,
+                                                                                           strict=True)))
     generated = out.shape[1] - width  # decode steps actually run (all rows stopped at EOS: fewer)
     # decode step t (t = 1 .. generated - 1) reads the shared level once and each row's suffix of width - reused + t
     per_token = kv_bytes_per_token(model)
     read = sum(reused + len(rows) * (width - reused + t) for t in range(1, generated)) * per_token
     held = (reused + len(rows) * (width - reused + max(generated - 1, 0))) * per_token
-    return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started)
+    return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started, reasons)
 
 
 def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):

@@ -6,6 +6,9 @@ Two kinds, both read from local files only:
 - a transformers tokenizer folder (`--tokenizer FOLDER`, or the `--model` folder itself when it holds one): `text`
   is encoded as `tokenizer(text)` encodes it (its special tokens, e.g. a BOS, included), and `messages` through its
   chat template with the generation prompt appended, as `apply_chat_template(messages, add_generation_prompt=True)`.
+
+Stop strings (a prompt line's `stop`) are matched by transformers' `generate(stop_strings=..., tokenizer=...)` with
+`stopping_tokenizer`: the folder's tokenizer, or a `PreTrainedTokenizerFast` over the tokenizers JSON file.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class PromptTokenizer:
             from prefixlab.sim.build import TextEncoder
 
             self.hf, self.fast = None, TextEncoder(self.path).tokenizer
+        self._stopping, self._stop_checked = None, {}
 
     def encode(self, text: str) -> list[int]:
         if self.hf is not None:
@@ -70,6 +74,32 @@ class PromptTokenizer:
         if self.hf is not None:
             return self.hf.decode(ids, skip_special_tokens=True)
         return self.fast.decode(ids)
+
+    def stopping_tokenizer(self):
+        """The transformers tokenizer `generate(stop_strings=..., tokenizer=...)` matches stop strings with."""
+        if self.hf is not None:
+            return self.hf
+        if self._stopping is None:
+            from transformers import PreTrainedTokenizerFast
+
+            self._stopping = PreTrainedTokenizerFast(tokenizer_object=self.fast)
+        return self._stopping
+
+    def check_stop_strings(self, strings: tuple[str, ...]) -> None:
+        """ValueError (a malformed line) where transformers cannot match `strings` with this tokenizer: generate would
+        raise it on the prompt (a character no token has; a vocabulary whose token strings it cannot recover). Builds
+        generate's StopStringCriteria once per set of strings (transformers keeps the last 8 for generate)."""
+        if strings not in self._stop_checked:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+
+            try:
+                StopStringCriteria(self.stopping_tokenizer(), list(strings))
+                self._stop_checked[strings] = None
+            except (ValueError, KeyError, IndexError) as err:
+                self._stop_checked[strings] = f"transformers cannot match 'stop' {list(strings)!r} with the " \
+                    f"tokenizer {str(self.path)!r} ({' '.join(str(err).split())}); use stop_token_ids"
+        if self._stop_checked[strings] is not None:
+            raise ValueError(self._stop_checked[strings])
 
     def digest(self) -> bytes:
         """The bytes of the files that decide what it encodes and decodes (a run's outputs record them)."""
