@@ -53,7 +53,8 @@ def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> N
     prompt, max_new_tokens, model or tokenizer would leave stale outputs behind (records written before fingerprints
     pass)."""
     changed = [p.id for p in prompts if p.id in done and (done[p.id].get("request", p.fingerprint) != p.fingerprint
-                                                          or done[p.id].get("model", model_digest) != model_digest)]
+                                                          or model_digest is not None  # (None: --plan, no weights)
+                                                          and done[p.id].get("model", model_digest) != model_digest)]
     if changed:
         raise InvalidInputError(
             f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model (or "
@@ -75,18 +76,14 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import schedule, serve, siblings
+    from prefixlab.fleet import serve
+    from prefixlab.fleet.plan import assign_pending, check_options, process_steps
     from prefixlab.fleet.prompts import read_prompts
 
     state = launch.start(args.cpu)
     rank, processes = state.process_index, state.num_processes
     restart, max_restarts = launch.attempt()
-    if args.routing not in schedule.ASSIGNMENTS:
-        raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(schedule.ASSIGNMENTS)}")
-    if args.order not in ("radix", "input"):
-        raise InvalidInputError(f"--order {args.order!r}: use radix or input")
-    if args.hydragen and args.order != "radix":
-        raise InvalidInputError("--hydragen batches the siblings under radix-order primes: use it with --order radix")
+    check_options(args)
     out = Path(args.out).resolve()  # a symlink's target: the merge renames a new file over OUT
     if not out.parent.is_dir():
         raise InvalidInputError(f"--out {args.out!r}: folder {str(out.parent)!r} does not exist")
@@ -120,11 +117,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         done = outputs.finished(out)
         _check_resumed(out, prompts, done, digest)
         pending = [p.index for p in prompts if p.id not in done]
-        plan = [len(prompts) - len(pending),
-                dict(zip(pending, schedule.assign([prompts[i].tokens for i in pending], processes, args.routing,
-                                                  seed=args.seed, balance_eps=args.balance_eps,
-                                                  primed=args.order == "radix", store=store_model), strict=True))
-                if pending else {}]
+        plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
         if restart:
             print(f"prefixlab: restart {restart} (of at most {max_restarts}): {plan[0]} of {len(prompts)} prompts "
                   f"were done before it; the {len(pending)} left unfinished by the failure are planned again over "
@@ -133,16 +126,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)
     resumed, assignment = plan
-    mine = [i for i, process in sorted(assignment.items()) if process == rank]
-    if args.order == "radix":
-        local = schedule.radix_schedule([prompts[i].tokens for i in mine])
-        steps = [(mine[k], length) for k, length in local]
-        if batching is not None:
-            steps = [(tuple(mine[k] for k in index) if isinstance(index, tuple) else mine[index], length)
-                     for index, length in siblings.group_siblings([prompts[i].tokens for i in mine], local, batching,
-                                                                  max_batch=args.max_batch)]
-    else:
-        steps = [(i, 0) for i in mine]
+    mine = [i for i, process in assignment.items() if process == rank]
+    steps = process_steps(prompts, assignment, rank, args, batching)  # (what --plan reports: fleet/plan.py)
 
     previous = signal.signal(signal.SIGTERM, _on_sigterm)  # from here on a SIGTERM stops the run cleanly
     started, stats, stopped, gathered = time.perf_counter(), serve.ProcessStats(process=rank), False, None
@@ -274,6 +259,13 @@ def format_summary(summary: dict, out: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plan:
+        from prefixlab.fleet.plan import run_plan
+
+        return run_plan(args)
+    if args.processes is not None:
+        raise InvalidInputError("--processes is for --plan; a run's processes are the launcher's "
+                                "(accelerate launch --num_processes N)")
     previous = signal.getsignal(signal.SIGTERM)
     try:
         summary = run_batch(args)
@@ -316,5 +308,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cmd.add_argument("--seed", type=seed_int, default=0, help="random-init seed (the same on every process; default 0)")
     cmd.add_argument("--on-error", default="stop", help="malformed prompt lines: stop (default) or skip")
     cmd.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU is present")
-    cmd.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    cmd.add_argument("--json", action="store_true", help="print the summary (or the plan) as one JSON object")
+    cmd.add_argument("--plan", action="store_true",
+                     help="print how the run would route and order the prompts, with the scheduler's estimates of "
+                          "reused and prefilled tokens per process, then stop: reads no weights, writes nothing "
+                          "(prefixlab/fleet/plan.py)")
+    cmd.add_argument("--processes", type=positive_int,
+                     help="--plan: the processes to plan for (default: the launcher's WORLD_SIZE, else 1)")
     cmd.set_defaults(func=run)

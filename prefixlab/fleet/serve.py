@@ -68,10 +68,12 @@ class FirstTokenClock:
         return scores
 
 
-def load_model(model: str, seed: int = 0, device: str = "cpu"):
+def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = False):
     """A transformers causal LM from a config.json (random init after torch.manual_seed(seed), so every process
     builds the same weights) or a local model folder with weights (from_pretrained, local files only), in eval
-    mode on `device`."""
+    mode on `device`. `meta`: the same model on the meta device, no weights read or made (`run --plan`): its
+    config, generation config, dtype (as from_pretrained picks it: the config's, else the first checkpoint file's)
+    and module structure only."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -89,6 +91,8 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
         auto = AutoModelForCausalLM
         if type(config) not in auto._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
             auto = AutoModelForImageTextToText
+        if meta:
+            return _meta_model(auto, config, path if has_weights else None)
         if has_weights:
             loaded = auto.from_pretrained(str(path), local_files_only=True)
         else:
@@ -97,6 +101,28 @@ def load_model(model: str, seed: int = 0, device: str = "cpu"):
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
     return loaded.to(device).eval()
+
+
+def _meta_model(auto, config, folder: Path | None):
+    """`auto`'s model of `config` on the meta device, with the dtype and generation config from_pretrained would
+    give it from `folder` (None: from_config's)."""
+    import torch
+    from transformers import GenerationConfig
+
+    options = {}
+    if folder is not None:
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:  # from_pretrained's "auto": the first floating tensor of the first checkpoint file
+            from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+            first = [*sorted(folder.glob("*.safetensors")), *sorted(folder.glob("*.bin"))][0]  # (its preference)
+            dtype = get_state_dict_dtype(load_state_dict(str(first), map_location="meta"))
+        options["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        loaded = auto.from_config(config, **options)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        loaded.generation_config = GenerationConfig.from_pretrained(str(folder), local_files_only=True)
+    return loaded.eval()
 
 
 def model_digest(model) -> str:

@@ -1,0 +1,104 @@
+"""`prefixlab run --plan`: the assignment and per-process order a real run makes, with the scheduler's estimates,
+without reading weights or writing anything."""
+
+import json
+
+import pytest
+import torch
+from hf_models import config as tiny_config
+from test_fleet_run import files, launch, needs_accelerate, read_out  # noqa: F401  (files: the module fixture)
+
+import prefixlab.fleet.serve
+from prefixlab.cli import main
+
+
+def plan(capsys, prompts, model, out, *extra):
+    code = main(["run", prompts, "--model", model, "--out", out, "--plan", "--json", *map(str, extra)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return json.loads(captured.out.strip().splitlines()[-1])
+
+
+def served_steps(monkeypatch, prompts_of_run):
+    """Patch serve.serve to record (process, ids in serve order, batches of ids) of the steps a run serves."""
+    real, seen = prefixlab.fleet.serve.serve, []
+
+    def recording(model, store, prompts, steps, write, **kwargs):
+        ids = [prompts[i].id for index, length in steps if not length or isinstance(index, tuple)
+               for i in (index if isinstance(index, tuple) else (index,))]
+        batches = [[prompts[i].id for i in index] for index, _ in steps if isinstance(index, tuple)]
+        seen.append((kwargs.get("process", 0), ids, batches))
+        return real(model, store, prompts, steps, write, **kwargs)
+
+    monkeypatch.setattr(prefixlab.fleet.serve, "serve", recording)
+    return seen
+
+
+@pytest.mark.parametrize("options", [(), ("--hydragen", "--max-batch", "3"), ("--order", "input")])
+def test_the_plan_is_what_a_run_serves(capsys, monkeypatch, files, tmp_path, options):  # noqa: F811
+    out = tmp_path / "out.jsonl"
+    planned = plan(capsys, files / "prompts.jsonl", files / "config.json", out, *options)
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing written: no OUT, part or lock file
+    seen = served_steps(monkeypatch, files)
+    assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", out, "--json",
+                 *options]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (process, ids, batches), = seen
+    mine = planned["per_process"][0]
+    assert planned["processes"] == 1 and mine["ids"] == ids and mine["batch_ids"] == batches
+    assert planned["pending"] == summary["requests"] == 12 and planned["prompt_tokens"] == summary["prompt_tokens"]
+    # the store model's estimates are the run's counts here (nothing evicted; a prime's checkpoint where it is)
+    for key, real in (("reused_tokens", "reused_tokens"), ("prefill_tokens", "prefilled_tokens"),
+                      ("prime_tokens", "prime_tokens"), ("batches", "batches")):
+        assert planned[key] == summary[real], key
+    if "--hydragen" in options:
+        assert planned["batching"] == "rows" and planned["batches"] == 3
+
+
+def test_the_plan_reads_no_weights_and_leaves_out_what_out_holds(capsys, files, tmp_path):  # noqa: F811
+    """A model folder whose weights are garbage plans all the same (only the config, on the meta device); the
+    prompts OUT already holds are not planned, and a prompt changed since is refused as a rerun refuses it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5")).save_pretrained(str(folder))
+    whole = plan(capsys, files / "prompts.jsonl", folder, tmp_path / "a.jsonl", "--processes", "2")
+    (folder / "model.safetensors").write_bytes(b"not weights")
+    planned = plan(capsys, files / "prompts.jsonl", folder, tmp_path / "a.jsonl", "--processes", "2")
+    assert planned == whole and planned["processes"] == 2 and all(p["prompts"] for p in planned["per_process"])
+    out = tmp_path / "out.jsonl"
+    three = tmp_path / "three.jsonl"
+    three.write_text("".join((files / "prompts.jsonl").read_text().splitlines(keepends=True)[:3]))
+    assert main(["run", three, "--model", files / "config.json", "--out", out]) == 0
+    capsys.readouterr()
+    planned = plan(capsys, files / "prompts.jsonl", files / "config.json", out)
+    assert planned["resumed"] == 3 and planned["pending"] == 9 == planned["per_process"][0]["prompts"]
+    assert not {r["id"] for r in read_out(out)} & set(planned["per_process"][0]["ids"])
+    lines = (files / "prompts.jsonl").read_text().splitlines()
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("\n".join([json.dumps({**json.loads(lines[0]), "max_new_tokens": 2}), *lines[1:]]) + "\n")
+    assert main(["run", edited, "--model", files / "config.json", "--out", out, "--plan"]) == 2
+    assert "made from another prompt" in capsys.readouterr().err
+
+
+def test_plan_text_and_bad_options(capsys, files, tmp_path):  # noqa: F811
+    args = ["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", tmp_path / "o.jsonl"]
+    assert main([*args, "--plan", "--processes", "3", "--routing", "round-robin"]) == 0
+    text = capsys.readouterr().out
+    assert "plan: 12 of 12 prompts to serve" in text and "process 2: 4 prompts" in text and "load imbalance" in text
+    assert main([*args, "--processes", "2"]) == 2
+    assert "--processes is for --plan" in capsys.readouterr().err
+    assert main([*args, "--plan", "--routing", "sticky"]) == 2
+    assert "round-robin" in capsys.readouterr().err and not list(tmp_path.iterdir())
+
+
+@needs_accelerate
+def test_the_plan_is_what_two_launched_processes_serve(capsys, files, tmp_path):  # noqa: F811
+    out = tmp_path / "out.jsonl"
+    planned = plan(capsys, files / "prompts.jsonl", files / "config.json", out, "--processes", "2")
+    done, summary = launch(files, out)
+    assert done.returncode == 0 and summary["processes"] == 2, done.stderr[-3000:]
+    served = {r["id"]: r["process"] for r in read_out(out)}
+    assert served == {i: p["process"] for p in planned["per_process"] for i in p["ids"]}
+    assert [g["prompt_tokens"] for g in summary["per_process"]] == [p["prompt_tokens"] for p in planned["per_process"]]
