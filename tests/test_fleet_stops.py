@@ -36,7 +36,7 @@ def word_tokenizer(folder):
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny hybrid's config, a tokenizer folder, the model and 6 prompts over one 60-token prefix with their greedy
+    """A tiny hybrid's config, a tokenizer folder, the model and 8 prompts over one 60-token prefix with their greedy
     outputs (no stops)."""
     folder = tmp_path_factory.mktemp("stops")
     tiny_config("qwen3_5").to_json_file(folder / "config.json")
@@ -44,21 +44,25 @@ def setup(tmp_path_factory):
     model = serve.load_model(str(folder / "config.json"))
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 128, 60).tolist()
-    prompts = [prefix + rng.integers(3, 128, 4 + k % 3).tolist() for k in range(6)]
+    prompts = [prefix + rng.integers(3, 128, 4 + k % 3).tolist() for k in range(8)]
     with torch.inference_mode():
         greedy = [serve.generate_uncached(model, p, NEW) for p in prompts]
     return folder, model, prompts, greedy
 
 
-def reference(model, tokens, stop_token_ids=(), stop=(), hf=None):
-    """transformers' generate without prefixlab, given the stop options directly."""
+def reference(model, tokens, stop_token_ids=(), stop=(), hf=None, seed=None):
+    """transformers' generate without prefixlab, given the stop options directly (sampled at temperature 1 from
+    `seed` if given)."""
     options = {"eos_token_id": [2, *stop_token_ids]} if stop_token_ids else {}
     if stop:
         options |= {"stop_strings": list(stop), "tokenizer": hf}
+    if seed is not None:
+        options |= {"do_sample": True, "temperature": 1.0}
+        torch.manual_seed(seed)
     ids = torch.tensor([tokens])
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False,
-                             pad_token_id=0, **options)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, pad_token_id=0,
+                             **({"do_sample": False} | options))
     return out[0, ids.shape[1]:].tolist()
 
 
@@ -73,6 +77,8 @@ def test_stops_end_outputs_where_generate_ends_them(capsys, setup, tmp_path, hyd
         {"stop": hf.decode(greedy[3][3:5])},  # two words: a string over two tokens
         {"stop": [hf.decode(greedy[4][1:2]), "t1t1"], "stop_token_ids": [greedy[4][5]]},
         {},  # no stop options: length (the tiny model never emits its EOS here)
+        {"stop": hf.decode([prompts[6][-1], greedy[6][0]])},  # begins in the prompt: stops after one token
+        {"temperature": 1.0, "seed": 4, "stop_token_ids": list(range(3, 60))},  # sampled, with its stops
     ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"id": k, "input_ids": p, "max_new_tokens": NEW, **line}) + "\n"
@@ -87,11 +93,14 @@ def test_stops_end_outputs_where_generate_ends_them(capsys, setup, tmp_path, hyd
     records = read_out(out)
     for k, (record, line) in enumerate(zip(records, lines, strict=True)):
         stop = [line["stop"]] if isinstance(line.get("stop"), str) else line.get("stop", [])
-        expected = reference(model, prompts[k], line.get("stop_token_ids", []), stop, hf)
+        expected = reference(model, prompts[k], line.get("stop_token_ids", []), stop, hf, line.get("seed"))
         assert record["output_ids"] == expected, k
         assert record["text"] == hf.decode(expected)
     reasons = [r["finish_reason"] for r in records]
-    assert reasons == ["stop", "stop", "length", "stop", "stop", "length"], reasons
+    sampled = records[7]["output_ids"]
+    assert reasons == ["stop", "stop", "length", "stop", "stop", "length", "stop",
+                       "stop" if 3 <= sampled[-1] < 60 else "length"], reasons
+    assert len(records[6]["output_ids"]) == 1 and sampled != greedy[7][:len(sampled)]
     assert len(records[0]["output_ids"]) <= 3 and records[0]["output_ids"][-1] == greedy[0][2]  # the stop id kept
     assert hf.decode(greedy[3][3:5]) in records[3]["text"] and len(records[3]["output_ids"]) <= 5  # the string kept
     assert len(records[4]["output_ids"]) <= 2  # the first of its stops that came
