@@ -101,6 +101,7 @@ def test_stops_end_outputs_where_generate_ends_them(capsys, setup, tmp_path, hyd
     assert reasons == ["stop", "stop", "length", "stop", "stop", "length", "stop",
                        "stop" if 3 <= sampled[-1] < 60 else "length"], reasons
     assert len(records[6]["output_ids"]) == 1 and sampled != greedy[7][:len(sampled)]
+    assert summary["finish_reasons"] == {why: reasons.count(why) for why in set(reasons)}
     assert len(records[0]["output_ids"]) <= 3 and records[0]["output_ids"][-1] == greedy[0][2]  # the stop id kept
     assert hf.decode(greedy[3][3:5]) in records[3]["text"] and len(records[3]["output_ids"]) <= 5  # the string kept
     assert len(records[4]["output_ids"]) <= 2  # the first of its stops that came

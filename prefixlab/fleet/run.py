@@ -207,10 +207,12 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
     total["kv_bytes_held_peak"] = max(g["kv_bytes_held_peak"] for g in per_process)
     prefilled = [g["prefilled_tokens"] for g in per_process]
     mean = sum(prefilled) / max(len(prefilled), 1)
-    reasons = {}
+    reasons, finished = {}, {}
     for process in per_process:
         for reason, count in process["reasons"].items():
             reasons[reason] = reasons.get(reason, 0) + count
+        for reason, count in process["finish_reasons"].items():
+            finished[reason] = finished.get(reason, 0) + count
     return {
         "prompts": len(prompts), "resumed": resumed, **total, "written": written, "lost": len(missing),
         "lost_ids": missing[:20], "routing": args.routing, "order": args.order, "hydragen": args.hydragen,
@@ -222,7 +224,7 @@ def _summary(prompts, per_process: list[dict], written: int, missing: list, resu
         "load_imbalance": max(prefilled) / mean if mean else 1.0,
         "seconds": seconds, "requests_per_second": total["requests"] / seconds if seconds else 0.0,
         "generated_tokens_per_second": total["generated_tokens"] / seconds if seconds else 0.0,
-        "reasons": reasons, "per_process": per_process,
+        "reasons": reasons, "finish_reasons": finished, "per_process": per_process,
     }
 
 
@@ -236,7 +238,8 @@ def format_summary(summary: dict, out: str) -> str:
         f"{summary['saved_tokens']} tokens ({summary['prefill_saved_rate']:.1f}%)",
         f"processes: {summary['processes']} ({summary['routing']} routing, {summary['order']} order), "
         f"load imbalance {summary['load_imbalance']:.3f} (max/mean prefilled tokens)",
-        f"why requests reused what they did: {format_reasons(summary['reasons'])}",
+        f"why requests reused what they did: {format_reasons(summary['reasons'])}; generation ended on "
+        f"{', '.join(f'{n} {why}' for why, n in sorted(summary['finish_reasons'].items())) or 'none'}",
         f"hydragen: {summary['batched_requests']} requests in {summary['batches']} sibling batches "
         f"({summary['padding_tokens']} padding tokens); decode read {summary['kv_bytes_read'] / 2**20:.1f} MiB of "
         f"attention KV, at most {summary['kv_bytes_held_peak'] / 2**20:.1f} MiB held by one generate call",

@@ -38,6 +38,7 @@ class ProcessStats:
     prefill_seconds: float = 0.0
     seconds: float = 0.0
     reasons: dict[str, int] = field(default_factory=dict)  # why each request reused what it did (cache/explain.py)
+    finish_reasons: dict[str, int] = field(default_factory=dict)  # why each generation ended (fleet/stops.py)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -271,6 +272,7 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
         if decode is not None:
             record["text"] = decode(output_ids)
         write(record)
+        stats.finish_reasons[why] = stats.finish_reasons.get(why, 0) + 1
         stats.add_request(len(prompt.tokens), reused, len(output_ids))
         stats.seconds = time.perf_counter() - started
         if progress is not None:
