@@ -141,7 +141,7 @@ def test_changed_stop_options_are_refused_on_rerun_and_none_keep_the_fingerprint
     assert main(["run", path, "--model", folder / "config.json", "--out", out, "--max-new-tokens", "2"]) == 0
     path.write_text(json.dumps({"id": 1, "input_ids": [5, 6, 7], "stop_token_ids": [10]}) + "\n")
     assert main(["run", path, "--model", folder / "config.json", "--out", out, "--max-new-tokens", "2"]) == 2
-    assert "made from another prompt" in capsys.readouterr().err
+    assert "made from another prompt" in capsys.readouterr().err  # (... "or with other sampling or stop options")
     path.write_text("".join(json.dumps(line) + "\n" for line in [
         {"id": "a", "input_ids": [5, 6]}, {"id": "b", "input_ids": [5, 6], "stop_token_ids": [], "stop": []},
         {"id": "c", "input_ids": [5, 6], "stop_token_ids": [9, 8, 9]}, {"id": "d", "input_ids": [5, 6],

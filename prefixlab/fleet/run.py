@@ -58,7 +58,8 @@ def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> N
     if changed:
         raise InvalidInputError(
             f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model (or "
-            f"--tokenizer) than this run's (ids {changed[:5]}{' ...' if len(changed) > 5 else ''}); pass another "
+            f"--tokenizer) than this run's, or with other sampling or stop options (ids {changed[:5]}"
+            f"{' ...' if len(changed) > 5 else ''}); pass another "
             f"--out, or remove their lines from {out} (and its .part files) to redo them")
 
 
