@@ -26,7 +26,7 @@ from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import check_store_arguments, default_for, normalize_option, register, unregister
 from prefixlab.cache.devices import execution_device
-from prefixlab.cache.explain import MISS_REASONS, REASONS, why
+from prefixlab.cache.explain import why
 from prefixlab.cache.hfspec import selection_limit
 from prefixlab.cache.hooks import attach
 from prefixlab.cache.media_memo import MEDIA_CACHE_BYTES
@@ -44,6 +44,7 @@ from prefixlab.cache.model_info import (  # noqa: F401  (re-exported: part of th
 )
 from prefixlab.cache.ownership import hold_patch, patch_replaced_layers, release_collected, release_when_collected
 from prefixlab.cache.persist import load_store, save_store
+from prefixlab.cache.reuse_counts import ReuseCounts
 from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import (
     TensorKV,
@@ -60,7 +61,7 @@ from prefixlab.cache.weights import watch_optimizer_steps, weights_version
 from prefixlab.errors import InvalidInputError, UnsupportedModelError
 
 
-class PrefixStore:
+class PrefixStore(ReuseCounts):
     """Cached prefixes of one model, shared by every `HybridPrefixCache(store)`. The first open store of a model is
     its default store: `HybridPrefixCache()` without a store binds to it (see `default_for`).
 
@@ -119,9 +120,7 @@ class PrefixStore:
         # caches whose tokens are not admitted yet; held strongly, as generate() drops its cache when it returns
         self._open: dict[int, object] = {}
         self.generation = 0  # bumped by clear(): caches that began before it admit nothing (HybridPrefixCache.commit)
-        self._counters = {"sequences": 0, "hit_sequences": 0, "reused_tokens": 0, "reused_bytes": 0,
-                          "offload_hits": 0, "decoded_tokens_left_out": 0, "limited_tokens_left_out": 0}
-        self._reasons = dict.fromkeys(REASONS, 0)
+        self._start_counts()
         self.closed = False
         # last, so that a store refused above leaves the model as it was: its share of the kernel patch and of the
         # hooks, given back by close() or when the store is collected
@@ -257,7 +256,8 @@ class PrefixStore:
             return None
         match = self.offload.match(tokens, namespace=namespace)
         if match.length > longer_than:
-            self._counters["offload_hits"] += int(count)
+            if count:
+                self._count_offload_hit()
             self._host_matches.add(id(match))
             return match
         self.offload.release(match)
@@ -299,25 +299,6 @@ class PrefixStore:
         """Why a live match (of either tier) of `tokens` reuses no more (a reason code, cache/explain.py)."""
         core = self.offload if id(match) in self._host_matches else self.core
         return why(core, as_tokens(tokens), match)
-
-    @serialized
-    def count_left_out(self, decoded: int, limited: int) -> None:
-        """Count tokens a cache held but did not admit: `decoded` (decode_differs), `limited` (admit_limit)."""
-        self._counters["decoded_tokens_left_out"] += decoded
-        self._counters["limited_tokens_left_out"] += limited
-
-    @serialized
-    def record_request(self, rows: list, replacing: list = ()) -> None:
-        """Count a request's rows (cache/explain.py RowReport: reused tokens, reason) in `stats()`; `replacing`: the
-        rows this request was counted with before (it resumed further, mid-request)."""
-        for row, sign in (*((r, -1) for r in replacing), *((r, 1) for r in rows)):
-            self._counters["sequences"] += sign
-            self._counters["hit_sequences"] += sign if row.reused else 0
-            self._counters["offload_hits"] += sign if row.reused and row.from_host else 0
-            self._counters["reused_tokens"] += sign * row.reused
-            self._counters["reused_bytes"] += sign * (row.reused * self.spec.kv_bytes_per_token
-                                                      + (self.spec.state_bytes if row.reused else 0))
-            self._reasons[row.reason] += sign
 
     def hold(self, cache) -> None:
         """Keep `cache` (anything with `commit()`) to admit on the store's next use."""
@@ -383,9 +364,7 @@ class PrefixStore:
         self.flush(lookup=True)  # (a monitor polling while generate() decodes: its steps are admitted at its end)
         host = self.offload.stats() if self.offload else {}
         offload = {f"offload_{k}": v for k, v in host.items() if k.endswith("bytes")}
-        reasons = dict(self._reasons)
-        return {**self.core.stats(), **offload, **self._counters, "reasons": reasons,
-                "miss_reasons": {reason: reasons[reason] for reason in MISS_REASONS}}
+        return {**self.core.stats(), **offload, **self._counted()}
 
     # -- persistence (cache/persist.py) -----------------------------------------------------------------------------
     @serialized
