@@ -50,6 +50,11 @@ class PrefixState:
     nbytes: int = STATE_BYTES
 
 
+def dp_core(capacity_bytes: int = 10**7, **options) -> PrefixCacheCore:
+    """A dp core on the tiny hybrid spec, block 4, alpha 0 (options override)."""
+    return PrefixCacheCore(capacity_bytes, "dp", tiny_spec(), block_size=4, **({"alpha": 0.0} | options))
+
+
 def node_paths(core: PrefixCacheCore, namespace: str = "default"):
     """(node, full token tuple from the root to the node's end) for every non-root node, by plain recursion."""
     root = core.tree.roots.get(namespace)

@@ -4,11 +4,9 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from prefix_helpers import STATE_BYTES, picks_under_a_live_match, request, tiny_spec, version_families
+from prefix_helpers import STATE_BYTES, dp_core, request, tiny_spec, version_families
 
-from prefixlab.cache.alpha import ALPHA_GRID, tune_alpha
+from prefixlab.cache.alpha import tune_alpha
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.eviction import FlopAware, ThinningFlopAware
 from prefixlab.cache.law import EntryLaw
@@ -16,10 +14,6 @@ from prefixlab.cache.priced import PricedAdmission
 from prefixlab.cache.replay import replay_request
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
-
-
-def _core(capacity_bytes=10**7, **kw):
-    return PrefixCacheCore(capacity_bytes, "dp", tiny_spec(), block_size=4, alpha=0.0, **kw)
 
 
 def _law_arrays(law: EntryLaw):
@@ -54,7 +48,7 @@ def test_law_decays_per_request_and_survives_many_requests():
 
 
 def test_the_law_counts_overlaps_whether_or_not_a_state_caught_them():
-    core = _core()
+    core = dp_core()
     hits = [request(core, tokens).length for tokens in version_families(8)]
     assert hits[-1] > 0  # a placed state caught the last family's divergence ...
     interior, _ = _law_arrays(core.admission.laws["branch"])
@@ -65,7 +59,7 @@ def test_the_law_counts_overlaps_whether_or_not_a_state_caught_them():
 
 def test_placement_is_free_while_stored_tokens_go_unused_and_priced_once_they_pay():
     admission = PricedAdmission(block=16, decay=0.99, resolve_every=1, state_tokens=10_000.0)  # a costly state
-    core = _core()
+    core = dp_core()
     core.admission = admission  # a fresh admission on a fresh core: plan through the core's tree
     for tokens in version_families(6):
         request(core, tokens)
@@ -93,7 +87,7 @@ def test_prompt_repeats_get_a_state_at_the_input_end():
 
 def test_thinning_drops_placed_states_before_whole_entries():
     spec = tiny_spec()
-    core = _core(capacity_bytes=10**6)
+    core = dp_core(capacity_bytes=10**6)
     assert isinstance(core.eviction, ThinningFlopAware)
     for tokens in version_families(6):
         request(core, tokens)
@@ -157,10 +151,10 @@ def test_only_whole_entry_evictions_start_the_alpha_bootstrap():
 
 
 def test_alpha_replays_start_from_the_live_law():
-    live = _core()
+    live = dp_core()
     for tokens in version_families(6):
         request(live, tokens)
-    fresh = _core()
+    fresh = dp_core()
     fresh.admission.seed(live.admission)
     for kind, law in live.admission.laws.items():
         np.testing.assert_array_equal(_law_arrays(fresh.admission.laws[kind])[0], _law_arrays(law)[0])
@@ -169,7 +163,7 @@ def test_alpha_replays_start_from_the_live_law():
 
 
 def test_the_uniform_prior_is_placed_only_while_states_cost_nothing():
-    core = _core()
+    core = dp_core()
     first = list(range(1, 101))
     match = core.match(first)
     assert core.plan(first, match) == [20, 40, 60, 80, 100]  # empty cache, empty law: 4 evenly spaced + the end
@@ -207,124 +201,6 @@ def test_dp_tuner_keeps_the_middle_of_tied_alphas():
     assert ThinningFlopAware.alpha_ties == "middle" and FlopAware.alpha_ties == "smallest"
 
 
-def _stream(core, prompts):
-    for prompt in prompts:
-        replay_request(core, np.asarray(prompt), np.zeros(0, dtype=np.int64))
-
-
-def test_leaves_never_resumed_from_weigh_less_in_eviction():
-    rng = np.random.default_rng(0)
-    shared = [list(rng.integers(0, 500, 60)) for _ in range(3)]  # three instructions, each + a unique query
-    queries = [shared[i % 3] + list(rng.integers(1000, 5000, 40)) for i in range(60)]
-    turns = [list(range(1, 30 + 20 * i)) for i in range(60)]  # a chat: every request continues the last one
-    few_shot, chat = _core(capacity_bytes=6_000), _core(capacity_bytes=6_000)
-    _stream(few_shot, queries)
-    _stream(chat, turns)
-    assert chat.admission.law.leaf_weight() == 1.0  # leaves are resumed from: Marconi's efficiency as it is
-    weight = few_shot.admission.law.leaf_weight()
-    assert 0 < weight < 0.75  # the queries' leaves are resumed from less often than the instructions' states
-    eviction = few_shot.eviction
-    eviction.pick(few_shot.clock + 1)  # the index is rebuilt with the law's current weight (as core calls it: later)
-    leaves = [n for n in few_shot.tree.nodes() if n.id in eviction.nodes and few_shot.admission.shape_of(n) == 0
-              and not eviction.thins(n)]  # whole-entry leaves (one with in-edge states is valued by them)
-    assert leaves and eviction.leaf_weight == weight
-    for leaf in leaves:
-        assert eviction.efficiency[leaf.id] == pytest.approx(FlopAware.flop_efficiency(eviction, leaf) * weight)
-        assert leaf.id in eviction.leaf_recency  # and its recency is weighed too
-    few_shot.check_invariants()
-    # a stint ends when the node leaves the tree or changes shape; nothing is left over once the tree is empty
-    few_shot.capacity_bytes = 1
-    few_shot._make_room(0, few_shot.tree.root("default"))
-    assert not few_shot.admission._stint_shapes and not few_shot.admission._resumed
-    assert not few_shot.admission._resumed_inside
-
-
-def test_a_leaf_resumed_short_of_its_end_counts_as_a_resumed_prefix_not_a_resumed_leaf():
-    # A prompt admitted in its first entry's leaf (as a re-admitted system prompt is, in a small cache): the next
-    # request with the same prompt resumes from the in-edge state at the prompt's end. That reuses the prefix (the
-    # request's split makes it a stored node), not the leaf's end, which is what leaf_weight prices.
-    core = _core()
-    law = core.admission.law
-    prompt = list(range(1, 41))
-    request(core, prompt + list(range(100, 160)))  # empty law: states at 20, 40, 60, 80 and the end (100)
-    assert replay_request(core, np.asarray(prompt + list(range(200, 260))), np.zeros(0, dtype=np.int64)) == 40
-    assert law.leaf_stints_resumed == 0 and law.stints_resumed == pytest.approx(law._scale)
-    leaf_weight = law.leaf_weight()
-    # a leaf continued from its end (a next turn) is a resumed leaf
-    first = prompt + list(range(200, 260))
-    assert replay_request(core, np.asarray(first + [7, 8, 9]), np.zeros(0, dtype=np.int64)) == len(first)
-    assert law.leaf_stints_resumed > 0
-    assert leaf_weight < 1.0  # the first entry's leaf was never resumed from its end (old code: 1, it was)
-    core.check_invariants()
-
-
-def _reference_weighted_victims(eviction, now):
-    """dp's utility by brute force: Marconi's, an entry's leaf (no in-edge states) having recency weight / age and
-    its efficiency times the weight, both terms min-max normalised over the candidates; the argmin set."""
-
-    def normalised(values):
-        low, high = min(values), max(values)
-        return [1.0 if high == low else (v - low) / (high - low) for v in values]
-
-    nodes, weight = list(eviction.nodes.values()), eviction.leaf_weight
-    weights = [weight if eviction.admission.shape_of(n) == 0 and not eviction.thins(n) else 1.0 for n in nodes]
-    recency = normalised([w / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
-    efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])  # weighted leaves: times the weight
-    scores = {n.id: r + eviction.alpha * e for n, r, e in zip(nodes, recency, efficiency, strict=True)}
-    unlocked = [scores[n.id] for n in nodes if n.lock_count == 0]
-    return {i for i, s in scores.items() if np.isclose(s, min(unlocked), rtol=1e-12, atol=1e-12)}
-
-
-@settings(max_examples=30, deadline=None, derandomize=True)
-@given(
-    alpha=st.sampled_from(ALPHA_GRID[::4]),
-    weight=st.sampled_from([0.02, 0.3, 0.9]),
-    stream=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=20),
-)
-def test_dp_pick_weighs_entry_leaves_recency_and_is_the_brute_force_argmin(alpha, weight, stream):
-    core = PrefixCacheCore(10**7, "dp", tiny_spec(), block_size=4, alpha=alpha)
-    core.admission.law.leaf_weight = lambda: weight  # as if the law had measured it
-    for victim in picks_under_a_live_match(core, stream):
-        if victim is not None:
-            assert victim.lock_count == 0 and victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
-    core.check_invariants()
-
-
-@pytest.mark.parametrize("policy", ["marconi", "dp"])
-def test_pick_at_the_newest_access_time_scores_every_age_as_at_least_one(policy):
-    # a direct call with `now` equal to a candidate's last access (the core always picks after its clock moved) must
-    # not divide by a zero age; it picks what the next tick would (old code: ZeroDivisionError in marconi's pick)
-    core = PrefixCacheCore(10**7, policy, tiny_spec(), block_size=4, alpha=1.0)
-    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7, 7, 7]):
-        request(core, tokens)
-    newest = max(node.last_access for node in core.eviction.nodes.values())
-    assert core.eviction.pick(newest) is core.eviction.pick(newest + 1) is not None
-
-
-def test_a_weighted_leaf_goes_first_even_with_alpha_zero():
-    # alpha 0 is plain LRU in Marconi; dp's leaf weight still applies to a leaf's recency, so a recent query leaf the
-    # law says is rarely resumed goes before an older entry's in-edge states (old code: LRU's oldest candidate)
-    core = _core()
-    request(core, list(range(500, 540)))  # the oldest candidate: in-edge states (not weighted)
-    prompt = list(range(1, 41))
-    request(core, prompt + [100, 101])
-    request(core, prompt + [200, 201])  # the prompt is stored now, with two query leaves
-    core.admission.law.leaf_weight = lambda: 0.05
-    victim = core.eviction.pick(core.clock + 1)
-    assert core.admission.shape_of(victim) == 0 and victim.start == 40 and victim.tokens.tolist() == [100, 101]
-    assert victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
-
-
-def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
-    from prefixlab.cache.costmodel import ModelSpec
-    from prefixlab.sim.workloads import few_shot_trace
-
-    requests, spec = few_shot_trace(), ModelSpec.from_name("marconi-7b")
-    for capacity_bytes in (1_150_000_000, 2_300_000_000):  # the knee of this trace and twice it
-        hits = {p: simulate(requests, p, capacity_bytes, spec).token_hit_rate for p in ("sglang+", "marconi", "dp")}
-        assert hits["dp"] >= max(hits["sglang+"], hits["marconi"]) + 3.0, hits
-
-
 def test_replay_caches_change_no_decision(monkeypatch):
     """Solved tables reused by histogram, thinning's read-back of the values its drop computed and the law's
     sums of bin ranges are only caches: a replay without them makes the same decisions (hits, evictions, tree)."""
@@ -336,7 +212,7 @@ def test_replay_caches_change_no_decision(monkeypatch):
     prompts = [shared[i % 4] + list(rng.integers(1000, 5000, int(rng.integers(5, 60)))) for i in range(120)]
 
     def replay():
-        core, drops = _core(capacity_bytes=3_000), []
+        core, drops = dp_core(capacity_bytes=3_000), []
 
         def drop(node, *span, original=core.tree.drop_checkpoints):
             freed = original(node, *span)

@@ -1,0 +1,132 @@
+"""dp's eviction weighs an entry's leaf by how often leaves are resumed from (the law's leaf_weight, in its recency and
+FLOP efficiency): against a brute-force argmin, and what it keeps that leaf LRU and Marconi do not."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefix_helpers import dp_core, picks_under_a_live_match, request, tiny_spec
+
+from prefixlab.cache.alpha import ALPHA_GRID
+from prefixlab.cache.core import PrefixCacheCore
+from prefixlab.cache.eviction import FlopAware
+from prefixlab.cache.replay import replay_request
+from prefixlab.sim.replay import simulate
+
+
+def _stream(core, prompts):
+    for prompt in prompts:
+        replay_request(core, np.asarray(prompt), np.zeros(0, dtype=np.int64))
+
+
+def test_leaves_never_resumed_from_weigh_less_in_eviction():
+    rng = np.random.default_rng(0)
+    shared = [list(rng.integers(0, 500, 60)) for _ in range(3)]  # three instructions, each + a unique query
+    queries = [shared[i % 3] + list(rng.integers(1000, 5000, 40)) for i in range(60)]
+    turns = [list(range(1, 30 + 20 * i)) for i in range(60)]  # a chat: every request continues the last one
+    few_shot, chat = dp_core(capacity_bytes=6_000), dp_core(capacity_bytes=6_000)
+    _stream(few_shot, queries)
+    _stream(chat, turns)
+    assert chat.admission.law.leaf_weight() == 1.0  # leaves are resumed from: Marconi's efficiency as it is
+    weight = few_shot.admission.law.leaf_weight()
+    assert 0 < weight < 0.75  # the queries' leaves are resumed from less often than the instructions' states
+    eviction = few_shot.eviction
+    eviction.pick(few_shot.clock + 1)  # the index is rebuilt with the law's current weight (as core calls it: later)
+    leaves = [n for n in few_shot.tree.nodes() if n.id in eviction.nodes and few_shot.admission.shape_of(n) == 0
+              and not eviction.thins(n)]  # whole-entry leaves (one with in-edge states is valued by them)
+    assert leaves and eviction.leaf_weight == weight
+    for leaf in leaves:
+        assert eviction.efficiency[leaf.id] == pytest.approx(FlopAware.flop_efficiency(eviction, leaf) * weight)
+        assert leaf.id in eviction.leaf_recency  # and its recency is weighed too
+    few_shot.check_invariants()
+    # a stint ends when the node leaves the tree or changes shape; nothing is left over once the tree is empty
+    few_shot.capacity_bytes = 1
+    few_shot._make_room(0, few_shot.tree.root("default"))
+    assert not few_shot.admission._stint_shapes and not few_shot.admission._resumed
+    assert not few_shot.admission._resumed_inside
+
+
+def test_a_leaf_resumed_short_of_its_end_counts_as_a_resumed_prefix_not_a_resumed_leaf():
+    # A prompt admitted in its first entry's leaf (as a re-admitted system prompt is, in a small cache): the next
+    # request with the same prompt resumes from the in-edge state at the prompt's end. That reuses the prefix (the
+    # request's split makes it a stored node), not the leaf's end, which is what leaf_weight prices.
+    core = dp_core()
+    law = core.admission.law
+    prompt = list(range(1, 41))
+    request(core, prompt + list(range(100, 160)))  # empty law: states at 20, 40, 60, 80 and the end (100)
+    assert replay_request(core, np.asarray(prompt + list(range(200, 260))), np.zeros(0, dtype=np.int64)) == 40
+    assert law.leaf_stints_resumed == 0 and law.stints_resumed == pytest.approx(law._scale)
+    leaf_weight = law.leaf_weight()
+    # a leaf continued from its end (a next turn) is a resumed leaf
+    first = prompt + list(range(200, 260))
+    assert replay_request(core, np.asarray(first + [7, 8, 9]), np.zeros(0, dtype=np.int64)) == len(first)
+    assert law.leaf_stints_resumed > 0
+    assert leaf_weight < 1.0  # the first entry's leaf was never resumed from its end (old code: 1, it was)
+    core.check_invariants()
+
+
+def _reference_weighted_victims(eviction, now):
+    """dp's utility by brute force: Marconi's, an entry's leaf (no in-edge states) having recency weight / age and
+    its efficiency times the weight, both terms min-max normalised over the candidates; the argmin set."""
+
+    def normalised(values):
+        low, high = min(values), max(values)
+        return [1.0 if high == low else (v - low) / (high - low) for v in values]
+
+    nodes, weight = list(eviction.nodes.values()), eviction.leaf_weight
+    weights = [weight if eviction.admission.shape_of(n) == 0 and not eviction.thins(n) else 1.0 for n in nodes]
+    recency = normalised([w / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
+    efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])  # weighted leaves: times the weight
+    scores = {n.id: r + eviction.alpha * e for n, r, e in zip(nodes, recency, efficiency, strict=True)}
+    unlocked = [scores[n.id] for n in nodes if n.lock_count == 0]
+    return {i for i, s in scores.items() if np.isclose(s, min(unlocked), rtol=1e-12, atol=1e-12)}
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(
+    alpha=st.sampled_from(ALPHA_GRID[::4]),
+    weight=st.sampled_from([0.02, 0.3, 0.9]),
+    stream=st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=30), min_size=2, max_size=20),
+)
+def test_dp_pick_weighs_entry_leaves_recency_and_is_the_brute_force_argmin(alpha, weight, stream):
+    core = PrefixCacheCore(10**7, "dp", tiny_spec(), block_size=4, alpha=alpha)
+    core.admission.law.leaf_weight = lambda: weight  # as if the law had measured it
+    for victim in picks_under_a_live_match(core, stream):
+        if victim is not None:
+            assert victim.lock_count == 0 and victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
+    core.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["marconi", "dp"])
+def test_pick_at_the_newest_access_time_scores_every_age_as_at_least_one(policy):
+    # a direct call with `now` equal to a candidate's last access (the core always picks after its clock moved) must
+    # not divide by a zero age; it picks what the next tick would (old code: ZeroDivisionError in marconi's pick)
+    core = PrefixCacheCore(10**7, policy, tiny_spec(), block_size=4, alpha=1.0)
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9], [7, 7, 7, 7]):
+        request(core, tokens)
+    newest = max(node.last_access for node in core.eviction.nodes.values())
+    assert core.eviction.pick(newest) is core.eviction.pick(newest + 1) is not None
+
+
+def test_a_weighted_leaf_goes_first_even_with_alpha_zero():
+    # alpha 0 is plain LRU in Marconi; dp's leaf weight still applies to a leaf's recency, so a recent query leaf the
+    # law says is rarely resumed goes before an older entry's in-edge states (old code: LRU's oldest candidate)
+    core = dp_core()
+    request(core, list(range(500, 540)))  # the oldest candidate: in-edge states (not weighted)
+    prompt = list(range(1, 41))
+    request(core, prompt + [100, 101])
+    request(core, prompt + [200, 201])  # the prompt is stored now, with two query leaves
+    core.admission.law.leaf_weight = lambda: 0.05
+    victim = core.eviction.pick(core.clock + 1)
+    assert core.admission.shape_of(victim) == 0 and victim.start == 40 and victim.tokens.tolist() == [100, 101]
+    assert victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
+
+
+def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
+    from prefixlab.cache.costmodel import ModelSpec
+    from prefixlab.sim.workloads import few_shot_trace
+
+    requests, spec = few_shot_trace(), ModelSpec.from_name("marconi-7b")
+    for capacity_bytes in (1_150_000_000, 2_300_000_000):  # the knee of this trace and twice it
+        hits = {p: simulate(requests, p, capacity_bytes, spec).token_hit_rate for p in ("sglang+", "marconi", "dp")}
+        assert hits["dp"] >= max(hits["sglang+"], hits["marconi"]) + 3.0, hits
