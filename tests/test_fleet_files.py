@@ -1,12 +1,16 @@
-"""`prefixlab run`'s files read line by line: a prompt file's bad lines and an OUT file that is not one of its
-outputs (no model runs here; tests/test_fleet_run.py runs it)."""
+"""`prefixlab run`'s files read before a model runs: a prompt file's bad lines, an OUT file that is not one of its
+outputs, a model folder without readable weights (no model runs here; tests/test_fleet_run.py runs it)."""
 
+import io
 import json
 
 import pytest
+import torch
+from hf_models import config as tiny_config
 
+from prefixlab.cli import main
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import outputs
+from prefixlab.fleet import outputs, serve
 from prefixlab.fleet.prompts import read_prompts
 
 
@@ -77,3 +81,34 @@ def test_records_of_another_prompt_files_ids_are_kept_with_a_note(tmp_path, caps
     assert outputs.merge(out, [1, 2]) == (1, [2])
     assert "holds 2 records of ids not in this prompt file" in capsys.readouterr().err
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == [1, "a", 7]
+
+
+def test_a_model_folder_without_readable_weights_is_refused(capsys, tmp_path):
+    prompts, model, whole = tmp_path / "prompts.jsonl", tmp_path / "model", io.BytesIO()
+    prompts.write_text('{"id": 1, "input_ids": [5, 6]}\n')
+    model.mkdir()
+    tiny_config("qwen3_5").to_json_file(model / "config.json")
+    assert main(["run", prompts, "--model", model, "--out", tmp_path / "o.jsonl"]) == 2
+    assert "is a folder without weights" in capsys.readouterr().err  # config.json only: no silent random weights
+    torch.save({"w": torch.zeros(8)}, whole)
+    # a damaged file is named (was a SafetensorError, UnpicklingError, RuntimeError or EOFError traceback)
+    for name, content in (("pytorch_model.bin", whole.getvalue()[:-40]), ("pytorch_model.bin", b"not weights"),
+                          ("pytorch_model.bin", b""), ("model.safetensors", b"not weights")):  # (cut short, garbage)
+        (model / name).write_bytes(content)
+        assert main(["run", prompts, "--model", model, "--out", tmp_path / "o.jsonl"]) == 2
+        assert f"the weights file {name} cannot be read" in capsys.readouterr().err
+
+
+def test_an_error_building_a_model_from_readable_weights_is_not_taken_for_damage(monkeypatch, tmp_path):
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    tiny_config("qwen3_5").to_json_file(tmp_path / "config.json")
+    save_file({"w": torch.zeros(8)}, tmp_path / "model.safetensors")
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a bug while building the model")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fails)
+    with pytest.raises(RuntimeError, match="a bug while building the model"):
+        serve.load_model(str(tmp_path))

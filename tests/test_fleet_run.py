@@ -179,8 +179,6 @@ def test_bad_input(capsys, files, tmp_path):
         bad.write_text("\n".join(content) + "\n")
         assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
         assert message in capsys.readouterr().err
-    assert main(["run", files / "prompts.jsonl", "--model", files, "--out", tmp_path / "x.jsonl"]) == 2
-    assert "is a folder without weights" in capsys.readouterr().err  # config.json only: no silent random weights
     bad.write_bytes(lines[0].encode() + b'\n{"id": "x", "input_ids": [1, 2], "\xff": 1}\n')  # not UTF-8
     assert main(["run", bad, *args[:2], "--out", tmp_path / "x.jsonl"]) == 2
     assert f"{bad}:2: 'utf-8' codec can't decode" in capsys.readouterr().err

@@ -82,7 +82,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
     if not path.exists():
         raise InvalidInputError(f"--model {model!r}: no such file or folder; pass a config.json or a local model "
                                 "folder (nothing is downloaded)")
-    has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or any(path.glob("*.bin")))
+    has_weights = path.is_dir() and bool(_weights_files(path))
     if path.is_dir() and not has_weights:  # a folder whose weights never arrived must not serve random ones
         raise InvalidInputError(f"--model {model!r} is a folder without weights (*.safetensors or *.bin); pass a "
                                 "folder with them, or its config.json to run random-init weights on purpose")
@@ -101,7 +101,42 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
             loaded = auto.from_config(config)
     except (ValueError, KeyError, TypeError, OSError) as err:
         raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
+    except _weights_read_errors():
+        damaged = _unreadable_weights(path) if has_weights else None
+        if damaged is None:  # every file reads: not the input's error (a RuntimeError building the model)
+            raise
+        raise InvalidInputError(f"--model {model!r}: the weights file {damaged}; it is damaged or incomplete, or not "
+                                "a checkpoint: copy or save it again") from None
     return loaded.to(device).eval()
+
+
+def _weights_files(folder: Path) -> list[Path]:
+    """`folder`'s weights files, safetensors first (from_pretrained's preference)."""
+    return [*sorted(folder.glob("*.safetensors")), *sorted(folder.glob("*.bin"))]
+
+
+def _weights_read_errors() -> tuple[type[BaseException], ...]:
+    """What reading a damaged weights file raises: safetensors' header error; torch's zip reader (RuntimeError),
+    weights-only unpickler, or a file cut short (EOFError)."""
+    import pickle
+
+    from safetensors import SafetensorError
+
+    return SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError
+
+
+def _unreadable_weights(folder: Path) -> str | None:
+    """The first weights file of `folder` that does not read as a checkpoint (its header and tensor list only, on the
+    meta device), and why; None if every one reads (what failed was not a file)."""
+    from transformers.modeling_utils import load_state_dict
+
+    for file in _weights_files(folder):
+        try:
+            load_state_dict(str(file), map_location="meta")
+        except _weights_read_errors() as err:
+            why = " ".join(str(err).split(". ")[0].split()) or type(err).__name__  # (torch's advice left out)
+            return f"{file.name} cannot be read ({why})"
+    return None
 
 
 def _meta_model(auto, config, folder: Path | None):
@@ -116,7 +151,7 @@ def _meta_model(auto, config, folder: Path | None):
         if dtype is None:  # from_pretrained's "auto": the first floating tensor of the first checkpoint file
             from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
 
-            first = [*sorted(folder.glob("*.safetensors")), *sorted(folder.glob("*.bin"))][0]  # (its preference)
+            first = _weights_files(folder)[0]
             dtype = get_state_dict_dtype(load_state_dict(str(first), map_location="meta"))
         options["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
