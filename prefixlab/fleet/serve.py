@@ -76,6 +76,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
     config, generation config, dtype (as from_pretrained picks it: the config's, else the first checkpoint file's)
     and module structure only."""
     import torch
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model)
@@ -99,7 +100,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
         else:
             torch.manual_seed(seed)
             loaded = auto.from_config(config)
-    except (ValueError, KeyError, TypeError, OSError) as err:
+    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as err:  # (the last: a config value)
         raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
     except _weights_read_errors():
         damaged = _unreadable_weights(path) if has_weights else None
