@@ -1,5 +1,8 @@
 """dp's eviction weighs an entry's leaf by how often leaves are resumed from (the law's leaf_weight, in its recency and
-FLOP efficiency): against a brute-force argmin, and what it keeps that leaf LRU and Marconi do not."""
+FLOP efficiency) and boosts the recency of a node resumed from again and again: against a brute-force argmin, and
+what it keeps that leaf LRU and Marconi do not."""
+
+import math
 
 import numpy as np
 import pytest
@@ -9,7 +12,7 @@ from prefix_helpers import dp_core, picks_under_a_live_match, request, tiny_spec
 
 from prefixlab.cache.alpha import ALPHA_GRID
 from prefixlab.cache.core import PrefixCacheCore
-from prefixlab.cache.eviction import FlopAware
+from prefixlab.cache.eviction import FORGOTTEN_RESUMES, FlopAware, ThinningFlopAware
 from prefixlab.cache.replay import replay_request
 from prefixlab.sim.replay import simulate
 
@@ -67,15 +70,20 @@ def test_a_leaf_resumed_short_of_its_end_counts_as_a_resumed_prefix_not_a_resume
 
 def _reference_weighted_victims(eviction, now):
     """dp's utility by brute force: Marconi's, an entry's leaf (no in-edge states) having recency weight / age and
-    its efficiency times the weight, both terms min-max normalised over the candidates; the argmin set."""
+    its efficiency times the weight, a node resumed from more than once lately its recency times 1 + ln(its decayed
+    resumes), both terms min-max normalised over the candidates; the unlocked argmin set."""
 
     def normalised(values):
         low, high = min(values), max(values)
         return [1.0 if high == low else (v - low) / (high - low) for v in values]
 
+    def boost(node):
+        resumes = node.recent_resumes * eviction.admission.law.decay ** (now - node.resumed_at)
+        return 1.0 + math.log(resumes) if resumes > 1.0 else 1.0
+
     nodes, weight = list(eviction.nodes.values()), eviction.leaf_weight
     weights = [weight if eviction.admission.shape_of(n) == 0 and not eviction.thins(n) else 1.0 for n in nodes]
-    recency = normalised([w / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
+    recency = normalised([w * boost(n) / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
     efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])  # weighted leaves: times the weight
     scores = {n.id: r + eviction.alpha * e for n, r, e in zip(nodes, recency, efficiency, strict=True)}
     unlocked = [scores[n.id] for n in nodes if n.lock_count == 0]
@@ -130,3 +138,63 @@ def test_dp_keeps_few_shot_examples_where_leaf_lru_and_marconi_keep_queries():
     for capacity_bytes in (1_150_000_000, 2_300_000_000):  # the knee of this trace and twice it
         hits = {p: simulate(requests, p, capacity_bytes, spec).token_hit_rate for p in ("sglang+", "marconi", "dp")}
         assert hits["dp"] >= max(hits["sglang+"], hits["marconi"]) + 3.0, hits
+
+
+PROMPT = list(range(1, 41))
+
+
+def test_dp_pick_with_a_boost_is_the_brute_force_argmin_on_a_fixed_stream():
+    core = dp_core(alpha=0.5)
+    prompts = [[11] * 8 + [q % 4, q] for q in range(12)] + [[12] * 8 + [q] for q in range(6)]
+    checked = 0
+    for victim in picks_under_a_live_match(core, prompts):
+        if victim is not None:
+            assert victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
+            checked += bool(core.eviction._boosts(core.clock + 1))
+    assert checked >= 6  # picks that scored boosted candidates
+
+
+def _serve_prompt_then_one_offs(policy, one_offs, questions=4):
+    """A 40-token prompt asked `questions` questions, then `one_offs` entries of 40 tokens nobody repeats, in a cache
+    of about four such entries (4 bytes of KV a token, 100 a state) at alpha 0 (LRU); the tokens of the prompt
+    still reusable, and the core."""
+    core = PrefixCacheCore(900, policy, tiny_spec(), block_size=4, alpha=0.0)
+    request(core, PROMPT)
+    for q in range(questions):
+        request(core, PROMPT + [500 + q])
+    for i in range(one_offs):
+        request(core, list(range(1000 + 100 * i, 1040 + 100 * i)))
+    held = core.match(PROMPT)
+    core.release(held)
+    return held.length, core
+
+
+def test_a_prompt_resumed_from_again_and_again_outlives_a_burst_of_one_off_entries(monkeypatch):
+    # LRU evicts the prompt, older than the one-offs, after its questions' leaves; dp keeps it for its resumes
+    kept, core = _serve_prompt_then_one_offs("dp", one_offs=3)
+    assert kept == len(PROMPT) and max(n.recent_resumes for n in core.tree.nodes()) > 2
+    assert _serve_prompt_then_one_offs("marconi", one_offs=3)[0] == 0
+    assert _serve_prompt_then_one_offs("dp", one_offs=8)[0] == 0  # for a while: the boost is on recency
+    monkeypatch.setattr(ThinningFlopAware, "_boosts", lambda self, now: {})
+    assert _serve_prompt_then_one_offs("dp", one_offs=3)[0] == 0  # what keeps it is the boost
+
+
+def test_one_resume_is_no_evidence_and_old_resumes_are_forgotten():
+    core = dp_core()
+    for q in range(3):  # the second one splits at the prompt's end (a branch point); the third resumes from it
+        request(core, PROMPT + [500 + q])
+    (branch,) = [n for n in core.tree.nodes() if n.branched]
+    assert branch.resumed == 1
+    core.admission.law.leaf_weight = lambda: 1.0
+    assert core.eviction._boosts(core.clock + 1) == {}  # (and not a candidate: three children)
+    kept, core = _serve_prompt_then_one_offs("dp", one_offs=3)
+    boosted = dict(core.eviction.boosted)
+    assert boosted and all(n.recent_resumes > 1.0 for n in boosted.values())
+    now = core.clock + 1
+    decay = core.admission.law.decay
+    assert core.eviction._boosts(now).keys() == {
+        i for i, n in boosted.items() if n.recent_resumes * decay ** (now - n.resumed_at) > 1.0}
+    # long after: the decayed resumes fall below the threshold and are forgotten
+    later = now + int(math.log(FORGOTTEN_RESUMES / 100) / math.log(decay))
+    assert core.eviction._boosts(later) == {} and core.eviction.boosted == {}
+    assert all(n.recent_resumes == 0.0 for n in boosted.values())

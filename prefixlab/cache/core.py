@@ -113,7 +113,9 @@ class PrefixCacheCore:
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
         node, length, state = self._resumable(walk)
-        node.resumed += node.branched and length == node.end  # (a branch point in use: strict.py keeps its state)
+        if length == node.end and (node.branched or node.children):  # resumed from an inner node's end state
+            node.resumed += node.branched  # a branch point in use: strict.py keeps its state
+            self.eviction.resumed_from(node, self.clock)
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
         self.admission.observe(walk, length)
         self.tree.lock(node, +1)

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import bisect
 import copy
+import math
 
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
 from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.cache.weighted_pick import pick_weighted
+
+FORGOTTEN_RESUMES = 1e-3  # a branch point's decayed resumes below this are dropped (its boost was 1 long before)
 
 
 class EvictionPolicy:
@@ -74,6 +77,9 @@ class EvictionPolicy:
     def free(self, node: Node, want_bytes: int) -> int:
         """Evict (part of) the picked `node`; `want_bytes` is how much is still needed. Returns bytes freed."""
         return self.tree.remove_leaf(node)
+
+    def resumed_from(self, node: Node, now: int) -> None:
+        """A request resumed from the state at the end of `node`, a branch point, at clock `now`."""
 
     def drop_state(self, node: Node, index: int) -> int:
         """Drop `node`'s state `index` alone (the core's strict-budget thinning of a locked path); bytes freed."""
@@ -233,7 +239,9 @@ class ThinningFlopAware(FlopAware):
     single-child node dissolved), so on a tree without placed states this is Marconi's eviction, except that an
     entry's leaf has its utility (efficiency and recency, weighted_pick.py) times the admission's
     `law.leaf_weight()` (1 unless leaves are resumed from less often than stored nodes on the whole: then the long
-    leaves of never-repeated queries go before the short branch points many requests resume from)."""
+    leaves of never-repeated queries go before the short branch points many requests resume from), and a branch
+    point resumed from more than once lately has its recency times 1 + ln(its resumes, decayed as the law's
+    counts), so a burst of one-off entries does not push a prompt in steady use out of a small cache."""
 
     admission = None
     _last_values: tuple[Node, list[float]] | None = None  # the node flop_efficiency last valued, and its values
@@ -247,11 +255,36 @@ class ThinningFlopAware(FlopAware):
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size, alpha)
         self.leaf_recency = SortedIndex()  # the candidates weighed by leaf_weight (entries' leaves), by recency
+        self.boosted: dict[int, Node] = {}  # the candidates with recent resumes (see `resumed_from`)
 
     def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> ThinningFlopAware:
         twin = super().copy_for(tree, nodes)
-        twin.leaf_recency = self.leaf_recency.copy()
+        twin.leaf_recency, twin.boosted = self.leaf_recency.copy(), {i: nodes[i] for i in self.boosted}
         return twin
+
+    def resumed_from(self, node: Node, now: int) -> None:
+        # A branch point's recency term is boosted by its resumes, decayed as the law's counts are (weighted_pick.py)
+        if self.admission is not None:
+            node.recent_resumes, node.resumed_at = self._recent_resumes(node, now) + 1.0, now
+            if node.id in self.nodes:
+                self.boosted[node.id] = node
+
+    def _recent_resumes(self, node: Node, now: int) -> float:
+        return node.recent_resumes * self.admission.law.decay ** (now - node.resumed_at)
+
+    def _boosts(self, now: int) -> dict[int, float]:
+        """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
+        resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
+        below FORGOTTEN_RESUMES are forgotten."""
+        boosts = {}
+        for node_id, node in tuple(self.boosted.items()):
+            resumes = self._recent_resumes(node, now)
+            if resumes < FORGOTTEN_RESUMES:
+                node.recent_resumes = 0.0
+                del self.boosted[node_id]
+            elif resumes > 1.0:
+                boosts[node_id] = 1.0 + math.log(resumes)
+        return boosts
 
     def link(self, admission: object) -> None:
         self.admission = admission
@@ -261,6 +294,10 @@ class ThinningFlopAware(FlopAware):
         if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
             self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
+        if node.recent_resumes and node.id in self.nodes:
+            self.boosted[node.id] = node
+        else:
+            self.boosted.pop(node.id, None)
         if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
             if node.id in self.nodes and self._weighted(node):
                 self.leaf_recency.put(node.id, (node.last_access, -node.end))
@@ -274,6 +311,7 @@ class ThinningFlopAware(FlopAware):
     def remove(self, node: Node) -> None:
         super().remove(node)
         self.leaf_recency.discard(node.id)
+        self.boosted.pop(node.id, None)
 
     def _pick(self, now: int) -> Node | None:
         # entries' leaves are weighed by how likely they are resumed from (flop_efficiency); when that moved, they
@@ -291,10 +329,11 @@ class ThinningFlopAware(FlopAware):
                         recencies[node_id] = (node.last_access, -node.end)
             self.by_efficiency.put_many(efficiencies)
             self.leaf_recency.put_many(recencies)
-        if weight == 1.0 or len(self.nodes) <= 1:
+        boosts = self._boosts(now) if self.boosted else {}
+        if (weight == 1.0 and not boosts) or len(self.nodes) <= 1:
             return super()._pick(now)
         best = pick_weighted(now, self.nodes, self.by_recency, self.leaf_recency, weight, self.by_efficiency,
-                             self.efficiency, self.alpha)
+                             self.efficiency, self.alpha, boosts)
         return self.nodes[best] if best is not None else None
 
     def eligible(self, node: Node) -> bool:

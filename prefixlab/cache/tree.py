@@ -25,7 +25,7 @@ class Node:
     """One edge of the tree: tokens [start, end), their KV, checkpoints inside (start, end]."""
 
     __slots__ = ("id", "parent", "children", "tokens", "start", "kv", "ckpt_pos", "ckpt_state", "last_access",
-                 "lock_count", "namespace", "branched", "truncated", "resumed")
+                 "lock_count", "namespace", "branched", "truncated", "resumed", "recent_resumes", "resumed_at")
 
     def __init__(self, node_id: int, parent: Node | None, tokens: np.ndarray, start: int, kv: KVPayload | None,
                  last_access: int, namespace: str):
@@ -43,6 +43,8 @@ class Node:
         self.branched = False  # its end was a divergence point (it is the upper part of a split)
         self.truncated = False  # a leaf cut short of the sequence it was admitted for (a budget's cut, a trim)
         self.resumed = 0  # requests that resumed from its end's state since its end became a branch point
+        # the same requests decayed by age (an eviction policy's, as of clock `resumed_at`: dp's ThinningFlopAware)
+        self.recent_resumes, self.resumed_at = 0.0, 0
 
     @property
     def end(self) -> int:
@@ -135,6 +137,7 @@ class RadixTree:
             new = Node(node.id, parent, node.tokens, node.start, node.kv, node.last_access, node.namespace)
             new.ckpt_pos, new.ckpt_state, new.lock_count = list(node.ckpt_pos), list(node.ckpt_state), node.lock_count
             new.branched, new.truncated, new.resumed = node.branched, node.truncated, node.resumed
+            new.recent_resumes, new.resumed_at = node.recent_resumes, node.resumed_at
             nodes[node.id] = new
             return new
 
@@ -305,7 +308,7 @@ class RadixTree:
         freed += dropped_kv.nbytes if dropped_kv is not None else 0
         self.kv_bytes -= dropped_kv.nbytes if dropped_kv is not None else 0
         node.tokens, node.kv = node.tokens[:position - node.start], kept_kv
-        node.truncated, node.branched, node.resumed = True, False, 0
+        node.truncated, node.branched, node.resumed, node.recent_resumes = True, False, 0, 0.0
         self.on_change(node)
         return freed
 

@@ -8,8 +8,13 @@ Recency stands for how likely a hit is; a leaf that the law says is resumed from
 nodes is not made likely by being recent. Without this, the weight does nothing when alpha is 0 (plain LRU),
 which a small cache's short tuning window often picks.
 
+A branch point requests keep resuming from has its recency term times a boost > 1 (`boost`: 1 + ln(its recent
+resumes), ThinningFlopAware): recency alone says a prompt resumed from a hundred times lately is as likely to be
+used again as a one-off entry admitted at the same time, and in a small cache a burst of one-off entries evicts it.
+
 The argmin is a threshold scan, as FlopAware.pick's, over three sorted indexes: all candidates by age, the
-weighted leaves by age, all candidates by efficiency; it stops once no unseen candidate can score lower.
+weighted leaves by age, all candidates by efficiency; it stops once no unseen candidate can score lower (a boost
+only raises a score, so the rows' bounds hold).
 """
 
 from __future__ import annotations
@@ -25,20 +30,26 @@ if TYPE_CHECKING:
 
 
 def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, weighted: SortedIndex, weight: float,
-                  by_efficiency: SortedIndex, efficiency: Mapping[int, float], alpha: float) -> int | None:
+                  by_efficiency: SortedIndex, efficiency: Mapping[int, float], alpha: float,
+                  boost: Mapping[int, float] | None = None) -> int | None:
     """The id of the unlocked candidate of least utility, or None.
 
     `by_recency`: (last_access, tie, id) rows of every candidate, oldest first; `weighted`: the same rows of the
     candidates whose recency is scaled by `weight`; `by_efficiency`: (efficiency, id) rows of every candidate,
-    least first (efficiencies weighted already); `nodes`: every candidate by id."""
+    least first (efficiencies weighted already); `nodes`: every candidate by id; `boost`: the candidates whose
+    recency term is also multiplied by a factor >= 1, and that factor."""
     now = max(now, by_recency.last()[0] + 1)  # ages >= 1 (core picks after its clock moved; a direct call may not)
-    is_weighted = weighted.ids()
-    # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age): affine, so the
-    # offset is dropped and only the scale kept (all-equal terms normalise to one constant, as in Marconi)
-    terms = [1.0 / (now - row[0]) for row in (_unweighted(by_recency, is_weighted),
-                                              _unweighted(reversed(by_recency), is_weighted)) if row is not None]
-    if is_weighted:
-        terms += (weight / (now - weighted.first()[0]), weight / (now - weighted.last()[0]))
+    is_weighted, boost = weighted.ids(), boost or {}
+    # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age, a boosted one's
+    # times its boost): affine, so the offset is dropped and only the scale kept (all-equal terms normalise to one
+    # constant, as in Marconi). The plain extremes are found skipping the others, whose terms are taken one by one.
+    skipped = is_weighted | boost.keys() if boost else is_weighted
+    terms = [1.0 / (now - row[0]) for row in (_first_not_in(by_recency, skipped),
+                                              _first_not_in(reversed(by_recency), skipped)) if row is not None]
+    terms += [weight / (now - row[0]) for row in (_first_not_in(weighted, boost),
+                                                  _first_not_in(reversed(weighted), boost)) if row is not None]
+    terms += [(weight if node_id in is_weighted else 1.0) * factor / (now - nodes[node_id].last_access)
+              for node_id, factor in boost.items()]
     low, high = min(terms), max(terms)
     recency_scale = 1.0 / (high - low) if high > low else 0.0
     leaf_scale = recency_scale * weight
@@ -62,8 +73,8 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
             seen_add(node_id)
             node = nodes[node_id]
             if node.lock_count == 0:
-                score = ((leaf_scale if node_id in is_weighted else recency_scale) / (now - node.last_access)
-                         + efficiency[node_id] * eff_scale)
+                score = ((leaf_scale if node_id in is_weighted else recency_scale) * boost.get(node_id, 1.0)
+                         / (now - node.last_access) + efficiency[node_id] * eff_scale)
                 if score < best_score:
                     best_score, best_id = score, node_id
         # an unseen candidate is a weighted leaf (no more recent than the leaf row) or another one (no more recent
@@ -74,9 +85,10 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     return best_id
 
 
-def _unweighted(rows: Iterable[tuple], weighted: Container[int]) -> tuple | None:
-    """The first of `rows` that is not weighted (weighted leaves are evicted early: few are skipped)."""
+def _first_not_in(rows: Iterable[tuple], skipped: Container[int]) -> tuple | None:
+    """The first of `rows` whose id is not in `skipped` (weighted leaves are evicted early and boosted nodes are
+    few: few are skipped)."""
     for row in rows:
-        if row[-1] not in weighted:
+        if row[-1] not in skipped:
             return row
     return None
