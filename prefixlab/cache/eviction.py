@@ -256,10 +256,12 @@ class ThinningFlopAware(FlopAware):
         super().__init__(tree, spec, block_size, alpha)
         self.leaf_recency = SortedIndex()  # the candidates weighed by leaf_weight (entries' leaves), by recency
         self.boosted: dict[int, Node] = {}  # the candidates with recent resumes (see `resumed_from`)
+        self._boost_memo: tuple[int, dict[int, float]] = (-1, {})  # (clock, factors computed at it)
 
     def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> ThinningFlopAware:
         twin = super().copy_for(tree, nodes)
         twin.leaf_recency, twin.boosted = self.leaf_recency.copy(), {i: nodes[i] for i in self.boosted}
+        twin._boost_memo = (-1, {})
         return twin
 
     def resumed_from(self, node: Node, now: int) -> None:
@@ -276,14 +278,20 @@ class ThinningFlopAware(FlopAware):
         """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
         resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
         below FORGOTTEN_RESUMES are forgotten."""
-        boosts = {}
+        if self._boost_memo[0] != now:  # (an eviction's picks, and the alpha tuner's per alpha, share a clock)
+            self._boost_memo = (now, {})
+        memo, boosts = self._boost_memo[1], {}
         for node_id, node in tuple(self.boosted.items()):
-            resumes = self._recent_resumes(node, now)
-            if resumes < FORGOTTEN_RESUMES:
-                node.recent_resumes = 0.0
-                del self.boosted[node_id]
-            elif resumes > 1.0:
-                boosts[node_id] = 1.0 + math.log(resumes)
+            factor = memo.get(node_id)
+            if factor is None:
+                resumes = self._recent_resumes(node, now)
+                if resumes < FORGOTTEN_RESUMES:
+                    node.recent_resumes = 0.0
+                    del self.boosted[node_id]
+                    continue
+                factor = memo[node_id] = 1.0 + math.log(resumes) if resumes > 1.0 else 1.0
+            if factor > 1.0:
+                boosts[node_id] = factor
         return boosts
 
     def link(self, admission: object) -> None:
