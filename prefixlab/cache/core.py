@@ -113,7 +113,7 @@ class PrefixCacheCore:
         self.requests += 1
         walk = self.tree.walk(tokens, namespace)
         node, length, state = self._resumable(walk)
-        if length == node.end and (node.branched or node.children):  # resumed from an inner node's end state
+        if length and length == node.end and (node.branched or node.children):  # an inner node's end state resumed
             node.resumed += node.branched  # a branch point in use: strict.py keeps its state
             self.eviction.resumed_from(node, self.clock)
         self._refresh(walk.path[1:] if self.admission.refresh_path else [node])
