@@ -1,6 +1,7 @@
 """`prefixlab run`'s files read before a model runs: a prompt file's bad lines, an OUT file that is not one of its
 outputs, a model folder without readable weights (no model runs here; tests/test_fleet_run.py runs it)."""
 
+import argparse
 import io
 import json
 
@@ -116,3 +117,26 @@ def test_an_error_building_a_model_from_readable_weights_is_not_taken_for_damage
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fails)
     with pytest.raises(RuntimeError, match="a bug while building the model"):
         serve.load_model(str(tmp_path))
+
+
+def test_only_the_files_from_pretrained_reads_are_blamed_or_read_for_the_dtype(tmp_path):
+    """A fine-tuned folder holds files from_pretrained never reads (the Trainer's training_args.bin, a pickle that is
+    no checkpoint; an adapter's safetensors): an error building the model is not blamed on them as damage (old code:
+    'the weights file training_args.bin cannot be read ... copy or save it again'), and --plan's meta model takes
+    its dtype from the checkpoint from_pretrained loads, not the first file by name (adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5")).to(torch.bfloat16).save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    (folder / "config.json").write_text(json.dumps(config))  # (from_pretrained's dtype: the checkpoint's)
+    save_file({"lora.weight": torch.zeros(4, dtype=torch.float32)}, folder / "adapter_model.safetensors")
+    torch.save({"learning_rate": 1e-4, "args": argparse.Namespace(seed=1)}, folder / "training_args.bin")
+    assert serve.load_model(str(folder)).dtype == serve.load_model(str(folder), meta=True).dtype == torch.bfloat16
+    assert serve._unreadable_weights(folder) is None  # the checkpoint reads: not a damaged file's error
+    (folder / "model.safetensors").write_bytes(b"not weights")
+    assert serve._unreadable_weights(folder).startswith("model.safetensors cannot be read")

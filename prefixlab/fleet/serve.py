@@ -126,12 +126,30 @@ def _weights_read_errors() -> tuple[type[BaseException], ...]:
     return SafetensorError, RuntimeError, pickle.UnpicklingError, EOFError
 
 
+def _checkpoint_files(folder: Path) -> list[Path]:
+    """The weights files from_pretrained reads from `folder`, in its order: model.safetensors, else the shards its
+    index names, else pytorch_model.bin, else its index's shards (other files, such as a Trainer's
+    training_args.bin or an adapter's safetensors, are never read); `_weights_files` where none of these is there."""
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (folder / single).is_file():
+            return [folder / single]
+        if (folder / index).is_file():
+            try:
+                shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError, OSError):
+                break  # (from_pretrained refuses the index itself)
+            return [folder / name for name in shards if (folder / name).is_file()] or _weights_files(folder)
+    return _weights_files(folder)
+
+
 def _unreadable_weights(folder: Path) -> str | None:
-    """The first weights file of `folder` that does not read as a checkpoint (its header and tensor list only, on the
-    meta device), and why; None if every one reads (what failed was not a file)."""
+    """The first weights file of `folder` that from_pretrained reads and that does not read as a checkpoint (its
+    header and tensor list only, on the meta device), and why; None if every one reads (what failed was not a
+    file)."""
     from transformers.modeling_utils import load_state_dict
 
-    for file in _weights_files(folder):
+    for file in _checkpoint_files(folder):
         try:
             load_state_dict(str(file), map_location="meta")
         except _weights_read_errors() as err:
@@ -152,7 +170,7 @@ def _meta_model(auto, config, folder: Path | None):
         if dtype is None:  # from_pretrained's "auto": the first floating tensor of the first checkpoint file
             from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
 
-            first = _weights_files(folder)[0]
+            first = _checkpoint_files(folder)[0]
             dtype = get_state_dict_dtype(load_state_dict(str(first), map_location="meta"))
         options["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with torch.device("meta"):
