@@ -140,3 +140,19 @@ def test_only_the_files_from_pretrained_reads_are_blamed_or_read_for_the_dtype(t
     assert serve._unreadable_weights(folder) is None  # the checkpoint reads: not a damaged file's error
     (folder / "model.safetensors").write_bytes(b"not weights")
     assert serve._unreadable_weights(folder).startswith("model.safetensors cannot be read")
+
+
+def test_weights_of_other_shapes_than_the_config_are_refused_naming_the_config(capsys, tmp_path):
+    # a config.json edited (or copied from another size) after the weights were saved: old code, a RuntimeError
+    # traceback ("You set `ignore_mismatched_sizes` to `False`, thus raising an error")
+    from transformers import AutoModelForCausalLM
+
+    folder, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "input_ids": [5, 6]}\n')
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5")).save_pretrained(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": 2 * config["vocab_size"]}))
+    assert main(["run", prompts, "--model", folder, "--out", tmp_path / "o.jsonl"]) == 2
+    assert "its weights do not fit its config.json" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -102,8 +102,12 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
             loaded = auto.from_config(config)
     except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as err:  # (the last: a config value)
         raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
-    except _weights_read_errors():
+    except _weights_read_errors() as err:
         damaged = _unreadable_weights(path) if has_weights else None
+        if damaged is None and has_weights and "ignore_mismatched_sizes" in str(err):  # (transformers' wording)
+            raise InvalidInputError(f"--model {model!r}: its weights do not fit its config.json (tensor shapes differ; "
+                                    "transformers printed which above): pass the folder's own config, the one the "
+                                    "weights were saved with") from None
         if damaged is None:  # every file reads: not the input's error (a RuntimeError building the model)
             raise
         raise InvalidInputError(f"--model {model!r}: the weights file {damaged}; it is damaged or incomplete, or not "
