@@ -198,3 +198,25 @@ def test_one_resume_is_no_evidence_and_old_resumes_are_forgotten():
     later = now + int(math.log(FORGOTTEN_RESUMES / 100) / math.log(decay))
     assert core.eviction._boosts(later) == {} and core.eviction.boosted == {}
     assert all(n.recent_resumes == 0.0 for n in boosted.values())
+
+
+def test_a_pick_at_the_cores_clock_decays_boosts_to_the_now_it_ages_candidates_at():
+    # the core picks at its clock, where the request's path was just refreshed: ages are taken from clock + 1 (>= 1),
+    # and so must the boosts' decay be, or the score is no one moment's utility (old code: boosts decayed to clock,
+    # recency aged at clock + 1; this stream's last pick was not the brute-force argmin at either)
+    core = dp_core(alpha=0.5)
+    core.admission.law.leaf_weight = lambda: 1.0
+    stream = [[2, 2, 3, 1, 10], [18, 11, 22, 11, 6], [2, 2, 3, 1, 23], [2, 1, 2, 3, 1, 2, 36], [2, 2, 3, 1, 34],
+              [2, 2, 3, 1, 28], [10, 33, 30, 11, 5], [2, 1, 2, 3, 1, 2, 39]]
+    held, checked = None, 0
+    for tokens in stream:
+        request(core, tokens)
+        if held is not None:
+            core.release(held)
+        held = core.match(tokens)
+        victim = core.eviction.pick(core.clock)  # as _make_room calls it
+        if victim is not None:
+            assert victim.id in _reference_weighted_victims(core.eviction, core.clock + 1)
+            checked += bool(core.eviction._boosts(core.clock + 1))
+    core.release(held)
+    assert checked

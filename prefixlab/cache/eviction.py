@@ -337,6 +337,8 @@ class ThinningFlopAware(FlopAware):
                         recencies[node_id] = (node.last_access, -node.end)
             self.by_efficiency.put_many(efficiencies)
             self.leaf_recency.put_many(recencies)
+        if self.nodes:  # ages >= 1 (as FlopAware's and pick_weighted's), and the boosts decayed to the same now
+            now = max(now, self.by_recency.last()[0] + 1)
         boosts = self._boosts(now) if self.boosted else {}
         if (weight == 1.0 and not boosts) or len(self.nodes) <= 1:
             return super()._pick(now)
