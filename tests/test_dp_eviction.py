@@ -84,7 +84,9 @@ def _reference_weighted_victims(eviction, now):
     nodes, weight = list(eviction.nodes.values()), eviction.leaf_weight
     weights = [weight if eviction.admission.shape_of(n) == 0 and not eviction.thins(n) else 1.0 for n in nodes]
     recency = normalised([w * boost(n) / (now - n.last_access) for n, w in zip(nodes, weights, strict=True)])
-    efficiency = normalised([eviction.flop_efficiency(n) for n in nodes])  # weighted leaves: times the weight
+    # the efficiency each node was indexed with when it last changed (weighted leaves' times the weight): the law
+    # moves between changes, so a value computed now can differ from the one the pick ranks by, by design
+    efficiency = normalised([eviction.efficiency[n.id] for n in nodes])
     scores = {n.id: r + eviction.alpha * e for n, r, e in zip(nodes, recency, efficiency, strict=True)}
     unlocked = [scores[n.id] for n in nodes if n.lock_count == 0]
     return {i for i, s in scores.items() if np.isclose(s, min(unlocked), rtol=1e-12, atol=1e-12)}

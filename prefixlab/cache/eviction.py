@@ -240,8 +240,9 @@ class ThinningFlopAware(FlopAware):
     entry's leaf has its utility (efficiency and recency, weighted_pick.py) times the admission's
     `law.leaf_weight()` (1 unless leaves are resumed from less often than stored nodes on the whole: then the long
     leaves of never-repeated queries go before the short branch points many requests resume from), and a branch
-    point resumed from more than once lately has its recency times 1 + ln(its resumes, decayed as the law's
-    counts), so a burst of one-off entries does not push a prompt in steady use out of a small cache."""
+    point resumed from more than once lately has its recency times 1 + ln(its resumes, each decayed by the law's
+    decay per tick of the core's clock: about two a request, a match and an admission), so a burst of one-off
+    entries does not push a prompt in steady use out of a small cache."""
 
     admission = None
     _last_values: tuple[Node, list[float]] | None = None  # the node flop_efficiency last valued, and its values
@@ -265,7 +266,7 @@ class ThinningFlopAware(FlopAware):
         return twin
 
     def resumed_from(self, node: Node, now: int) -> None:
-        # A branch point's recency term is boosted by its resumes, decayed as the law's counts are (weighted_pick.py)
+        # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py)
         if self.admission is not None:
             node.recent_resumes, node.resumed_at = self._recent_resumes(node, now) + 1.0, now
             if node.id in self.nodes:
