@@ -5,7 +5,7 @@ import torch
 from hf_models import build
 
 from prefixlab import HybridPrefixCache, PrefixStore
-from prefixlab.cache import persist
+from prefixlab.cache import digests
 from prefixlab.cache.tensors import path_kv
 
 FAMILY = "qwen3_5"  # attention + GatedDeltaNet: KV and recurrent states in every entry
@@ -27,7 +27,7 @@ def model_state(model) -> tuple:
 def digest_tensors(payload) -> dict:
     tensors = {**getattr(payload, "keys", {}), **{("v", k): t for k, t in getattr(payload, "values", {}).items()},
                **getattr(payload, "conv", {}), **{("r", k): t for k, t in getattr(payload, "recurrent", {}).items()}}
-    return {str(key): (str(t.dtype), tuple(t.shape), persist.digest(persist.raw_bytes(t))) for key, t in
+    return {str(key): (str(t.dtype), tuple(t.shape), digests.digest(digests.raw_bytes(t))) for key, t in
             tensors.items()}
 
 

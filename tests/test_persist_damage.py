@@ -13,7 +13,7 @@ from persist_helpers import FAMILY, PROMPTS, contents, generate, model_state
 from safetensors.torch import load_file, save_file
 
 from prefixlab import PrefixStore
-from prefixlab.cache import persist
+from prefixlab.cache import digests, persist
 from prefixlab.errors import CorruptStoreError, InvalidInputError
 
 saved, copied = persist_helpers.saved, persist_helpers.copied  # (the fixtures, by name)
@@ -144,7 +144,7 @@ def test_bf16_entries_round_trip_bit_for_bit(tmp_path):
 def assert_refused_untouched(model, path, tensors: dict, header: dict) -> None:
     """Write `tensors` and `header` to `path` with a matching checksum: load refuses it, the model untouched."""
     text = json.dumps(header)
-    save_file(tensors, path, metadata={"prefixlab": text, "prefixlab.blake2b": persist.digest(text.encode())})
+    save_file(tensors, path, metadata={"prefixlab": text, "prefixlab.blake2b": digests.digest(text.encode())})
     untouched = model_state(model)
     with pytest.raises(CorruptStoreError, match=path.name):
         PrefixStore.load(path, model)
@@ -189,7 +189,7 @@ def test_a_well_formed_file_with_payloads_that_do_not_fit_the_model_is_refused(s
     else:
         tensors[target] = tensors[target].half() if edit == "kv float16" else tensors[target][..., 1:].contiguous()
         header["tensors"][target] = [str(tensors[target].dtype), list(tensors[target].shape),
-                                     persist.tensor_digests({target: tensors[target]})[target]]
+                                     digests.tensor_digests({target: tensors[target]})[target]]
     assert_refused_untouched(model, copied, tensors, header)
 
 

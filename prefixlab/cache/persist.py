@@ -28,14 +28,11 @@ failure or crash mid-write leaves the previous file intact (a killed process: it
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import uuid
 import warnings
 import weakref
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -44,6 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from prefixlab.cache.digests import digest, tensor_digests
 from prefixlab.cache.model_info import model_identity
 from prefixlab.cache.policies import POLICY_NAMES
 from prefixlab.cache.tensors import (
@@ -67,33 +65,6 @@ HEADER_KEY, HEADER_DIGEST_KEY = "prefixlab", "prefixlab.blake2b"
 TIERS = ("host", "device")  # load order: device entries are admitted last, so they win a tight device budget
 # store -> (the weights version it was computed at, the weights fingerprint of its model)
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def digest(data) -> str:
-    """Hex BLAKE2b-128 of bytes-like `data`."""
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
-    """The bytes of `tensor` (copied to host memory if needed) as a uint8 array, row-major."""
-    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-def tensor_digests(tensors: Mapping[str, torch.Tensor], labelled: bool = False) -> dict[str, str]:
-    """{name: BLAKE2b-128 of the tensor's bytes} in name order; `labelled` hashes name, dtype and shape first.
-    Tensors are hashed on several threads: hashlib and the device-to-host copies release the GIL."""
-
-    def one(name: str) -> str:
-        tensor = tensors[name]
-        label = f"{name}|{tensor.dtype}|{list(tensor.shape)}" if labelled else ""
-        hasher = hashlib.blake2b(label.encode(), digest_size=16)
-        if tensor.device.type != "meta":
-            hasher.update(raw_bytes(tensor))
-        return hasher.hexdigest()
-
-    names = sorted(tensors)
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return dict(zip(names, pool.map(one, names), strict=True))
 
 
 def weights_fingerprint(model: torch.nn.Module) -> dict[str, str]:
