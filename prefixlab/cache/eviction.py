@@ -266,11 +266,10 @@ class ThinningFlopAware(FlopAware):
         return twin
 
     def resumed_from(self, node: Node, now: int) -> None:
-        # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py)
+        # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py); the
+        # core refreshes the node next, and `update` indexes it among the boosted candidates
         if self.admission is not None:
             node.recent_resumes, node.resumed_at = self._recent_resumes(node, now) + 1.0, now
-            if node.id in self.nodes:
-                self.boosted[node.id] = node
 
     def _recent_resumes(self, node: Node, now: int) -> float:
         return node.recent_resumes * self.admission.law.decay ** (now - node.resumed_at)
