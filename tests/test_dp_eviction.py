@@ -190,12 +190,14 @@ def test_one_resume_is_no_evidence_and_old_resumes_are_forgotten():
     core.admission.law.leaf_weight = lambda: 1.0
     assert core.eviction._boosts(core.clock + 1) == {}  # (and not a candidate: three children)
     kept, core = _serve_prompt_then_one_offs("dp", one_offs=3)
-    boosted = dict(core.eviction.boosted)
+    boosted = {i: core.eviction.nodes[i] for i in core.eviction.boosted}
     assert boosted and all(n.recent_resumes > 1.0 for n in boosted.values())
     now = core.clock + 1
     decay = core.admission.law.decay
-    assert core.eviction._boosts(now).keys() == {
-        i for i, n in boosted.items() if n.recent_resumes * decay ** (now - n.resumed_at) > 1.0}
+    expected = {i: 1.0 + math.log(n.recent_resumes * decay ** (now - n.resumed_at)) for i, n in boosted.items()}
+    factors = core.eviction._boosts(now)
+    assert factors.keys() == {i for i, factor in expected.items() if factor > 1.0}
+    assert all(math.isclose(factors[i], expected[i], rel_tol=1e-12) for i in factors)
     # long after: the decayed resumes fall below the threshold and are forgotten
     later = now + int(math.log(FORGOTTEN_RESUMES / 100) / math.log(decay))
     assert core.eviction._boosts(later) == {} and core.eviction.boosted == {}

@@ -23,6 +23,7 @@ from prefixlab.cache.tree import Node, RadixTree
 from prefixlab.cache.weighted_pick import pick_weighted
 
 FORGOTTEN_RESUMES = 1e-3  # a branch point's decayed resumes below this are dropped (its boost was 1 long before)
+LOG_FORGOTTEN_RESUMES = math.log(FORGOTTEN_RESUMES)
 
 
 class EvictionPolicy:
@@ -256,20 +257,25 @@ class ThinningFlopAware(FlopAware):
     def __init__(self, tree: RadixTree, spec: ModelSpec, block_size: int, alpha: float = 0.0) -> None:
         super().__init__(tree, spec, block_size, alpha)
         self.leaf_recency = SortedIndex()  # the candidates weighed by leaf_weight (entries' leaves), by recency
-        self.boosted: dict[int, Node] = {}  # the candidates with recent resumes (see `resumed_from`)
-        self._boost_memo: tuple[int, dict[int, float]] = (-1, {})  # (clock, factors computed at it)
+        # the candidates with recent resumes (see `resumed_from`), each with ln(its resumes decayed to clock 0):
+        # ln(resumes decayed to now) is that minus now * ln(1 / decay), a subtraction per candidate and pick
+        self.boosted: dict[int, float] = {}
 
     def copy_for(self, tree: RadixTree, nodes: dict[int, Node]) -> ThinningFlopAware:
         twin = super().copy_for(tree, nodes)
-        twin.leaf_recency, twin.boosted = self.leaf_recency.copy(), {i: nodes[i] for i in self.boosted}
-        twin._boost_memo = (-1, {})
+        twin.leaf_recency, twin.boosted = self.leaf_recency.copy(), dict(self.boosted)
         return twin
 
     def resumed_from(self, node: Node, now: int) -> None:
-        # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py); the
-        # core refreshes the node next, and `update` indexes it among the boosted candidates
+        # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py)
         if self.admission is not None:
             node.recent_resumes, node.resumed_at = self._recent_resumes(node, now) + 1.0, now
+            if node.id in self.nodes:
+                self.boosted[node.id] = self._log_at_zero(node)
+
+    def _log_at_zero(self, node: Node) -> float:
+        """ln(the node's recent resumes decayed back to clock 0): see `boosted`."""
+        return math.log(node.recent_resumes) - node.resumed_at * math.log(self.admission.law.decay)
 
     def _recent_resumes(self, node: Node, now: int) -> float:
         return node.recent_resumes * self.admission.law.decay ** (now - node.resumed_at)
@@ -278,20 +284,17 @@ class ThinningFlopAware(FlopAware):
         """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
         resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
         below FORGOTTEN_RESUMES are forgotten."""
-        if self._boost_memo[0] != now:  # (an eviction's picks, and the alpha tuner's per alpha, share a clock)
-            self._boost_memo = (now, {})
-        memo, boosts = self._boost_memo[1], {}
-        for node_id, node in tuple(self.boosted.items()):
-            factor = memo.get(node_id)
-            if factor is None:
-                resumes = self._recent_resumes(node, now)
-                if resumes < FORGOTTEN_RESUMES:
-                    node.recent_resumes = 0.0
-                    del self.boosted[node_id]
-                    continue
-                factor = memo[node_id] = 1.0 + math.log(resumes) if resumes > 1.0 else 1.0
-            if factor > 1.0:
-                boosts[node_id] = factor
+        elapsed_log = now * -math.log(self.admission.law.decay)  # ln of the decay from clock 0 to now
+        boosts, forgotten = {}, None
+        for node_id, log_at_zero in self.boosted.items():
+            log_resumes = log_at_zero - elapsed_log
+            if log_resumes > 0.0:
+                boosts[node_id] = 1.0 + log_resumes
+            elif log_resumes < LOG_FORGOTTEN_RESUMES:
+                forgotten = [*(forgotten or ()), node_id]
+        for node_id in forgotten or ():
+            self.nodes[node_id].recent_resumes = 0.0
+            del self.boosted[node_id]
         return boosts
 
     def link(self, admission: object) -> None:
@@ -303,7 +306,8 @@ class ThinningFlopAware(FlopAware):
             self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
         if node.recent_resumes and node.id in self.nodes:
-            self.boosted[node.id] = node
+            if node.id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
+                self.boosted[node.id] = self._log_at_zero(node)
         else:
             self.boosted.pop(node.id, None)
         if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)

@@ -43,9 +43,9 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age, a boosted one's
     # times its boost): affine, so the offset is dropped and only the scale kept (all-equal terms normalise to one
     # constant, as in Marconi). The plain extremes are found skipping the others, whose terms are taken one by one.
-    skipped = is_weighted | boost.keys() if boost else is_weighted
-    terms = [1.0 / (now - row[0]) for row in (_first_not_in(by_recency, skipped),
-                                              _first_not_in(reversed(by_recency), skipped)) if row is not None]
+    terms = [1.0 / (now - row[0]) for row in (_first_not_in(by_recency, is_weighted, boost),
+                                              _first_not_in(reversed(by_recency), is_weighted, boost))
+             if row is not None]
     terms += [weight / (now - row[0]) for row in (_first_not_in(weighted, boost),
                                                   _first_not_in(reversed(weighted), boost)) if row is not None]
     terms += [(weight if node_id in is_weighted else 1.0) * factor / (now - nodes[node_id].last_access)
@@ -85,10 +85,10 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     return best_id
 
 
-def _first_not_in(rows: Iterable[tuple], skipped: Container[int]) -> tuple | None:
-    """The first of `rows` whose id is not in `skipped` (weighted leaves are evicted early and boosted nodes are
-    few: few are skipped)."""
+def _first_not_in(rows: Iterable[tuple], skipped: Container[int], also: Container[int] = ()) -> tuple | None:
+    """The first of `rows` whose id is in neither `skipped` nor `also` (weighted leaves are evicted early and
+    boosted nodes are few: few are skipped)."""
     for row in rows:
-        if row[-1] not in skipped:
+        if row[-1] not in skipped and row[-1] not in also:
             return row
     return None
