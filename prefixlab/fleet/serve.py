@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefixlab.errors import InvalidInputError, PrefixlabError
+from prefixlab.fleet.model_config import causal_lm_class, check_builds, config_value_errors, load_config, reason
 from prefixlab.fleet.prompts import Prompt
 
 
@@ -76,8 +77,6 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
     config, generation config, dtype (as from_pretrained picks it: the config's, else the first checkpoint file's)
     and module structure only."""
     import torch
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = Path(model)
     if not path.exists():
@@ -87,12 +86,9 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
     if path.is_dir() and not has_weights:  # a folder whose weights never arrived must not serve random ones
         raise InvalidInputError(f"--model {model!r} is a folder without weights (*.safetensors or *.bin); pass a "
                                 "folder with them, or its config.json to run random-init weights on purpose")
+    config = load_config(model, path)
+    auto = causal_lm_class(config)
     try:
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-        # a model whose only generating class is its vision-language one (GLM-5-Next): prompts are text, served by it
-        auto = AutoModelForCausalLM
-        if type(config) not in auto._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
-            auto = AutoModelForImageTextToText
         if meta:
             return _meta_model(auto, config, path if has_weights else None)
         if has_weights:
@@ -100,15 +96,19 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
         else:
             torch.manual_seed(seed)
             loaded = auto.from_config(config)
-    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as err:  # (the last: a config value)
-        raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({' '.join(str(err).split())})") from None
+    except (*config_value_errors(), AssertionError, OSError) as err:
+        check_builds(model, path, auto, config)  # else not a value of config.json: an error of its own
+        if isinstance(err, (AttributeError, IndexError, ZeroDivisionError, AssertionError)):  # not the input's
+            raise
+        raise InvalidInputError(f"--model {model!r}: cannot build a causal LM ({reason(err)})") from None
     except _weights_read_errors() as err:
         damaged = _unreadable_weights(path) if has_weights else None
         if damaged is None and has_weights and "ignore_mismatched_sizes" in str(err):  # (transformers' wording)
             raise InvalidInputError(f"--model {model!r}: its weights do not fit its config.json (tensor shapes differ; "
                                     "transformers printed which above): pass the folder's own config, the one the "
                                     "weights were saved with") from None
-        if damaged is None:  # every file reads: not the input's error (a RuntimeError building the model)
+        if damaged is None:  # every file reads: a value of config.json (a negative size), else not the input's error
+            check_builds(model, path, auto, config)
             raise
         raise InvalidInputError(f"--model {model!r}: the weights file {damaged}; it is damaged or incomplete, or not "
                                 "a checkpoint: copy or save it again") from None

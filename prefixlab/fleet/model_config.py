@@ -1,0 +1,105 @@
+"""`--model`'s config.json: read it, and say what is wrong with it when a value in it is malformed (a string for a
+size, a number for a sub-config, a division by zero it leads to), as one InvalidInputError naming config.json,
+never transformers' traceback. Only transformers' config and model-building code runs inside the catches here."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+
+from prefixlab.errors import InvalidInputError
+
+# the keys transformers' get_text_config reads as the text model's own config (a PreTrainedConfig, or absent)
+TEXT_CONFIG_KEYS = ("text_config", "decoder", "generator", "text_encoder")
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def config_value_errors() -> tuple[type[BaseException], ...]:
+    """What transformers raises building a config, or a model from it, out of a malformed value: its strict
+    dataclass checks (StrictDataclassError, TypeError, ValueError), or plain Python errors where a value is used
+    unchecked (a number read as a sub-config: AttributeError; a zero head count: ZeroDivisionError)."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    return ValueError, KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError, StrictDataclassError
+
+
+def reason(err: BaseException) -> str:
+    """`err` on one line; any other than transformers' own checks (a plain Python error, whose message names no
+    setting) with its type and the line of transformers that raised it, e.g. `hidden_size // num_attention_heads`."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    text = " ".join(str(err).split())
+    if isinstance(err, (ValueError, StrictDataclassError)) and text:  # (transformers' own messages)
+        return text
+    text = f"{type(err).__name__}: {text}" if text else type(err).__name__
+    lines = [frame.line for frame in traceback.extract_tb(err.__traceback__)
+             if "transformers" in Path(frame.filename).parts and frame.line]
+    return f"{text}, at `{lines[-1]}`" if lines else text
+
+
+def _malformed(model: str, path: Path, problem: str) -> InvalidInputError:
+    which = "its config.json" if path.is_dir() else "the config.json"
+    return InvalidInputError(f"--model {model!r}: {which} {problem}; fix it, or copy the model's original "
+                             "config.json")
+
+
+def load_config(model: str, path: Path):
+    """The transformers config of `path` (a config.json, or a folder holding one), or an InvalidInputError naming
+    config.json and what is wrong with it."""
+    from transformers import AutoConfig, PreTrainedConfig
+
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():  # (transformers: "Unrecognized model ... Should have a `model_type` key")
+        raise InvalidInputError(f"--model {model!r} is a folder without a config.json file; copy the model's "
+                                "config.json into it" if path.is_dir() else f"--model {model!r} is not a regular "
+                                "file; pass a config.json or a model folder")
+    try:  # transformers' own messages say neither where the JSON breaks nor that it is no object
+        settings = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _malformed(model, path, "is not UTF-8 text") from None
+    except OSError as err:
+        raise InvalidInputError(f"--model {model!r}: cannot read {file} ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise _malformed(model, path, f"is not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
+                         ) from None
+    if not isinstance(settings, dict):
+        raise _malformed(model, path, f"holds {_JSON_KINDS.get(type(settings), 'a value')}, not an object of "
+                         "settings")
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except OSError as err:  # (read above: not expected)
+        raise InvalidInputError(f"--model {model!r}: cannot read its config.json ({reason(err)})") from None
+    except config_value_errors() as err:
+        raise _malformed(model, path, f"has a malformed value ({reason(err)})") from None
+    for key in TEXT_CONFIG_KEYS:  # a flat config keeps an unknown key as it is: transformers reads a number here
+        value = getattr(config, key, None)
+        if value is not None and not isinstance(value, PreTrainedConfig):
+            raise _malformed(model, path, f"sets {key!r} to {json.dumps(value, default=repr)}, where transformers "
+                             "reads the text model's config: an object of settings, or no such key")
+    return config
+
+
+def causal_lm_class(config):
+    """The auto class that builds `config`'s generating model: AutoModelForCausalLM, or for a model whose only
+    generating class is its vision-language one (GLM-5-Next), AutoModelForImageTextToText (prompts are text)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if type(config) not in AutoModelForCausalLM._model_mapping and \
+            type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def check_builds(model: str, path: Path, auto, config) -> None:
+    """After building the model failed: an InvalidInputError naming config.json if `config` alone does not build
+    `auto`'s model either (on the meta device: no memory taken, no file read), so that its values are to blame."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            auto.from_config(config)
+    except (*config_value_errors(), RuntimeError, AssertionError) as err:  # (RuntimeError: a negative size)
+        raise _malformed(model, path, f"does not build a causal LM ({reason(err)})") from None
