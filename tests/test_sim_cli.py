@@ -214,7 +214,13 @@ def test_model_from_hf_config(capsys, tmp_path, stand_in_replay):
     code, _, _ = run(capsys, "simulate", "builtin", "--model", tmp_path, "--policy", "marconi", "--capacity-gb", "1")
     assert code == 0  # a folder holding config.json works too
     (tmp_path / "bad.json").write_text('{"hidden_size": 3}')
-    assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="not a usable HF")
+    assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="config.json")
+    # a malformed value is named as such (a number where transformers reads the text model's config: was a
+    # misleading "model_type None" error) through the same reader as `prefixlab run`'s
+    (tmp_path / "bad.json").write_text(config.to_json_string()[:-2] + ', "text_config": 3}')
+    assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="'text_config' to 3")
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    assert_one_line_error(capsys, "simulate", "builtin", "--model", tmp_path / "bad.json", match="holds an array")
 
 
 def test_simulate_does_not_import_torch():

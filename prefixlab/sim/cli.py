@@ -89,16 +89,9 @@ def load_spec(model: str) -> ModelSpec:
         return ModelSpec.from_name(model)
     if not path.is_file():
         raise InvalidInputError(f"--model {model!r}: no such config file; pass a built-in name or an HF config.json")
-    from huggingface_hub.errors import StrictDataclassError
-    from transformers import AutoConfig
+    from prefixlab.fleet.model_config import load_config  # (transformers' reader, its errors as one line)
 
-    try:  # transformers' own reader: it decodes what to_json_string encodes (e.g. infinities)
-        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, KeyError, TypeError, OSError, StrictDataclassError) as err:
-        raise InvalidInputError(
-            f"--model {model!r} is not a usable HF config.json ({' '.join(str(err).split())})"
-        ) from None
-    return ModelSpec.from_config(config)
+    return ModelSpec.from_config(load_config(model, path))
 
 
 def load_requests(trace: str, on_error: str) -> list[Request]:
