@@ -269,16 +269,14 @@ class ThinningFlopAware(FlopAware):
     def resumed_from(self, node: Node, now: int) -> None:
         # A branch point's recency term is boosted by its resumes, decayed per clock tick (weighted_pick.py)
         if self.admission is not None:
-            node.recent_resumes, node.resumed_at = self._recent_resumes(node, now) + 1.0, now
+            decayed = node.recent_resumes * self.admission.law.decay ** (now - node.resumed_at)
+            node.recent_resumes, node.resumed_at = decayed + 1.0, now
             if node.id in self.nodes:
                 self.boosted[node.id] = self._log_at_zero(node)
 
     def _log_at_zero(self, node: Node) -> float:
         """ln(the node's recent resumes decayed back to clock 0): see `boosted`."""
         return math.log(node.recent_resumes) - node.resumed_at * math.log(self.admission.law.decay)
-
-    def _recent_resumes(self, node: Node, now: int) -> float:
-        return node.recent_resumes * self.admission.law.decay ** (now - node.resumed_at)
 
     def _boosts(self, now: int) -> dict[int, float]:
         """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
