@@ -32,11 +32,15 @@ MODEL = "marconi-7b"
 KNEE_MULTIPLES = (1, 1.5, 2, 3, 4)
 
 
+def _shared_inputs() -> tuple:
+    """(tokenizer, LMSys chats, system prompts, QuALITY documents): paths under the shared data, None if absent."""
+    return (shared_file("tokenizers/gpt-neox-20b.json"), shared_file("traces/lmsys_chat_1000.jsonl"),
+            shared_file("system_prompts/system_prompts.jsonl"), shared_file("traces/quality_example.jsonl"))
+
+
 def traces(names: list[str] | None = None) -> dict[str, list]:
     """The benchmark workloads (those whose shared data files are present)."""
-    tokenizer = shared_file("tokenizers/gpt-neox-20b.json")
-    chats, prompts = shared_file("traces/lmsys_chat_1000.jsonl"), shared_file("system_prompts/system_prompts.jsonl")
-    documents = shared_file("traces/quality_example.jsonl")
+    tokenizer, chats, prompts, documents = _shared_inputs()
     makers = {
         "builtin": build.builtin_trace,
         "agentic": workloads.agentic_trace,
@@ -61,9 +65,7 @@ def traces(names: list[str] | None = None) -> dict[str, list]:
 def held_out_traces(names: list[str] | None = None) -> dict[str, list]:
     """The same builders with other seeds and rates (55 points): dp's rules were chosen on `traces`, so these say
     whether they generalise."""
-    tokenizer = shared_file("tokenizers/gpt-neox-20b.json")
-    chats, prompts = shared_file("traces/lmsys_chat_1000.jsonl"), shared_file("system_prompts/system_prompts.jsonl")
-    documents = shared_file("traces/quality_example.jsonl")
+    tokenizer, chats, prompts, documents = _shared_inputs()
     makers = {f"agentic-s{seed}": lambda seed=seed: workloads.agentic_trace(seed=seed) for seed in (1, 2, 3)}
     makers |= {f"few-shot-s{seed}": lambda seed=seed: workloads.few_shot_trace(seed=seed) for seed in (1, 2)}
     makers |= {f"builtin-s{seed}": lambda seed=seed: build.builtin_trace(seed=seed) for seed in (1, 2)}

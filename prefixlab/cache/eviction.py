@@ -283,14 +283,14 @@ class ThinningFlopAware(FlopAware):
         resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
         below FORGOTTEN_RESUMES are forgotten."""
         elapsed_log = now * -math.log(self.admission.law.decay)  # ln of the decay from clock 0 to now
-        boosts, forgotten = {}, None
+        boosts, forgotten = {}, []
         for node_id, log_at_zero in self.boosted.items():
             log_resumes = log_at_zero - elapsed_log
             if log_resumes > 0.0:
                 boosts[node_id] = 1.0 + log_resumes
             elif log_resumes < LOG_FORGOTTEN_RESUMES:
-                forgotten = [*(forgotten or ()), node_id]
-        for node_id in forgotten or ():
+                forgotten.append(node_id)
+        for node_id in forgotten:
             self.nodes[node_id].recent_resumes = 0.0
             del self.boosted[node_id]
         return boosts
