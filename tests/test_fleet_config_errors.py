@@ -79,3 +79,33 @@ def test_an_error_of_its_own_building_a_model_from_a_good_config_is_not_blamed_o
     monkeypatch.setattr(serve, "_meta_model", fails)
     with pytest.raises(AttributeError, match="a bug while building the model"):
         serve.load_model(str(folder / "model"), meta=True)
+
+
+BUILDS_BUT_FAILS = {  # family, config.json values a model builds from whose first forward fails (shapes that differ)
+    "key/value heads not dividing the heads": ("qwen3_5", dict(num_key_value_heads=3)),
+    "linear-attention value heads not a multiple of its key heads": ("qwen3_5", dict(linear_num_value_heads=3)),
+    "Mamba2 groups not dividing its heads": ("bamba", dict(mamba_n_groups=3)),
+    "a zero conv window": ("lfm2", dict(conv_L_cache=0)),
+}
+
+
+@pytest.mark.parametrize("case", BUILDS_BUT_FAILS)
+def test_a_config_json_whose_model_builds_but_cannot_run_is_one_clear_error(capsys, tmp_path, case):
+    # old code: built, then the first generate raised the model's RuntimeError traceback (config alone, or a folder
+    # whose weights were saved with that config, so its shapes fit); the plan runs no forward: not checked there
+    from transformers import AutoModelForCausalLM
+
+    family, values = BUILDS_BUT_FAILS[case]
+    (tmp_path / "prompts.jsonl").write_text('{"id": 1, "input_ids": [5, 6, 7], "max_new_tokens": 2}\n')
+    config = type(tiny_config(family)).from_dict(tiny_config(family).to_dict() | values)
+    model = tmp_path / "model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(model))
+    for given in (model, model / "config.json"):  # a folder of weights, or its config.json alone (random init)
+        out = tmp_path / "out.jsonl"
+        code = main(["run", tmp_path / "prompts.jsonl", "--model", given, "--out", out, "--cpu"])
+        err = capsys.readouterr().err
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in err and not out.exists(), err
+        assert last.startswith(f"prefixlab: error: --model '{given}': ") and "config.json" in last, last
+        assert "builds a model whose forward fails (RuntimeError: " in last, last
+        assert last.endswith("; fix it, or copy the model's original config.json"), last

@@ -103,3 +103,21 @@ def check_builds(model: str, path: Path, auto, config) -> None:
             auto.from_config(config)
     except (*config_value_errors(), RuntimeError, AssertionError) as err:  # (RuntimeError: a negative size)
         raise _malformed(model, path, f"does not build a causal LM ({reason(err)})") from None
+
+
+def check_runs(model: str, path: Path, loaded):
+    """`loaded` (the model built), once its first forward (two tokens, before prefixlab touches the model) ran; if
+    it fails, an InvalidInputError naming config.json: values that build but do not fit together (key/value heads
+    that do not divide the heads, Mamba2 groups that do not divide its heads, a zero conv window) are blamed on
+    config.json here, not met as the model's traceback in the first generate."""
+    import torch
+
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=loaded.device)
+    try:
+        with torch.no_grad():  # (not inference_mode: a buffer a forward assigns must stay a normal tensor)
+            loaded(input_ids=tokens, use_cache=False)
+    except torch.OutOfMemoryError:  # (a RuntimeError, but the machine's, not the config's)
+        raise
+    except (*config_value_errors(), RuntimeError, AssertionError) as err:
+        raise _malformed(model, path, f"builds a model whose forward fails ({reason(err)})") from None
+    return loaded

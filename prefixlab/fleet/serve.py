@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefixlab.errors import InvalidInputError, PrefixlabError
+from prefixlab.fleet import model_config
 from prefixlab.fleet.model_config import causal_lm_class, check_builds, config_value_errors, load_config, reason
 from prefixlab.fleet.prompts import Prompt
 
@@ -112,7 +113,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
             raise
         raise InvalidInputError(f"--model {model!r}: the weights file {damaged}; it is damaged or incomplete, or not "
                                 "a checkpoint: copy or save it again") from None
-    return loaded.to(device).eval()
+    return model_config.check_runs(model, path, loaded.to(device).eval())
 
 
 def _weights_files(folder: Path) -> list[Path]:
