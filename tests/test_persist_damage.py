@@ -207,3 +207,44 @@ def test_a_store_too_big_for_one_file_is_refused_clearly(saved, copied, monkeypa
         store.save(copied)
     assert copied.read_bytes() == before and [p.name for p in copied.parent.iterdir()] == [copied.name]
     store.close()
+
+
+def test_a_file_system_error_while_saving_is_not_called_a_store_too_big(saved, copied, monkeypatch):
+    """safetensors reports a failed write as a SafetensorError too: a full disk or a folder nothing can be created
+    in (/proc) was reported as "N tensors ... do not fit one safetensors file ... save a smaller store"."""
+    from safetensors import SafetensorError
+
+    def disk_full(*_, **__):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    model, before = saved[0], copied.read_bytes()
+    store = PrefixStore.load(copied, model)
+    monkeypatch.setattr(persist, "save_file", disk_full)
+    with pytest.raises(OSError, match=r"cannot write .*No space left on device.*was left as it was") as raised:
+        store.save(copied)
+    assert "do not fit" not in str(raised.value)
+    assert copied.read_bytes() == before and [p.name for p in copied.parent.iterdir()] == [copied.name]
+    monkeypatch.undo()
+    if os.path.isdir("/proc/self"):  # (Linux: procfs takes no new file, even from root)
+        with pytest.raises(OSError, match=r"cannot write '/proc/store.safetensors'"):
+            store.save("/proc/store.safetensors")
+    store.close()
+
+
+def test_save_and_load_refuse_what_is_not_a_path_or_a_model_clearly(saved, copied):
+    """A path that is no path (TypeError), a model that is none (AttributeError) or torch.compile's wrapper (blamed
+    on other weights: "58 only in the file ... 58 only in this model") were raw errors or misleading ones."""
+    model = saved[0]
+    store = PrefixStore.load(copied, model)
+    for path in (5, None):
+        with pytest.raises(InvalidInputError, match=r"path=.* must be a file path \(a str or os.PathLike\)"):
+            store.save(path)
+        with pytest.raises(InvalidInputError, match=r"path=.* must be a file path \(a str or os.PathLike\)"):
+            PrefixStore.load(path, model)
+    store.close()
+    untouched = model_state(model)
+    with pytest.raises(InvalidInputError, match="model must be a transformers model, got NoneType"):
+        PrefixStore.load(copied, None)
+    with pytest.raises(InvalidInputError, match=r"given the module torch.compile returned.*original model"):
+        PrefixStore.load(copied, torch.compile(model))
+    assert model_state(model) == untouched

@@ -135,14 +135,19 @@ def normalize_option(name: str, value):
     return value
 
 
+def check_model_argument(model: object, call: str) -> None:
+    """InvalidInputError unless `model` is a transformers model itself (not torch.compile's wrapper of one)."""
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
+    check_not_compiled_wrapper(model, call)
+
+
 def check_store_arguments(model: torch.nn.Module, patch: bool, core_options: dict) -> None:
     """Refuse what a PrefixStore cannot be built on: not a transformers model, a compiled wrapper, an option the core
     does not take, a family whose states are reused exactly only through prefixlab's kernels with patch=False."""
     from prefixlab.cache.core import PrefixCacheCore
 
-    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
-        raise InvalidInputError(f"model must be a transformers model, got {type(model).__name__}")
-    check_not_compiled_wrapper(model, "PrefixStore")
+    check_model_argument(model, "PrefixStore")
     keywords = sorted(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
                       if parameter.kind is parameter.KEYWORD_ONLY)
     if unknown := sorted(set(core_options) - set(keywords)):

@@ -41,6 +41,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from prefixlab.cache.defaults import check_model_argument
 from prefixlab.cache.digests import digest, tensor_digests
 from prefixlab.cache.model_info import model_identity
 from prefixlab.cache.policies import POLICY_NAMES
@@ -84,7 +85,7 @@ def store_fingerprint(store: PrefixStore) -> dict[str, str]:
 # -- save ---------------------------------------------------------------------------------------------------------
 def save_store(store: PrefixStore, path: str | Path) -> None:
     """Write every entry of both tiers of `store` to `path` atomically (see the module docstring)."""
-    path = Path(path)
+    path = _path(path)
     if not path.parent.is_dir() or path.is_dir():
         raise InvalidInputError(f"path={str(path)!r} must be a file path in an existing directory")
     store.check_weights(serving=False)  # entries of weights changed since are dropped, not saved as the new ones'
@@ -104,6 +105,9 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
     try:
         _write_atomically(path, tensors, {HEADER_KEY: text, HEADER_DIGEST_KEY: digest(text.encode())})
     except SafetensorError as err:  # (safetensors caps a file's header, which lists every tensor, at 100 MB)
+        if "I/O error" in str(err):  # (its wording for a failed write: a full disk, a folder taking no new file)
+            raise OSError(f"PrefixStore.save: cannot write {str(path)!r} ({err}); make room on its disk or save to "
+                          f"another folder. {path} was left as it was") from None
         raise InvalidInputError(
             f"PrefixStore.save: {len(tensors)} tensors of {sum(len(n) for n in tiers.values())} entries do not fit "
             f"one safetensors file ({err}); save a smaller store (a lower capacity, or clear() part of the work). "
@@ -128,6 +132,12 @@ def _tier_to_flat(core: PrefixCacheCore, tier: str, tensors: dict[str, torch.Ten
     return nodes
 
 
+def _path(path: object) -> Path:
+    if not isinstance(path, (str, os.PathLike)):
+        raise InvalidInputError(f"path={path!r} must be a file path (a str or os.PathLike)")
+    return Path(path)
+
+
 def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
@@ -149,7 +159,8 @@ def _write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 # -- load ---------------------------------------------------------------------------------------------------------
 def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module, options: dict) -> PrefixStore:
     """A `cls` store for `model` holding what `save_store` wrote to `path`, verified first (module docstring)."""
-    path = Path(path)
+    path = _path(path)
+    check_model_argument(model, "PrefixStore.load")  # (before the file is read: the wrapper's weights are renamed)
     if not path.is_file():
         raise InvalidInputError(f"path={str(path)!r} is not a file written by PrefixStore.save")
     with _opened(path) as file:  # opened once: a save replacing the file meanwhile (os.replace) leaves this one whole
