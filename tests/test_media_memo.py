@@ -56,6 +56,14 @@ def test_a_bad_media_cache_is_refused_before_the_model_is_touched(model, bad):
     assert "get_image_features" not in vars(model.model)
 
 
+@pytest.mark.parametrize("none", ["0", "0MB", "0 GiB"])
+def test_a_media_cache_of_zero_written_as_a_size_keeps_none(model, none):
+    """media_cache=0 keeps no encoded image; "0MB" was refused ("must be a positive number of bytes")."""
+    store = PrefixStore(model, capacity="64MB", media_cache=none)
+    assert store.options["media_cache"] == 0
+    store.close()
+
+
 def test_a_training_step_after_a_request_gets_its_own_vision_tower_graph(model):
     """Before: the memo handed a training forward (autograd on, no cache) the features a no_grad request had encoded
     for the same image, so the loss was right but every vision parameter got no gradient (and an output encoded with

@@ -122,12 +122,8 @@ def normalize_option(name: str, value):
         return parse_capacity(value)
     if name == "offload_capacity":
         return None if value is None else parse_capacity(value, "offload_capacity")
-    if name == "media_cache":  # (0: no encoded images kept)
-        if isinstance(value, int) and not isinstance(value, bool) and value <= 0:
-            if value < 0:
-                raise InvalidInputError(f"media_cache={value!r} must be a number of bytes >= 0 (0 keeps none)")
-            return 0
-        return parse_capacity(value, "media_cache")
+    if name == "media_cache":  # (0, or "0MB": no encoded images kept)
+        return parse_capacity(value, "media_cache", zero=True)
     if name == "policy":
         from prefixlab.cache.policies import check_policy_name
 

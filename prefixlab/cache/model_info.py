@@ -39,8 +39,8 @@ _TRAINING = operator.attrgetter("training")
 _CAPACITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_capacity(capacity: int | str, name: str = "capacity") -> int:
-    """Bytes from an int or a string like "4GB" (10**9), "512MiB" (2**20), "1.5 GiB"."""
+def parse_capacity(capacity: int | str, name: str = "capacity", zero: bool = False) -> int:
+    """Bytes from an int or a string like "4GB" (10**9), "512MiB" (2**20), "1.5 GiB"; `zero`: 0 is a size too."""
     if not is_int(capacity) and not isinstance(capacity, str):  # (numpy integers are ints too; bools are not)
         raise InvalidInputError(f"{name}={capacity!r} must be an int number of bytes or a string like '4GB'")
     if is_int(capacity):
@@ -53,8 +53,9 @@ def parse_capacity(capacity: int | str, name: str = "capacity") -> int:
                 f"{name}={capacity!r} is not a size; write e.g. '4GB', '512MiB' or an int number of bytes"
             )
         nbytes = int(float(found.group(1)) * _UNITS[unit])
-    if nbytes <= 0:
-        raise InvalidInputError(f"{name}={capacity!r} must be a positive number of bytes")
+    if nbytes < 0 or (nbytes == 0 and not zero):
+        raise InvalidInputError(f"{name}={capacity!r} must be a positive number of bytes"
+                                if not zero else f"{name}={capacity!r} must be a number of bytes >= 0 (0 keeps none)")
     return nbytes
 
 
