@@ -344,3 +344,27 @@ def test_a_generation_config_asking_for_beams_is_still_served_greedily():
                             pad_token_id=0)[0, 12:].tolist()
     model.generation_config.num_beams, model.generation_config.num_return_sequences = 3, 2
     assert serve.generate_uncached(model, tokens, 5) == greedy
+
+
+def test_a_generation_config_naming_a_cache_implementation_is_served_with_the_stores_cache():
+    """A model folder whose generation_config.json sets cache_implementation ("static", as saved for torch.compile)
+    failed every prompt of `prefixlab run`: generate refuses a cache passed beside one (a ValueError traceback)."""
+    model = build("qwen3_5")
+    tokens = np.random.default_rng(7).integers(3, 60, 12)
+    model.generation_config.cache_implementation = "static"
+    own = model.generate(torch.as_tensor(tokens)[None], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.inference_mode():
+            assert serve.generate_uncached(model, tokens, 5) == own[0, 12:].tolist()
+            served = [serve.generate(model, store, tokens, 5) for _ in range(2)]  # (the second reuses the first)
+    finally:
+        store.close()
+    assert [s[0] for s in served] == [own[0, 12:].tolist()] * 2 and served[1][1] == 11
+
+    def check(model, store, rows):  # a Hydragen batch of siblings too
+        result = siblings.generate_group(model, store, rows, PREFIX, [3, 3])
+        assert result.outputs == [serve.generate_uncached(model, row, 3) for row in rows]
+
+    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, "cache_implementation", "static"), 8,
+                                check)

@@ -87,8 +87,9 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
 
 
 # What `prefixlab run` decodes with, whatever the model's generation config says (its num_beams / num_return_sequences
-# would make a beam search of it, or return more rows than one per prompt).
-GREEDY = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1}
+# would make a beam search of it, or return more rows than one per prompt; its cache_implementation, e.g. "static"
+# saved for torch.compile, would make generate refuse the store's cache passed beside it).
+GREEDY = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "cache_implementation": None}
 
 
 def prompt_reading_options(model) -> list[str]:
