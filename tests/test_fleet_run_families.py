@@ -58,3 +58,16 @@ def test_a_model_whose_generating_class_is_its_vision_language_one(capsys, tmp_p
     code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl")
     assert code == 0 and summary["reused_tokens"] > 0
     assert type(check_outputs_uncached(tmp_path)).__name__ == "Glm5NextForConditionalGeneration"
+
+
+@pytest.mark.parametrize("family", ["zamba2", "qwen3_5"])
+def test_a_config_saved_with_use_cache_false_is_served_with_the_cache(capsys, tmp_path, family):
+    """A config.json saved by a training run often says "use_cache": false: every run of Zamba2 / Nemotron-H (whose
+    decode steps differ from prefills) stopped with "pass use_cache=True, or no cache", which the command line cannot
+    pass; other families re-fed the whole sequence at every step."""
+    family_file(tmp_path, family, seed=4, prefix_tokens=30, own_tokens=3, count=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"use_cache": False}))
+    code, summary, _ = run(capsys, tmp_path, tmp_path / "out.jsonl")
+    assert code == 0 and summary["reused_tokens"] > 0
+    check_outputs_uncached(tmp_path)
