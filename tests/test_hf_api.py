@@ -69,6 +69,17 @@ def test_bad_cache_options_are_refused_at_construction():
     store.close()
 
 
+@pytest.mark.parametrize("patch", ["no", "False", None, 0.0])
+def test_a_patch_option_that_is_not_a_bool_is_refused(patch):
+    """patch="False" (an option read from a file or the environment) built a patched store, None an unpatched one."""
+    model = build("qwen3_5")
+    with pytest.raises(InvalidInputError, match=r"patch=.* must be True or False"):
+        PrefixStore(model, patch=patch)
+    with pytest.raises(InvalidInputError, match=r"patch=.* must be True or False"):
+        HybridPrefixCache(patch=patch)
+    assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
+
+
 @pytest.mark.parametrize("family", ["mamba2", "jamba", "falcon_mamba", "llama"])
 def test_the_cards_line_on_other_families(family):
     """cache_params= (Mamba2), Mamba1 served only patched (Jamba; Falcon-Mamba, with cache_params=), a KV-only

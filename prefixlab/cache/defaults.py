@@ -15,6 +15,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from prefixlab.cache.model_info import STATE_DROPPING_MODEL_TYPES, model_identity, parse_capacity
@@ -124,6 +125,10 @@ def normalize_option(name: str, value):
         return None if value is None else parse_capacity(value, "offload_capacity")
     if name == "media_cache":  # (0, or "0MB": no encoded images kept)
         return parse_capacity(value, "media_cache", zero=True)
+    if name == "patch":  # (a truthy string such as "False", read from a file, would patch)
+        if not isinstance(value, bool | np.bool_):
+            raise InvalidInputError(f"patch={value!r} must be True or False")
+        return bool(value)
     if name == "policy":
         from prefixlab.cache.policies import check_policy_name
 
@@ -144,6 +149,7 @@ def check_store_arguments(model: torch.nn.Module, patch: bool, core_options: dic
     from prefixlab.cache.core import PrefixCacheCore
 
     check_model_argument(model, "PrefixStore")
+    normalize_option("patch", patch)
     keywords = sorted(name for name, parameter in inspect.signature(PrefixCacheCore).parameters.items()
                       if parameter.kind is parameter.KEYWORD_ONLY)
     if unknown := sorted(set(core_options) - set(keywords)):
