@@ -106,16 +106,17 @@ def check_builds(model: str, path: Path, auto, config) -> None:
 
 
 def check_runs(model: str, path: Path, loaded):
-    """`loaded` (the model built), once its first forward (two tokens, before prefixlab touches the model) ran; if
-    it fails, an InvalidInputError naming config.json: values that build but do not fit together (key/value heads
-    that do not divide the heads, Mamba2 groups that do not divide its heads, a zero conv window) are blamed on
-    config.json here, not met as the model's traceback in the first generate."""
+    """`loaded` (the model built), once its first forward (two tokens into the model's own cache, as generate's
+    first step, before prefixlab touches the model) ran; if it fails, an InvalidInputError naming config.json:
+    values that build but do not fit together (key/value heads that do not divide the heads, Mamba2 groups that do
+    not divide its heads, a zero conv window, a hybrid without attention layers) are blamed on config.json here, not
+    met as the model's traceback in the first generate."""
     import torch
 
     tokens = torch.zeros(1, 2, dtype=torch.long, device=loaded.device)
     try:
         with torch.no_grad():  # (not inference_mode: a buffer a forward assigns must stay a normal tensor)
-            loaded(input_ids=tokens, use_cache=False)
+            loaded(input_ids=tokens, use_cache=True)
     except torch.OutOfMemoryError:  # (a RuntimeError, but the machine's, not the config's)
         raise
     except (*config_value_errors(), RuntimeError, AssertionError) as err:
