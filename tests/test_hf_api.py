@@ -69,6 +69,16 @@ def test_bad_cache_options_are_refused_at_construction():
     store.close()
 
 
+@pytest.mark.parametrize("model", [None, "Qwen/Qwen3.5-0.8B"])
+def test_a_default_store_for_what_is_not_a_model_is_refused_clearly(model):
+    """HybridPrefixCache.for_model(None) (a model variable not loaded yet, or a checkpoint name) raised AttributeError
+    "'NoneType' object has no attribute '__dict__'"."""
+    with pytest.raises(InvalidInputError, match="model must be a transformers model, got"):
+        HybridPrefixCache.for_model(model)
+    with pytest.raises(InvalidInputError, match="model must be a transformers model, got"):
+        PrefixStore.default_for(model)
+
+
 @pytest.mark.parametrize("patch", ["no", "False", None, 0.0])
 def test_a_patch_option_that_is_not_a_bool_is_refused(patch):
     """patch="False" (an option read from a file or the environment) built a patched store, None an unpatched one."""

@@ -56,6 +56,7 @@ def unregister(store: PrefixStore) -> None:
 def default_for(cls: type[PrefixStore], model: torch.nn.Module, options: dict) -> PrefixStore:
     """`PrefixStore.default_for`: the model's default store, created with `options` if it has none (atomically);
     options given for an existing one must equal the ones it was built with."""
+    check_model_argument(model, "PrefixStore")  # (before the model's attributes are read)
     with _LOCK:
         store = default_store(model)
         if store is None:
