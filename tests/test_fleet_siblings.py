@@ -346,13 +346,15 @@ def test_a_generation_config_asking_for_beams_is_still_served_greedily():
     assert serve.generate_uncached(model, tokens, 5) == greedy
 
 
-def test_a_generation_config_naming_a_cache_implementation_is_served_with_the_stores_cache():
+@pytest.mark.parametrize("field, value", [("cache_implementation", "static"), ("return_dict_in_generate", True)])
+def test_generation_config_fields_that_break_a_cached_generate_are_overridden(field, value):
     """A model folder whose generation_config.json sets cache_implementation ("static", as saved for torch.compile)
-    failed every prompt of `prefixlab run`: generate refuses a cache passed beside one (a ValueError traceback)."""
+    failed every prompt of `prefixlab run`: generate refuses a cache passed beside one (a ValueError traceback);
+    return_dict_in_generate made generate return an output object: "TypeError: tuple indices must be integers"."""
     model = build("qwen3_5")
     tokens = np.random.default_rng(7).integers(3, 60, 12)
-    model.generation_config.cache_implementation = "static"
     own = model.generate(torch.as_tensor(tokens)[None], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    setattr(model.generation_config, field, value)
     store = PrefixStore(model, capacity="64MB")
     try:
         with torch.inference_mode():
@@ -366,5 +368,4 @@ def test_a_generation_config_naming_a_cache_implementation_is_served_with_the_st
         result = siblings.generate_group(model, store, rows, PREFIX, [3, 3])
         assert result.outputs == [serve.generate_uncached(model, row, 3) for row in rows]
 
-    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, "cache_implementation", "static"), 8,
-                                check)
+    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, field, value), 8, check)

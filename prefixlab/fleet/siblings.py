@@ -89,9 +89,10 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
 # What `prefixlab run` decodes with, whatever the model's generation config says (its num_beams / num_return_sequences
 # would make a beam search of it, or return more rows than one per prompt; its cache_implementation, e.g. "static"
 # saved for torch.compile, would make generate refuse the store's cache passed beside it; a "use_cache": false left
-# by training would feed every sequence whole at each step, which Zamba2 / Nemotron-H refuse with a cache).
+# by training would feed every sequence whole at each step, which Zamba2 / Nemotron-H refuse with a cache;
+# return_dict_in_generate would return an output object where run reads the tensor of token ids).
 GREEDY = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "cache_implementation": None,
-          "use_cache": True}
+          "use_cache": True, "return_dict_in_generate": False}
 
 
 def prompt_reading_options(model) -> list[str]:
