@@ -200,3 +200,23 @@ def test_stop_strings_with_a_tokenizers_json_file(capsys, setup, tmp_path):
     hf = PreTrainedTokenizerFast(tokenizer_file=str(json_file))
     assert record["output_ids"] == reference(model, prompts[0], stop=[stop], hf=hf)
     assert record["finish_reason"] == "stop" and len(record["output_ids"]) <= 4
+
+
+@pytest.mark.parametrize("plan", [False, True], ids=["run", "plan"])
+def test_stop_strings_in_the_models_generation_config_are_refused_with_what_to_do(capsys, setup, tmp_path, plan):
+    """A model folder whose generation_config.json names stop_strings failed every prompt with transformers'
+    ValueError traceback ("could not locate a tokenizer"); with a tokenizer it would stop every row of a sibling
+    batch on its padding and report "length". run takes stop strings per line."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_5"))
+    model.generation_config.stop_strings = ["t5"]
+    model.save_pretrained(str(tmp_path / "model"))
+    word_tokenizer(tmp_path / "model")
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"id": 1, "input_ids": [5, 6]}) + "\n")
+    code = main(["run", path, "--model", tmp_path / "model", "--out", tmp_path / "out.jsonl",
+                 *(["--plan"] if plan else [])])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and not (tmp_path / "out.jsonl").exists(), err
+    assert "its generation_config.json sets stop_strings ['t5']" in err and "\"stop\"" in err, err

@@ -137,6 +137,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     from prefixlab.fleet import outputs, serve
     from prefixlab.fleet.prompts import read_prompts
     from prefixlab.fleet.run import _check_resumed, _hydragen_mode, _store_model
+    from prefixlab.fleet.stops import check_model_stop_strings
     from prefixlab.fleet.tokenizer import prompt_tokenizer
 
     check_options(args)
@@ -146,6 +147,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
     tokenizer = prompt_tokenizer(args.tokenizer, args.model)
     model = serve.load_model(args.model, args.seed, meta=True)
+    check_model_stop_strings(model, args.model)
     batching = _hydragen_mode(model) if args.hydragen else None
     text_config = model.config.get_text_config()
     prompts = read_prompts(args.prompts, tokenizer, max_new_tokens=args.max_new_tokens, on_error=args.on_error,

@@ -25,6 +25,19 @@ def eos_ids(model) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
+def check_model_stop_strings(model, model_arg: str) -> None:
+    """InvalidInputError where the model's generation config names stop strings: generate would need a tokenizer for
+    every prompt, stop a sibling batch's rows on their padding and report "length"; run takes them per line."""
+    strings = getattr(model.generation_config, "stop_strings", None)
+    if strings:
+        from prefixlab.errors import InvalidInputError
+
+        raise InvalidInputError(
+            f"--model {model_arg!r}: its generation_config.json sets stop_strings {strings!r}; prefixlab run takes "
+            "stop strings per prompt line (\"stop\": [...]): remove them from generation_config.json and add them "
+            "to the lines that should stop there")
+
+
 def generate_options(model, stop_token_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
                      tokenizer=None) -> dict:
     """The keyword arguments of `generate` for these stop conditions ({} without any). `tokenizer`: the transformers
