@@ -111,3 +111,27 @@ def test_a_config_json_whose_model_builds_but_cannot_run_is_one_clear_error(caps
         assert last.startswith(f"prefixlab: error: --model '{given}': ") and "config.json" in last, last
         assert "builds a model whose forward fails (" in last, last
         assert last.endswith("; fix it, or copy the model's original config.json"), last
+
+
+@pytest.mark.parametrize("plan", [False, True], ids=["run", "plan"])
+@pytest.mark.parametrize("content, message", [
+    ('{"eos_token_id": [2, 7]', "is not valid JSON (Expecting ',' delimiter: line 1 column 24)"),
+    ("[2, 7]", "holds an array, not an object of settings"),
+])
+def test_a_generation_config_json_that_cannot_be_read_is_one_clear_error(capsys, folder, tmp_path, plan, content,
+                                                                         message):
+    """A damaged generation_config.json (a download cut short) was replaced without a word by one made from
+    config.json (from_pretrained's fallback): other EOS ids, so other outputs; `--plan` failed with "cannot build a
+    causal LM" (or the reverse)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").symlink_to(folder / "model" / "model.safetensors")
+    (model / "config.json").write_text((folder / "model" / "config.json").read_text())
+    (model / "generation_config.json").write_text(content)
+    out = tmp_path / "out.jsonl"
+    code = main(["run", folder / "prompts.jsonl", "--model", model, "--out", out, "--cpu",
+                 *(["--plan"] if plan else [])])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and not out.exists(), err
+    assert last.startswith(f"prefixlab: error: --model '{model}': its generation_config.json {message}"), last

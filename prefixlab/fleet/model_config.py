@@ -40,15 +40,33 @@ def reason(err: BaseException) -> str:
     return f"{text}, at `{lines[-1]}`" if lines else text
 
 
-def _malformed(model: str, path: Path, problem: str) -> InvalidInputError:
-    which = "its config.json" if path.is_dir() else "the config.json"
-    return InvalidInputError(f"--model {model!r}: {which} {problem}; fix it, or copy the model's original "
-                             "config.json")
+def _malformed(model: str, path: Path, problem: str, name: str = "config.json") -> InvalidInputError:
+    which = f"its {name}" if path.is_dir() else f"the {name}"
+    return InvalidInputError(f"--model {model!r}: {which} {problem}; fix it, or copy the model's original {name}")
+
+
+def _json_object(model: str, path: Path, file: Path, name: str = "config.json") -> dict:
+    """The settings `file` holds, or an InvalidInputError naming it: transformers' own messages say neither where
+    the JSON breaks nor that it is no object."""
+    try:
+        settings = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise _malformed(model, path, "is not UTF-8 text", name) from None
+    except OSError as err:
+        raise InvalidInputError(f"--model {model!r}: cannot read {file} ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise _malformed(model, path, f"is not valid JSON ({err.msg}: line {err.lineno} column {err.colno})",
+                         name) from None
+    if not isinstance(settings, dict):
+        raise _malformed(model, path, f"holds {_JSON_KINDS.get(type(settings), 'a value')}, not an object of "
+                         "settings", name)
+    return settings
 
 
 def load_config(model: str, path: Path):
     """The transformers config of `path` (a config.json, or a folder holding one), or an InvalidInputError naming
-    config.json and what is wrong with it."""
+    config.json (or the folder's generation_config.json, which from_pretrained would replace without a word by one
+    made from config.json where it does not read: other EOS ids) and what is wrong with it."""
     from transformers import AutoConfig, PreTrainedConfig
 
     file = path / "config.json" if path.is_dir() else path
@@ -56,18 +74,9 @@ def load_config(model: str, path: Path):
         raise InvalidInputError(f"--model {model!r} is a folder without a config.json file; copy the model's "
                                 "config.json into it" if path.is_dir() else f"--model {model!r} is not a regular "
                                 "file; pass a config.json or a model folder")
-    try:  # transformers' own messages say neither where the JSON breaks nor that it is no object
-        settings = json.loads(file.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
-        raise _malformed(model, path, "is not UTF-8 text") from None
-    except OSError as err:
-        raise InvalidInputError(f"--model {model!r}: cannot read {file} ({err.strerror or err})") from None
-    except json.JSONDecodeError as err:
-        raise _malformed(model, path, f"is not valid JSON ({err.msg}: line {err.lineno} column {err.colno})"
-                         ) from None
-    if not isinstance(settings, dict):
-        raise _malformed(model, path, f"holds {_JSON_KINDS.get(type(settings), 'a value')}, not an object of "
-                         "settings")
+    _json_object(model, path, file)
+    if path.is_dir() and (path / "generation_config.json").exists():  # (from_pretrained would use config.json's)
+        _json_object(model, path, path / "generation_config.json", "generation_config.json")
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except OSError as err:  # (read above: not expected)
