@@ -117,6 +117,7 @@ def test_a_config_json_whose_model_builds_but_cannot_run_is_one_clear_error(caps
 @pytest.mark.parametrize("content, message", [
     ('{"eos_token_id": [2, 7]', "is not valid JSON (Expecting ',' delimiter: line 1 column 24)"),
     ("[2, 7]", "holds an array, not an object of settings"),
+    ('{"max_new_tokens": -5}', "has a malformed value (`max_new_tokens` must be greater than 0, but is -5.)"),
 ])
 def test_a_generation_config_json_that_cannot_be_read_is_one_clear_error(capsys, folder, tmp_path, plan, content,
                                                                          message):
@@ -135,3 +136,20 @@ def test_a_generation_config_json_that_cannot_be_read_is_one_clear_error(capsys,
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err and not out.exists(), err
     assert last.startswith(f"prefixlab: error: --model '{model}': its generation_config.json {message}"), last
+
+
+def test_a_generation_config_json_that_makes_generate_fail_is_one_clear_error(capsys, folder, tmp_path):
+    """An EOS id that is a string read as a generation config, then failed every prompt's generate with a raw
+    TypeError (the plan runs nothing: not checked there)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").symlink_to(folder / "model" / "model.safetensors")
+    (model / "config.json").write_text((folder / "model" / "config.json").read_text())
+    (model / "generation_config.json").write_text('{"eos_token_id": "2"}')
+    out = tmp_path / "out.jsonl"
+    code = main(["run", folder / "prompts.jsonl", "--model", model, "--out", out, "--cpu"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and not out.exists(), err
+    assert last.startswith(f"prefixlab: error: --model '{model}': its generation_config.json makes generate fail ("
+                           "TypeError: "), last

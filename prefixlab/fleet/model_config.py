@@ -67,7 +67,7 @@ def load_config(model: str, path: Path):
     """The transformers config of `path` (a config.json, or a folder holding one), or an InvalidInputError naming
     config.json (or the folder's generation_config.json, which from_pretrained would replace without a word by one
     made from config.json where it does not read: other EOS ids) and what is wrong with it."""
-    from transformers import AutoConfig, PreTrainedConfig
+    from transformers import AutoConfig, GenerationConfig, PreTrainedConfig
 
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():  # (transformers: "Unrecognized model ... Should have a `model_type` key")
@@ -77,6 +77,11 @@ def load_config(model: str, path: Path):
     _json_object(model, path, file)
     if path.is_dir() and (path / "generation_config.json").exists():  # (from_pretrained would use config.json's)
         _json_object(model, path, path / "generation_config.json", "generation_config.json")
+        try:
+            GenerationConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, *config_value_errors()) as err:
+            raise _malformed(model, path, f"has a malformed value ({reason(err)})", "generation_config.json") \
+                from None
     try:
         config = AutoConfig.from_pretrained(str(path), local_files_only=True)
     except OSError as err:  # (read above: not expected)
@@ -116,18 +121,36 @@ def check_builds(model: str, path: Path, auto, config) -> None:
 
 def check_runs(model: str, path: Path, loaded):
     """`loaded` (the model built), once its first forward (two tokens into the model's own cache, as generate's
-    first step, before prefixlab touches the model) ran; if it fails, an InvalidInputError naming config.json:
-    values that build but do not fit together (key/value heads that do not divide the heads, Mamba2 groups that do
-    not divide its heads, a zero conv window, a hybrid without attention layers) are blamed on config.json here, not
-    met as the model's traceback in the first generate."""
+    first step, before prefixlab touches the model) and a one-token generate as `prefixlab run` decodes ran; if one
+    fails, an InvalidInputError naming the file to blame: values that build but do not fit together (key/value heads
+    that do not divide the heads, Mamba2 groups that do not divide its heads, a zero conv window, a hybrid without
+    attention layers: config.json), a malformed generation setting (an EOS id that is a string:
+    generation_config.json), not met as the model's traceback in the first generate."""
     import torch
 
+    from prefixlab.fleet.siblings import GREEDY
+    from prefixlab.fleet.stops import check_model_stop_strings
+
     tokens = torch.zeros(1, 2, dtype=torch.long, device=loaded.device)
+    _runs(model, path, "config.json", "builds a model whose forward fails",
+          lambda: loaded(input_ids=tokens, use_cache=True))
+    check_model_stop_strings(loaded, model)  # (generate would fail for want of a tokenizer; its message says more)
+    pad = getattr(loaded.config, "pad_token_id", None)
+    _runs(model, path, "generation_config.json" if (path / "generation_config.json").exists() else "config.json",
+          "makes generate fail", lambda: loaded.generate(tokens, attention_mask=torch.ones_like(tokens),
+                                                         max_new_tokens=1, pad_token_id=pad if isinstance(pad, int)
+                                                         else 0, **GREEDY))
+    return loaded
+
+
+def _runs(model: str, path: Path, name: str, what: str, call) -> None:
+    """`call()`, or an InvalidInputError blaming `name` for what it raised."""
+    import torch
+
     try:
         with torch.no_grad():  # (not inference_mode: a buffer a forward assigns must stay a normal tensor)
-            loaded(input_ids=tokens, use_cache=True)
+            call()
     except torch.OutOfMemoryError:  # (a RuntimeError, but the machine's, not the config's)
         raise
     except (*config_value_errors(), RuntimeError, AssertionError) as err:
-        raise _malformed(model, path, f"builds a model whose forward fails ({reason(err)})") from None
-    return loaded
+        raise _malformed(model, path, f"{what} ({reason(err)})", name) from None

@@ -80,7 +80,6 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from prefixlab.fleet import serve
     from prefixlab.fleet.plan import assign_pending, check_options, process_steps
     from prefixlab.fleet.prompts import read_prompts
-    from prefixlab.fleet.stops import check_model_stop_strings
 
     state = launch.start(args.cpu)
     rank, processes = state.process_index, state.num_processes
@@ -98,7 +97,6 @@ def run_batch(args: argparse.Namespace) -> dict | None:
                                 "at the end; pass the path of a file (OUT.jsonl)")
     tokenizer = prompt_tokenizer(args.tokenizer, args.model)
     model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
-    check_model_stop_strings(model, args.model)
     batching = _hydragen_mode(model) if args.hydragen else None
     text_config = model.config.get_text_config()
     prompts = read_prompts(args.prompts, tokenizer, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
