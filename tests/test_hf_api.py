@@ -77,6 +77,8 @@ def test_a_default_store_for_what_is_not_a_model_is_refused_clearly(model):
         HybridPrefixCache.for_model(model)
     with pytest.raises(InvalidInputError, match="model must be a transformers model, got"):
         PrefixStore.default_for(model)
+    with pytest.raises(InvalidInputError, match=r"prefixlab.unpatch\(model\) needs a transformers model, got"):
+        prefixlab.unpatch(model)
 
 
 @pytest.mark.parametrize("patch", ["no", "False", None, 0.0])
@@ -87,6 +89,8 @@ def test_a_patch_option_that_is_not_a_bool_is_refused(patch):
         PrefixStore(model, patch=patch)
     with pytest.raises(InvalidInputError, match=r"patch=.* must be True or False"):
         HybridPrefixCache(patch=patch)
+    with pytest.raises(InvalidInputError, match=r"kernels=.* must be True or False"):
+        prefixlab.patch(model, kernels=patch)
     assert not is_attached(model) and not getattr(model, "prefixlab_patched", False)
 
 

@@ -27,9 +27,9 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
     model's stores, so closing one of them leaves it on). Then
     `model.generate(..., past_key_values=HybridPrefixCache(policy="dp"))` binds each cache to the model's default
     store, created by the first one with its options. `prefixlab.unpatch(model)` undoes it."""
-    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
-        raise InvalidInputError(f"prefixlab.patch(model) needs a transformers model, got {type(model).__name__}")
-    check_not_compiled_wrapper(model, "prefixlab.patch")
+    _check_model(model, "patch")
+    if not isinstance(kernels, bool):  # (a truthy string such as "False" would patch)
+        raise InvalidInputError(f"kernels={kernels!r} must be True or False")
     CacheLayout.from_config(model.config)  # UnsupportedModelError now rather than on the first request
     from prefixlab.cache.ownership import release_collected
 
@@ -47,6 +47,7 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `patch`: admit and close the model's default store, take the hooks off (unless other stores still
     use them) and give back the kernel patch `patch` took (restored once no store holds it either)."""
+    _check_model(model, "unpatch")
     store = default_store(model)
     if store is not None:
         store.close()
@@ -61,3 +62,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             let_go(model)
             _HOLDS_KERNELS.discard(model)
     return model
+
+
+def _check_model(model: object, call: str) -> None:
+    if not hasattr(model, "config") or not callable(getattr(model, "forward", None)):
+        raise InvalidInputError(f"prefixlab.{call}(model) needs a transformers model, got {type(model).__name__}")
+    check_not_compiled_wrapper(model, f"prefixlab.{call}")
