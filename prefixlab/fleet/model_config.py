@@ -63,10 +63,11 @@ def _json_object(model: str, path: Path, file: Path, name: str = "config.json") 
     return settings
 
 
-def load_config(model: str, path: Path):
+def load_config(model: str, path: Path, generation: bool = False):
     """The transformers config of `path` (a config.json, or a folder holding one), or an InvalidInputError naming
-    config.json (or the folder's generation_config.json, which from_pretrained would replace without a word by one
-    made from config.json where it does not read: other EOS ids) and what is wrong with it."""
+    config.json and what is wrong with it. `generation`: a folder's generation_config.json too (generating from it:
+    from_pretrained would replace it without a word by one made from config.json where it does not read, with other
+    EOS ids)."""
     from transformers import AutoConfig, GenerationConfig, PreTrainedConfig
 
     file = path / "config.json" if path.is_dir() else path
@@ -75,7 +76,7 @@ def load_config(model: str, path: Path):
                                 "config.json into it" if path.is_dir() else f"--model {model!r} is not a regular "
                                 "file; pass a config.json or a model folder")
     _json_object(model, path, file)
-    if path.is_dir() and (path / "generation_config.json").exists():  # (from_pretrained would use config.json's)
+    if generation and path.is_dir() and (path / "generation_config.json").exists():
         _json_object(model, path, path / "generation_config.json", "generation_config.json")
         try:
             GenerationConfig.from_pretrained(str(path), local_files_only=True)

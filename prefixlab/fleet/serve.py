@@ -87,7 +87,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
     if path.is_dir() and not has_weights:  # a folder whose weights never arrived must not serve random ones
         raise InvalidInputError(f"--model {model!r} is a folder without weights (*.safetensors or *.bin); pass a "
                                 "folder with them, or its config.json to run random-init weights on purpose")
-    config = load_config(model, path)
+    config = load_config(model, path, generation=True)
     auto = causal_lm_class(config)
     try:
         if meta:
