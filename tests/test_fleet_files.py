@@ -156,3 +156,18 @@ def test_weights_of_other_shapes_than_the_config_are_refused_naming_the_config(c
     assert main(["run", prompts, "--model", folder, "--out", tmp_path / "o.jsonl"]) == 2
     assert "its weights do not fit its config.json" in capsys.readouterr().err
     assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_weights_that_lack_tensors_of_the_model_are_refused_naming_them(capsys, tmp_path):
+    """A folder saved by AutoModel (no LM head) or from another class: from_pretrained filled lm_head with random
+    values, so each run of the same command gave other outputs (and a rerun refused its own records)."""
+    from transformers import AutoModel
+
+    folder, prompts = tmp_path / "model", tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": 1, "input_ids": [5, 6]}\n')
+    torch.manual_seed(0)
+    AutoModel.from_config(tiny_config("llama")).save_pretrained(str(folder))  # (untied embeddings: no lm_head)
+    assert main(["run", prompts, "--model", folder, "--out", tmp_path / "o.jsonl"]) == 2
+    err = capsys.readouterr().err
+    assert "its weights lack 1 of the model's tensors (lm_head.weight)" in err and "['LlamaModel']" in err, err
+    assert not (tmp_path / "o.jsonl").exists()

@@ -120,6 +120,19 @@ def check_builds(model: str, path: Path, auto, config) -> None:
         raise _malformed(model, path, f"does not build a causal LM ({reason(err)})") from None
 
 
+def check_complete(model: str, path: Path, loaded, info: dict) -> None:
+    """An InvalidInputError where the weights files lack parameters of the model built from them (a folder saved by
+    AutoModel, without the LM head, or by another class): from_pretrained fills those with random values, so every
+    run, and every process, would serve other outputs."""
+    parameters = {name for name, _ in loaded.named_parameters()}
+    if missing := sorted(set(info.get("missing_keys", ())) & parameters):
+        raise InvalidInputError(
+            f"--model {model!r}: its weights lack {len(missing)} of the model's tensors ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}), which would be random: the folder holds an incomplete checkpoint "
+            f"or another class's (config.json says architectures {getattr(loaded.config, 'architectures', None)}); "
+            "pass a causal LM's folder (saved by AutoModelForCausalLM)")
+
+
 def check_runs(model: str, path: Path, loaded):
     """`loaded` (the model built), once its first forward (two tokens into the model's own cache, as generate's
     first step, before prefixlab touches the model) and a one-token generate as `prefixlab run` decodes ran; if one

@@ -93,7 +93,8 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
         if meta:
             return _meta_model(auto, config, path if has_weights else None)
         if has_weights:
-            loaded = auto.from_pretrained(str(path), local_files_only=True)
+            loaded, info = auto.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
+            model_config.check_complete(model, path, loaded, info)
         else:
             torch.manual_seed(seed)
             loaded = auto.from_config(config)
