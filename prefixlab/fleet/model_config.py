@@ -133,18 +133,20 @@ def check_complete(model: str, path: Path, loaded, info: dict) -> None:
             "pass a causal LM's folder (saved by AutoModelForCausalLM)")
 
 
-def check_runs(model: str, path: Path, loaded):
+def check_runs(model: str, path: Path, loaded, info: dict | None = None):
     """`loaded` (the model built), once its first forward (two tokens into the model's own cache, as generate's
     first step, before prefixlab touches the model) and a one-token generate as `prefixlab run` decodes ran; if one
     fails, an InvalidInputError naming the file to blame: values that build but do not fit together (key/value heads
     that do not divide the heads, Mamba2 groups that do not divide its heads, a zero conv window, a hybrid without
     attention layers: config.json), a malformed generation setting (an EOS id that is a string:
-    generation_config.json), not met as the model's traceback in the first generate."""
+    generation_config.json), not met as the model's traceback in the first generate. `info`: from_pretrained's
+    loading info (check_complete)."""
     import torch
 
     from prefixlab.fleet.siblings import GREEDY
     from prefixlab.fleet.stops import check_model_stop_strings
 
+    check_complete(model, path, loaded, info or {})
     tokens = torch.zeros(1, 2, dtype=torch.long, device=loaded.device)
     _runs(model, path, "config.json", "builds a model whose forward fails",
           lambda: loaded(input_ids=tokens, use_cache=True))

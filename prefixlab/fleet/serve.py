@@ -94,10 +94,9 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
             return _meta_model(auto, config, path if has_weights else None)
         if has_weights:
             loaded, info = auto.from_pretrained(str(path), local_files_only=True, output_loading_info=True)
-            model_config.check_complete(model, path, loaded, info)
         else:
             torch.manual_seed(seed)
-            loaded = auto.from_config(config)
+            loaded, info = auto.from_config(config), {}
     except (*config_value_errors(), AssertionError, OSError) as err:
         check_builds(model, path, auto, config)  # else not a value of config.json: an error of its own
         if isinstance(err, (AttributeError, IndexError, ZeroDivisionError, AssertionError)):  # not the input's
@@ -114,7 +113,7 @@ def load_model(model: str, seed: int = 0, device: str = "cpu", meta: bool = Fals
             raise
         raise InvalidInputError(f"--model {model!r}: the weights file {damaged}; it is damaged or incomplete, or not "
                                 "a checkpoint: copy or save it again") from None
-    return model_config.check_runs(model, path, loaded.to(device).eval())
+    return model_config.check_runs(model, path, loaded.to(device).eval(), info)
 
 
 def _weights_files(folder: Path) -> list[Path]:
