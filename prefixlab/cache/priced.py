@@ -174,7 +174,8 @@ class PricedAdmission(MarconiAdmission):
         self._planned_kind, self._leaf_pending = _entry_kind(walk), True
 
     def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
-        positions = set(super().plan(walk, length, reused))
+        marconi = super().plan(walk, length, reused)  # (planning changes nothing it depends on: kept for the end)
+        positions = set(marconi)
         start = walk.shared_length
         kind = _entry_kind(walk)
         law = self.laws[kind]
@@ -217,7 +218,6 @@ class PricedAdmission(MarconiAdmission):
             positions.add(end)
             predicted += repeat_saving
         self.law.add("predicted", predicted)
-        marconi = super().plan(walk, length, reused)
         if not self._fits_budget(span, len(positions)) and self._fits_budget(span, len(marconi)):
             # dp's states would make an entry that fits the whole budget outgrow it, and a strict budget then cuts
             # the entry at one of them (a long document losing its end): only Marconi's are kept. (An entry too
