@@ -20,10 +20,7 @@ import math
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
 from prefixlab.cache.tree import Node, RadixTree
-from prefixlab.cache.weighted_pick import pick_weighted
-
-FORGOTTEN_RESUMES = 1e-3  # a branch point's decayed resumes below this are dropped (its boost was 1 long before)
-LOG_FORGOTTEN_RESUMES = math.log(FORGOTTEN_RESUMES)
+from prefixlab.cache.weighted_pick import pick_weighted, resume_boosts
 
 
 class EvictionPolicy:
@@ -279,17 +276,8 @@ class ThinningFlopAware(FlopAware):
         return math.log(node.recent_resumes) - node.resumed_at * math.log(self.admission.law.decay)
 
     def _boosts(self, now: int) -> dict[int, float]:
-        """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
-        resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
-        below FORGOTTEN_RESUMES are forgotten."""
-        elapsed_log = now * -math.log(self.admission.law.decay)  # ln of the decay from clock 0 to now
-        boosts, forgotten = {}, []
-        for node_id, log_at_zero in self.boosted.items():
-            log_resumes = log_at_zero - elapsed_log
-            if log_resumes > 0.0:
-                boosts[node_id] = 1.0 + log_resumes
-            elif log_resumes < LOG_FORGOTTEN_RESUMES:
-                forgotten.append(node_id)
+        """The candidates' recency factors now (weighted_pick.resume_boosts); forgotten resumes are dropped."""
+        boosts, forgotten = resume_boosts(self.boosted, now * -math.log(self.admission.law.decay))
         for node_id in forgotten:
             self.nodes[node_id].recent_resumes = 0.0
             del self.boosted[node_id]

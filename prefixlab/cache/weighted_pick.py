@@ -19,10 +19,13 @@ only raises a score, so the rows' bounds hold).
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Mapping
+import math
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 INF = float("inf")
+FORGOTTEN_RESUMES = 1e-3  # a branch point's decayed resumes below this are dropped (its boost was 1 long before)
+LOG_FORGOTTEN_RESUMES = math.log(FORGOTTEN_RESUMES)
 
 if TYPE_CHECKING:
     from prefixlab.cache.sorted_index import SortedIndex
@@ -42,14 +45,16 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     is_weighted, boost = weighted.ids(), boost or {}
     # min-max normalisation over the candidates' recency terms (a weighted leaf's is weight / age, a boosted one's
     # times its boost): affine, so the offset is dropped and only the scale kept (all-equal terms normalise to one
-    # constant, as in Marconi). The plain extremes are found skipping the others, whose terms are taken one by one.
-    terms = [1.0 / (now - row[0]) for row in (_first_not_in(by_recency, is_weighted, boost),
-                                              _first_not_in(reversed(by_recency), is_weighted, boost))
-             if row is not None]
-    terms += [weight / (now - row[0]) for row in (_first_not_in(weighted, boost),
-                                                  _first_not_in(reversed(weighted), boost)) if row is not None]
-    terms += [(weight if node_id in is_weighted else 1.0) * factor / (now - nodes[node_id].last_access)
-              for node_id, factor in boost.items()]
+    # constant, as in Marconi). The boosted terms are taken one by one, the others' extremes at the ends of their
+    # index (plain candidates: all but the weighted leaves), skipping the boosted (few: few are skipped).
+    terms = [(weight if node_id in is_weighted else 1.0) * factor / (now - nodes[node_id].last_access)
+             for node_id, factor in boost.items()]
+    for rows, coefficient, skipped in ((by_recency, 1.0, is_weighted), (weighted, weight, ())):
+        for ordered in (rows, reversed(rows)):
+            for last_access, _, node_id in ordered:
+                if node_id not in skipped and node_id not in boost:
+                    terms.append(coefficient / (now - last_access))
+                    break
     low, high = min(terms), max(terms)
     recency_scale = 1.0 / (high - low) if high > low else 0.0
     leaf_scale = recency_scale * weight
@@ -85,10 +90,16 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     return best_id
 
 
-def _first_not_in(rows: Iterable[tuple], skipped: Container[int], also: Container[int] = ()) -> tuple | None:
-    """The first of `rows` whose id is in neither `skipped` nor `also` (weighted leaves are evicted early and
-    boosted nodes are few: few are skipped)."""
-    for row in rows:
-        if row[-1] not in skipped and row[-1] not in also:
-            return row
-    return None
+def resume_boosts(boosted: Mapping[int, float], elapsed_log: float) -> tuple[dict[int, float], list[int]]:
+    """The recency factors of the candidates resumed from more than once lately, 1 + ln(recent resumes), and the
+    candidates whose resumes decayed below FORGOTTEN_RESUMES (to forget). `boosted`: each candidate with recent
+    resumes and ln(its resumes decayed back to clock 0); `elapsed_log`: ln of the decay from clock 0 to now. One
+    resume is no evidence (a chat's next turn resumes once from the split its own history made)."""
+    boosts, forgotten = {}, []
+    for node_id, log_at_zero in boosted.items():
+        log_resumes = log_at_zero - elapsed_log
+        if log_resumes > 0.0:
+            boosts[node_id] = 1.0 + log_resumes
+        elif log_resumes < LOG_FORGOTTEN_RESUMES:
+            forgotten.append(node_id)
+    return boosts, forgotten
