@@ -288,19 +288,21 @@ class ThinningFlopAware(FlopAware):
         admission.tree = self.tree  # the admission prices states by how full this tree is
 
     def update(self, node: Node) -> None:
-        if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
-            self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
+        node_id, admission = node.id, self.admission
+        if admission is not None and admission.track(node) and self.leaf_weight != 1.0:
+            self._shapes.pop(node_id, None)  # whether it is an entry's leaf changed its efficiency
         super().update(node)
-        if node.recent_resumes and node.id in self.nodes:
-            if node.id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
-                self.boosted[node.id] = self._log_at_zero(node)
+        indexed = node_id in self.nodes
+        if node.recent_resumes and indexed:
+            if node_id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
+                self.boosted[node_id] = self._log_at_zero(node)
         else:
-            self.boosted.pop(node.id, None)
+            self.boosted.pop(node_id, None)
         if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
-            if node.id in self.nodes and self._weighted(node):
-                self.leaf_recency.put(node.id, (node.last_access, -node.end))
+            if indexed and self._weighted(node):
+                self.leaf_recency.put(node_id, (node.last_access, -node.end))
             else:
-                self.leaf_recency.discard(node.id)
+                self.leaf_recency.discard(node_id)
 
     def _weighted(self, node: Node) -> bool:
         """An entry's leaf without in-edge states: its utility is weighed by the admission's leaf_weight."""
@@ -360,12 +362,14 @@ class ThinningFlopAware(FlopAware):
         return values
 
     def flop_efficiency(self, node: Node) -> float:
-        values = self._interior_values(node) if self.admission is not None else []
+        positions = node.ckpt_pos  # (most nodes hold no interior state: not valued then, hot path)
+        interior = positions and positions[0] < node.start + len(node.tokens) and self.admission is not None
+        values = self._interior_values(node) if interior else []
         self._last_values = (node, values)  # `free` reads them back after each state it drops
         if values:
             return min(values) / max(node.ckpt_state[0].nbytes, 1)
-        whole = super().flop_efficiency(node)
-        return whole * self.leaf_weight if self.admission is not None and self.admission.shape_of(node) == 0 else whole
+        whole = super().flop_efficiency(node)  # (a weight of 1, set while unlinked too, needs no shape looked up)
+        return whole * self.leaf_weight if self.leaf_weight != 1.0 and self.admission.shape_of(node) == 0 else whole
 
     def thins(self, node: Node) -> bool:
         return self.admission is not None and bool(node.ckpt_pos) and node.ckpt_pos[0] < node.end
@@ -373,7 +377,9 @@ class ThinningFlopAware(FlopAware):
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:
             return super().free(node, want_bytes)
-        freed, values = 0, self._interior_values(node)
+        # a lone interior state goes whatever its value: it is not valued (most thinned nodes hold one)
+        count = bisect.bisect_left(node.ckpt_pos, node.end)
+        freed, values = 0, self._interior_values(node) if count > 1 else [0.0] * count
         while freed < want_bytes and values:
             cheapest = values.index(min(values))
             self._last_values = None
