@@ -115,7 +115,7 @@ class PricedAdmission(MarconiAdmission):
         if (self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes
                 and not node.is_root):  # (a namespace's root left childless by an eviction: not an entry's leaf)
             kinds[node_id], self._leaf_pending = self._planned_kind, False  # the planned entry's new leaf
-        shape = self.shape_of(node)
+        shape = 2 * (node_id not in kinds) + bool(node.children) if node.ckpt_pos else -1  # shape_of (hot path)
         if shapes.get(node_id, -1) == shape:
             return False
         self._resumed.discard(node_id)
