@@ -61,27 +61,41 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     eff_low, eff_high = by_efficiency.first()[0], by_efficiency.last()[0]
     eff_scale = alpha / (eff_high - eff_low) if eff_high > eff_low else 0.0
 
-    best_score, best_id, seen = INF, None, {None}  # None: no leaf row
+    best_score, best_id, seen = INF, None, set()
     seen_add = seen.add
     leaf_rows, leaf_bound = iter(weighted), 0.0  # leaf_bound: the least an unseen weighted leaf's recency term can be
+    # Row by row: the next oldest candidate, the next oldest weighted leaf, the next least efficient candidate, each
+    # scored unless seen (unrolled: each takes what its row holds, its age or its efficiency, from the row)
     for (last_access, _, old_id), (eff, inefficient_id) in zip(by_recency, by_efficiency, strict=True):
-        leaf_id = None
+        if old_id not in seen:
+            seen_add(old_id)
+            if nodes[old_id].lock_count == 0:
+                score = ((leaf_scale if old_id in is_weighted else recency_scale) * boost.get(old_id, 1.0)
+                         / (now - last_access) + efficiency[old_id] * eff_scale)
+                if score < best_score:
+                    best_score, best_id = score, old_id
         if leaf_bound != INF:
             leaf = next(leaf_rows, None)
             if leaf is None:
                 leaf_bound = INF  # every weighted leaf was seen
             else:
-                leaf_bound, leaf_id = leaf_scale / (now - leaf[0]), leaf[-1]
-        for node_id in (old_id, leaf_id, inefficient_id):
-            if node_id in seen:
-                continue
-            seen_add(node_id)
-            node = nodes[node_id]
+                leaf_access, _, leaf_id = leaf
+                leaf_bound = leaf_scale / (now - leaf_access)
+                if leaf_id not in seen:
+                    seen_add(leaf_id)
+                    if nodes[leaf_id].lock_count == 0:
+                        score = (leaf_scale * boost.get(leaf_id, 1.0) / (now - leaf_access)
+                                 + efficiency[leaf_id] * eff_scale)
+                        if score < best_score:
+                            best_score, best_id = score, leaf_id
+        if inefficient_id not in seen:
+            seen_add(inefficient_id)
+            node = nodes[inefficient_id]
             if node.lock_count == 0:
-                score = ((leaf_scale if node_id in is_weighted else recency_scale) * boost.get(node_id, 1.0)
-                         / (now - node.last_access) + efficiency[node_id] * eff_scale)
+                score = ((leaf_scale if inefficient_id in is_weighted else recency_scale)
+                         * boost.get(inefficient_id, 1.0) / (now - node.last_access) + eff * eff_scale)
                 if score < best_score:
-                    best_score, best_id = score, node_id
+                    best_score, best_id = score, inefficient_id
         # an unseen candidate is a weighted leaf (no more recent than the leaf row) or another one (no more recent
         # than the row of all candidates), and no more efficient than the efficiency row
         bound = recency_scale / (now - last_access)
