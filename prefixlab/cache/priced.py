@@ -181,7 +181,7 @@ class PricedAdmission(MarconiAdmission):
         law = self.laws[kind]
         if length > start:
             for counted in (self.law, law, self.end_laws[kind]):
-                counted.add("entries")
+                counted.entries += counted._scale  # law.add("entries") inlined (hot path): the same floats
         # predicted savings are discounted by how well past predictions came true
         price = self.state_tokens * self.law.pressure * self.fill
         price /= self.law.calibration(self.state_tokens)
@@ -217,7 +217,7 @@ class PricedAdmission(MarconiAdmission):
         if reused < end < length and repeat_saving > price:
             positions.add(end)
             predicted += repeat_saving
-        self.law.add("predicted", predicted)
+        self.law.predicted += predicted * self.law._scale  # law.add("predicted", ...) inlined (hot path)
         if not self._fits_budget(span, len(positions)) and self._fits_budget(span, len(marconi)):
             # dp's states would make an entry that fits the whole budget outgrow it, and a strict budget then cuts
             # the entry at one of them (a long document losing its end): only Marconi's are kept. (An entry too
