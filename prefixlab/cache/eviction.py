@@ -299,7 +299,8 @@ class ThinningFlopAware(FlopAware):
         else:
             self.boosted.pop(node_id, None)
         if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
-            if indexed and self._weighted(node):
+            # (_weighted inlined, hot path: an entry's leaf whose one state is at its end)
+            if indexed and admission.shape_of(node) == 0 and node.ckpt_pos[0] >= node.start + len(node.tokens):
                 self.leaf_recency.put(node_id, (node.last_access, -node.end))
             else:
                 self.leaf_recency.discard(node_id)
