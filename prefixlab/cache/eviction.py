@@ -291,7 +291,7 @@ class ThinningFlopAware(FlopAware):
         node_id, admission = node.id, self.admission
         if admission is not None and admission.track(node) and self.leaf_weight != 1.0:
             self._shapes.pop(node_id, None)  # whether it is an entry's leaf changed its efficiency
-        super().update(node)
+        FlopAware.update(self, node)  # (not super(): Python 3.11 builds a super object a call, hot path)
         indexed = node_id in self.nodes
         if node.recent_resumes and indexed:
             if node_id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
@@ -369,7 +369,7 @@ class ThinningFlopAware(FlopAware):
         self._last_values = (node, values)  # `free` reads them back after each state it drops
         if values:
             return min(values) / max(node.ckpt_state[0].nbytes, 1)
-        whole = super().flop_efficiency(node)  # (a weight of 1, set while unlinked too, needs no shape looked up)
+        whole = FlopAware.flop_efficiency(self, node)  # (as in update; a weight of 1 needs no shape looked up)
         return whole * self.leaf_weight if self.leaf_weight != 1.0 and self.admission.shape_of(node) == 0 else whole
 
     def thins(self, node: Node) -> bool:
