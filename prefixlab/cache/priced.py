@@ -199,9 +199,10 @@ class PricedAdmission(MarconiAdmission):
                     break
                 gains.append(gain)
                 cost = next_cost
-            positions.update(start + p * law.block for p in table.positions(len(gains), blocks)
-                             if reused < start + p * law.block < length)
-            predicted += sum(gains)
+            if gains:  # (no state is worth its price, the usual case: nothing to backtrack)
+                positions.update(start + p * law.block for p in table.positions(len(gains), blocks)
+                                 if reused < start + p * law.block < length)
+                predicted += sum(gains)
         elif price <= 0 and law.interior <= 0 and span > 1:
             # states cost nothing yet (an empty cache, or nothing stored has been reused) and the law has seen no
             # overlap: a uniform prior, `prior_states` evenly spaced states (the first divergences, before any
