@@ -65,7 +65,8 @@ def pick_weighted(now: int, nodes: Mapping[int, Node], by_recency: SortedIndex, 
     seen_add = seen.add
     leaf_rows, leaf_bound = iter(weighted), 0.0  # leaf_bound: the least an unseen weighted leaf's recency term can be
     # Row by row: the next oldest candidate, the next oldest weighted leaf, the next least efficient candidate, each
-    # scored unless seen (unrolled: each takes what its row holds, its age or its efficiency, from the row)
+    # scored unless seen (unrolled: each takes what its row holds, its last access or its efficiency, from the row;
+    # the indexes are kept current, so a row's key is its node's)
     for (last_access, _, old_id), (eff, inefficient_id) in zip(by_recency, by_efficiency, strict=True):
         if old_id not in seen:
             seen_add(old_id)
