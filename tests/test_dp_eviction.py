@@ -12,8 +12,9 @@ from prefix_helpers import dp_core, picks_under_a_live_match, request, tiny_spec
 
 from prefixlab.cache.alpha import ALPHA_GRID
 from prefixlab.cache.core import PrefixCacheCore
-from prefixlab.cache.eviction import FORGOTTEN_RESUMES, FlopAware, ThinningFlopAware
+from prefixlab.cache.eviction import FlopAware, ThinningFlopAware
 from prefixlab.cache.replay import replay_request
+from prefixlab.cache.weighted_pick import FORGOTTEN_RESUMES
 from prefixlab.sim.replay import simulate
 
 

@@ -20,10 +20,7 @@ import math
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.sorted_index import SortedIndex
 from prefixlab.cache.tree import Node, RadixTree
-from prefixlab.cache.weighted_pick import pick_weighted
-
-FORGOTTEN_RESUMES = 1e-3  # a branch point's decayed resumes below this are dropped (its boost was 1 long before)
-LOG_FORGOTTEN_RESUMES = math.log(FORGOTTEN_RESUMES)
+from prefixlab.cache.weighted_pick import pick_weighted, resume_boosts
 
 
 class EvictionPolicy:
@@ -279,17 +276,8 @@ class ThinningFlopAware(FlopAware):
         return math.log(node.recent_resumes) - node.resumed_at * math.log(self.admission.law.decay)
 
     def _boosts(self, now: int) -> dict[int, float]:
-        """The recency factors of the candidates resumed from more than once lately: 1 + ln(recent resumes). One
-        resume is no evidence (a chat's next turn resumes once from the split its own history made); resumes decayed
-        below FORGOTTEN_RESUMES are forgotten."""
-        elapsed_log = now * -math.log(self.admission.law.decay)  # ln of the decay from clock 0 to now
-        boosts, forgotten = {}, []
-        for node_id, log_at_zero in self.boosted.items():
-            log_resumes = log_at_zero - elapsed_log
-            if log_resumes > 0.0:
-                boosts[node_id] = 1.0 + log_resumes
-            elif log_resumes < LOG_FORGOTTEN_RESUMES:
-                forgotten.append(node_id)
+        """The candidates' recency factors now (weighted_pick.resume_boosts); forgotten resumes are dropped."""
+        boosts, forgotten = resume_boosts(self.boosted, now * -math.log(self.admission.law.decay))
         for node_id in forgotten:
             self.nodes[node_id].recent_resumes = 0.0
             del self.boosted[node_id]
@@ -300,19 +288,22 @@ class ThinningFlopAware(FlopAware):
         admission.tree = self.tree  # the admission prices states by how full this tree is
 
     def update(self, node: Node) -> None:
-        if self.admission is not None and self.admission.track(node) and self.leaf_weight != 1.0:
-            self._shapes.pop(node.id, None)  # whether it is an entry's leaf changed its efficiency
-        super().update(node)
-        if node.recent_resumes and node.id in self.nodes:
-            if node.id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
-                self.boosted[node.id] = self._log_at_zero(node)
+        node_id, admission = node.id, self.admission
+        if admission is not None and admission.track(node) and self.leaf_weight != 1.0:
+            self._shapes.pop(node_id, None)  # whether it is an entry's leaf changed its efficiency
+        FlopAware.update(self, node)  # (not super(): Python 3.11 builds a super object a call, hot path)
+        indexed = node_id in self.nodes
+        if node.recent_resumes and indexed:
+            if node_id not in self.boosted:  # (resumed_from keeps a boosted node's entry current)
+                self.boosted[node_id] = self._log_at_zero(node)
         else:
-            self.boosted.pop(node.id, None)
+            self.boosted.pop(node_id, None)
         if self.leaf_weight != 1.0:  # the weighted leaves' recency index is kept while a weight applies (see pick)
-            if node.id in self.nodes and self._weighted(node):
-                self.leaf_recency.put(node.id, (node.last_access, -node.end))
+            # (_weighted inlined, hot path: an entry's leaf whose one state is at its end)
+            if indexed and admission.shape_of(node) == 0 and node.ckpt_pos[0] >= node.start + len(node.tokens):
+                self.leaf_recency.put(node_id, (node.last_access, -node.end))
             else:
-                self.leaf_recency.discard(node.id)
+                self.leaf_recency.discard(node_id)
 
     def _weighted(self, node: Node) -> bool:
         """An entry's leaf without in-edge states: its utility is weighed by the admission's leaf_weight."""
@@ -372,12 +363,14 @@ class ThinningFlopAware(FlopAware):
         return values
 
     def flop_efficiency(self, node: Node) -> float:
-        values = self._interior_values(node) if self.admission is not None else []
+        positions = node.ckpt_pos  # (most nodes hold no interior state: not valued then, hot path)
+        interior = positions and positions[0] < node.start + len(node.tokens) and self.admission is not None
+        values = self._interior_values(node) if interior else []
         self._last_values = (node, values)  # `free` reads them back after each state it drops
         if values:
             return min(values) / max(node.ckpt_state[0].nbytes, 1)
-        whole = super().flop_efficiency(node)
-        return whole * self.leaf_weight if self.admission is not None and self.admission.shape_of(node) == 0 else whole
+        whole = FlopAware.flop_efficiency(self, node)  # (as in update; a weight of 1 needs no shape looked up)
+        return whole * self.leaf_weight if self.leaf_weight != 1.0 and self.admission.shape_of(node) == 0 else whole
 
     def thins(self, node: Node) -> bool:
         return self.admission is not None and bool(node.ckpt_pos) and node.ckpt_pos[0] < node.end
@@ -385,7 +378,9 @@ class ThinningFlopAware(FlopAware):
     def free(self, node: Node, want_bytes: int) -> int:
         if self.admission is None:
             return super().free(node, want_bytes)
-        freed, values = 0, self._interior_values(node)
+        # a lone interior state goes whatever its value: it is not valued (most thinned nodes hold one)
+        count = bisect.bisect_left(node.ckpt_pos, node.end)
+        freed, values = 0, self._interior_values(node) if count > 1 else [0.0] * count
         while freed < want_bytes and values:
             cheapest = values.index(min(values))
             self._last_values = None

@@ -115,7 +115,7 @@ class PricedAdmission(MarconiAdmission):
         if (self._leaf_pending and not node.children and node_id not in kinds and node_id not in shapes
                 and not node.is_root):  # (a namespace's root left childless by an eviction: not an entry's leaf)
             kinds[node_id], self._leaf_pending = self._planned_kind, False  # the planned entry's new leaf
-        shape = self.shape_of(node)
+        shape = 2 * (node_id not in kinds) + bool(node.children) if node.ckpt_pos else -1  # shape_of (hot path)
         if shapes.get(node_id, -1) == shape:
             return False
         self._resumed.discard(node_id)
@@ -174,13 +174,14 @@ class PricedAdmission(MarconiAdmission):
         self._planned_kind, self._leaf_pending = _entry_kind(walk), True
 
     def plan(self, walk: Walk, length: int, reused: int, input_length: int = 0) -> list[int]:
-        positions = set(super().plan(walk, length, reused))
+        marconi = super().plan(walk, length, reused)  # (planning changes nothing it depends on: kept for the end)
+        positions = set(marconi)
         start = walk.shared_length
         kind = _entry_kind(walk)
         law = self.laws[kind]
         if length > start:
             for counted in (self.law, law, self.end_laws[kind]):
-                counted.add("entries")
+                counted.entries += counted._scale  # law.add("entries") inlined (hot path): the same floats
         # predicted savings are discounted by how well past predictions came true
         price = self.state_tokens * self.law.pressure * self.fill
         price /= self.law.calibration(self.state_tokens)
@@ -198,9 +199,10 @@ class PricedAdmission(MarconiAdmission):
                     break
                 gains.append(gain)
                 cost = next_cost
-            positions.update(start + p * law.block for p in table.positions(len(gains), blocks)
-                             if reused < start + p * law.block < length)
-            predicted += sum(gains)
+            if gains:  # (no state is worth its price, the usual case: nothing to backtrack)
+                positions.update(start + p * law.block for p in table.positions(len(gains), blocks)
+                                 if reused < start + p * law.block < length)
+                predicted += sum(gains)
         elif price <= 0 and law.interior <= 0 and span > 1:
             # states cost nothing yet (an empty cache, or nothing stored has been reused) and the law has seen no
             # overlap: a uniform prior, `prior_states` evenly spaced states (the first divergences, before any
@@ -216,8 +218,7 @@ class PricedAdmission(MarconiAdmission):
         if reused < end < length and repeat_saving > price:
             positions.add(end)
             predicted += repeat_saving
-        self.law.add("predicted", predicted)
-        marconi = super().plan(walk, length, reused)
+        self.law.predicted += predicted * self.law._scale  # law.add("predicted", ...) inlined (hot path)
         if not self._fits_budget(span, len(positions)) and self._fits_budget(span, len(marconi)):
             # dp's states would make an entry that fits the whole budget outgrow it, and a strict budget then cuts
             # the entry at one of them (a long document losing its end): only Marconi's are kept. (An entry too
