@@ -244,3 +244,20 @@ def test_attention_with_lse_refuses_shapes_that_do_not_fit(shapes, match):
         attention_with_lse(q, k, v, torch.ones(1, 1, 2, 6))
     with pytest.raises(InvalidInputError, match="share a dtype"):
         attention_with_lse(q, k.double(), v)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.3", True])
+def test_the_other_public_kernels_refuse_a_scale_hydragen_attention_refuses(scale):
+    """`varlen_prefill_attention` and `attention_with_lse` took any scale: NaN / inf gave NaN outputs without a
+    word, True was read as 1.0, a string failed deep in torch (a TypeError / RuntimeError)."""
+    from prefixlab.attention import attention_with_lse
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _rand(g, 5, 4, 8), _rand(g, 5, 2, 8), _rand(g, 5, 2, 8)
+    with pytest.raises(InvalidInputError, match="finite number"):
+        varlen_prefill_attention(q, k, v, [2, 3], scale=scale, compiled=False)
+    with pytest.raises(InvalidInputError, match="finite number"):
+        attention_with_lse(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], None, scale)
+    # a numpy scale is the Python float it equals (as hydragen_attention takes it)
+    by_numpy = varlen_prefill_attention(q, k, v, [2, 3], scale=np.float32(0.25), compiled=False)
+    assert torch.equal(by_numpy, varlen_prefill_attention(q, k, v, [2, 3], scale=0.25, compiled=False))

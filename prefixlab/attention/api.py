@@ -8,11 +8,12 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from prefixlab.attention.kernels import checked_scale
 from prefixlab.attention.packed import packed_tree_attention
 from prefixlab.attention.reference import reference_attention, suffix_visibility
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import SharedLevel, TreePlan, plan_tree
-from prefixlab.errors import InvalidInputError, is_finite_number
+from prefixlab.errors import InvalidInputError
 
 Method = Literal["auto", "split", "packed", "sdpa"]
 METHODS = ("auto", "split", "packed", "sdpa")
@@ -65,9 +66,7 @@ def hydragen_attention(
     """
     if method not in METHODS:
         raise InvalidInputError(f"method={method!r} must be one of {METHODS}")
-    if scale is not None and not is_finite_number(scale):  # numpy scalars too
-        raise InvalidInputError(f"scale={scale!r} must be a finite number (None: head_dim ** -0.5)")
-    scale = None if scale is None else float(scale)
+    scale = checked_scale(scale)  # (numpy scalars too)
     plan = plan_tree(q, levels, suffix_keys, suffix_values, seq_levels, suffix_mask, suffix_lengths)
     if q.shape[2] == 0:  # no query: nothing to attend (the kernels' shapes cannot hold zero queries)
         return q.new_zeros(q.shape)
