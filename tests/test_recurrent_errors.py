@@ -72,6 +72,8 @@ SSD_CASES = [
     ({"B": torch.zeros(1, LENGTH, 3, 16), "C": torch.zeros(1, LENGTH, 3, 16)}, "B has 3 groups"),
     ({"C": torch.zeros(1, LENGTH, 2, 15)}, "C"),
     ({"D": torch.zeros(4, 3)}, "D"),
+    ({"D": 1.0}, "D must be a torch.Tensor"),  # (a raw AttributeError: 'float' object has no attribute 'dim')
+    ({"D": [1.0] * 4}, "D must be a torch.Tensor"),
     ({"dt_bias": torch.zeros(5)}, "dt_bias"),
     ({"initial_state": torch.zeros(1, 4, 16, 8)}, "initial_state"),
     ({"x": torch.zeros(1, LENGTH, 4, 8, device="meta")}, "on meta"),

@@ -102,8 +102,8 @@ def _check_ssd_inputs(x, dt, A, B, C, D, dt_bias) -> tuple[int, int, int, int, i
     groups, state_size = B.shape[2:]
     require(groups > 0 and heads % groups == 0, f"B has {groups} groups, which must divide x's {heads} heads")
     _checks.check_tensor("C", C, (batch, length, groups, state_size))
-    if D is not None:
-        _checks.check_tensor("D", D, (heads,) if D.dim() == 1 else (heads, head_dim))
+    if D is not None:  # (its shape picked by its rank: a tensor first, or a float fails on .dim())
+        _checks.check_tensor("D", D, (heads,) if isinstance(D, torch.Tensor) and D.dim() == 1 else (heads, head_dim))
     if dt_bias is not None:
         _checks.check_tensor("dt_bias", dt_bias, (heads,))
     return batch, length, heads, head_dim, groups, state_size
