@@ -87,6 +87,7 @@ def test_conv_state_at_rejects_bad_input(kwargs, argument):
         ({"weight": torch.zeros(4, 4)}, "weight"),
         ({"bias": torch.zeros(2)}, "bias"),
         ({"activation": "nope"}, "activation"),
+        ({"activation": ["silu"]}, "activation"),  # (TypeError: unhashable type: 'list')
         ({"capture": (3, 1)}, "capture"),
         ({"initial_conv_state": torch.zeros(1, 3, 4)}, "initial_conv_state"),
         ({"x": torch.zeros(3, 5)}, "x has shape"),  # (the weight was blamed)

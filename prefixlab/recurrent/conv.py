@@ -68,7 +68,8 @@ def causal_conv1d(
         _checks.check_tensor("bias", bias, (x.shape[1],))
         require(bias.dtype == weight.dtype, f"bias has dtype {bias.dtype} and weight {weight.dtype}: give both one")
     _checks.check_same_device({"x": x, "weight": weight, "bias": bias})
-    require(activation is None or activation in ACT2FN, f"activation {activation!r} is not a transformers activation")
+    require(activation is None or (isinstance(activation, str) and activation in ACT2FN),  # (a list is unhashable)
+            f"activation {activation!r} is not the name of a transformers activation")
     positions = _checks.check_capture(capture, x.shape[-1])
     y, history, states = conv_with_history(x, weight, bias, activation, initial_conv_state, positions)
     return y, history[..., -weight.shape[1]:].clone(), states
