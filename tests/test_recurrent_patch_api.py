@@ -213,3 +213,25 @@ def test_a_copy_of_a_patched_model_runs_its_own_layers_and_pickles(family):
     loaded = torch.load(buffer, weights_only=False)
     assert is_patched(loaded)
     assert_close(forward(loaded, ids), forward(model, ids))
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_numpy_capture_offsets_record_what_python_ints_record(qwen, per_row):
+    """Offsets computed with numpy (np.int64 from a placement) were refused, told to be "a list of ints" (the
+    kernels take numpy integers as the ints they equal); a numpy bool is still no offset."""
+    import numpy as np
+
+    ids = tokens(2, 10)
+    records = []
+    for offsets in ([3, 10], [np.int64(3), np.int32(10)]):
+        positions = [offsets, offsets] if per_row else offsets
+        with patched(qwen):
+            cache = RecordingCache(qwen, positions)
+            forward(qwen, ids, cache)
+        records.append(cache.records)
+    assert records[0].keys() == records[1].keys() and records[0]
+    for key, (conv, state) in records[0].items():
+        assert torch.equal(conv, records[1][key][0]) and torch.equal(state, records[1][key][1])
+        assert all(type(offset) is int for _, offset, _ in records[1])
+    with patched(qwen), pytest.raises(InvalidInputError, match="ints"):
+        forward(qwen, ids, RecordingCache(qwen, [np.bool_(True)]))

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 from prefixlab.recurrent._checks import check_tensor
 from prefixlab.recurrent.conv import conv_with_history
 
@@ -192,7 +192,8 @@ def capture_rows(positions: Any, batch: int, length: int) -> dict[int | None, tu
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """A Python or numpy integer, never a bool (offsets computed with numpy are ints, as the kernels take them)."""
+    return type(value) is int or is_int(value)
 
 
 def _offsets(values: Sequence[Any], length: int, name: str) -> tuple[int, ...]:
@@ -201,6 +202,7 @@ def _offsets(values: Sequence[Any], length: int, name: str) -> tuple[int, ...]:
         raise InvalidInputError(
             f"{name} must hold ints in [0, {length}] for a forward over {length} tokens, got {list(offsets)}"
         )
+    offsets = tuple(int(o) for o in offsets)  # (recorded as Python ints: a cache keys its states by them)
     if any(a >= b for a, b in zip(offsets, offsets[1:], strict=False)):
         raise InvalidInputError(f"{name} must be sorted and distinct, got {list(offsets)}")
     return offsets
