@@ -306,6 +306,33 @@ def test_generation_options_that_read_each_prompt_are_not_batched():
     _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, "repetition_penalty", 1.3), 4, check)
 
 
+@pytest.mark.parametrize("option", ["bad_words_ids", "sequence_bias"])
+def test_banned_or_biased_sequences_that_read_a_rows_last_tokens_are_not_batched(option):
+    """A multi-token bad word (or biased sequence) is matched against each row's last tokens: in a batch those of a
+    row with few own tokens are pads, not its prefix's, so its word went unmatched (row 0 got [25, 89, 26] where
+    alone it gets [41, 97, 79]). Single tokens read nothing before them: those still batch, exactly."""
+    def configure(word):
+        def set_(model):
+            if option == "bad_words_ids":
+                model.generation_config.bad_words_ids = [word]
+            else:
+                model.generation_config.sequence_bias = {tuple(word): -100.0}
+        return set_
+
+    def refused(model, store, rows):
+        with pytest.raises(InvalidInputError, match=option):
+            siblings.generate_group(model, store, rows, PREFIX, [3, 3])
+
+    def exact(model, store, rows):
+        assert siblings.prompt_reading_options(model) == []
+        expected = [serve.generate_uncached(model, row, 3) for row in rows]
+        assert siblings.generate_group(model, store, rows, PREFIX, [3, 3]).outputs == expected
+
+    # (seed 4: the word is row 0's last prefix token, its 2 own tokens, and the token it would generate first)
+    _group_over_a_primed_prefix(configure([79, 40, 91, 25]), 4, refused)
+    _group_over_a_primed_prefix(configure([25]), 4, exact)
+
+
 def test_a_batch_that_would_move_a_dynamic_rope_is_served_one_by_one():
     """A dynamic RoPE rescales its frequencies for the whole batch once the longest row passes the context: a row
     decoding past it (the batch runs max(max_new_tokens) steps) changed the other rows' tokens."""

@@ -83,7 +83,23 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
     "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
     "exponential_decay_length_penalty": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
+    # a sequence of several tokens is matched against each row's last tokens, pads in a row with few own tokens
+    # (one token reads nothing before it: a plain ban or bias, the same in a batch)
+    "bad_words_ids": lambda v: any(_several(word) for word in v or ()),
+    "sequence_bias": lambda v: any(_several(tokens) for tokens in _biased_sequences(v)),
 }
+
+
+def _several(tokens) -> bool:
+    return isinstance(tokens, list | tuple) and len(tokens) > 1  # (malformed values are generate's to refuse)
+
+
+def _biased_sequences(bias) -> list:
+    """The token sequences of a `sequence_bias`: a dict's keys, or the first items of [[tokens], bias] pairs (the
+    form a generation_config.json holds)."""
+    if isinstance(bias, dict):
+        return list(bias)
+    return [pair[0] for pair in bias or () if isinstance(pair, list | tuple) and pair]
 
 
 # What `prefixlab run` decodes with, whatever the model's generation config says (its num_beams / num_return_sequences
