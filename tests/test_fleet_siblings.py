@@ -297,13 +297,17 @@ def _group_over_a_primed_prefix(configure, seed, check) -> None:
         store.close()
 
 
-def test_generation_options_that_read_each_prompt_are_not_batched():
-    """repetition_penalty (and the like) counted a padded row's pads as its prompt's tokens: other greedy tokens."""
+@pytest.mark.parametrize("field, value", [("repetition_penalty", 1.3), ("prompt_lookup_num_tokens", 3),
+                                          ("assistant_early_exit", 1)])
+def test_generation_options_that_read_each_prompt_are_not_batched(field, value):
+    """repetition_penalty (and the like) counted a padded row's pads as its prompt's tokens: other greedy tokens.
+    Prompt lookup / early-exit assisted decoding (what a generation_config.json may ask for) runs one row only:
+    `run --hydragen` failed with transformers' ValueError, where the plain run serves the same prompts."""
     def check(model, store, rows):
-        with pytest.raises(InvalidInputError, match="repetition_penalty=1.3"):
+        with pytest.raises(InvalidInputError, match=f"{field}={value}"):
             siblings.generate_group(model, store, rows, PREFIX, [3, 3])
 
-    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, "repetition_penalty", 1.3), 4, check)
+    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, field, value), 4, check)
 
 
 @pytest.mark.parametrize("option", ["bad_words_ids", "sequence_bias"])

@@ -80,6 +80,10 @@ def batching_mode(model) -> str | None:
 
 
 _PROMPT_READING = {  # generation options whose logits processors read a row's tokens or length (its padding too)
+    # assisted decoding from the generation config (prompt lookup reads the prompt; transformers runs it on one row:
+    # a batch raised "assisted generate is only supported for batch_size = 1")
+    "prompt_lookup_num_tokens": lambda v: v is not None, "assistant_early_exit": lambda v: v is not None,
+    "use_mtp": bool,
     "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
     "exponential_decay_length_penalty": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
