@@ -84,6 +84,7 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
     # a batch raised "assisted generate is only supported for batch_size = 1")
     "prompt_lookup_num_tokens": lambda v: v is not None, "assistant_early_exit": lambda v: v is not None,
     "use_mtp": bool,
+    "watermarking_config": lambda v: v is not None and _watermark_reads_before_last(v),
     "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
     "exponential_decay_length_penalty": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
@@ -92,6 +93,16 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
     "bad_words_ids": lambda v: any(_several(word) for word in v or ()),
     "sequence_bias": lambda v: any(_several(tokens) for tokens in _biased_sequences(v)),
 }
+
+
+def _watermark_reads_before_last(config) -> bool:
+    """Whether a watermark's seed reads a row's tokens before its last (pads in a padded batch): transformers'
+    "lefthash" hashes the last token only, "selfhash" the last context_width - 1 and the candidate, SynthID its last
+    ngram_len - 1 (and a scheme not known here is taken to read them)."""
+    scheme = getattr(config, "seeding_scheme", None)
+    if scheme == "lefthash":
+        return False
+    return scheme != "selfhash" or getattr(config, "context_width", 1) > 2
 
 
 def _several(tokens) -> bool:
