@@ -52,6 +52,8 @@ DELTA_CASES = [
     ({"scale": np.float32("inf")}, "finite"),
     ({"scale": True}, "scale"),
     ({"capture": (np.bool_(True),)}, "capture"),
+    ({"use_qk_l2norm": "no"}, "use_qk_l2norm must be True or False"),  # (a truthy string normalised q and k)
+    ({"use_qk_l2norm": None}, "use_qk_l2norm"),
 ]
 
 
@@ -83,6 +85,7 @@ SSD_CASES = [
     ({"dt_limit": (0.0, float("nan"))}, "dt_limit"),
     ({"backend": "mamba_ssm"}, "backend"),
     ({"backend": "fla"}, "backend"),
+    ({"dt_softplus": "False"}, "dt_softplus must be True or False"),  # (a truthy string applied the softplus)
 ]
 
 

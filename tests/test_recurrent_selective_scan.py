@@ -63,6 +63,7 @@ def test_captured_states_are_prefix_final_states_and_resume_exactly(length, with
         ({"capture": (6,)}, "capture"),
         ({"initial_state": torch.zeros(2, 6, 5)}, "initial_state"),
         ({"backend": "fla"}, "backend"),
+        ({"delta_softplus": "no"}, "delta_softplus must be True or False"),  # (a truthy string: softplus applied)
     ],
 )
 def test_rejects_bad_input(overrides, argument):
