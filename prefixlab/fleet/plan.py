@@ -141,7 +141,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     from prefixlab.fleet.tokenizer import prompt_tokenizer
 
     check_options(args)
-    processes = args.processes or int(os.environ.get("WORLD_SIZE", "1"))
+    processes = args.processes or _world_size()
     out = Path(args.out).resolve()
     if out.is_dir():
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
@@ -168,6 +168,14 @@ def make_plan(args: argparse.Namespace) -> dict:
             "batching": batching, **totals,
             "load_imbalance": float(work.max() / work.mean()) if work.mean() else 1.0,
             "router_loads": loads, "per_process": per_process}
+
+
+def _world_size() -> int:
+    """The launcher's process count, which --plan plans for without --processes (checked: it is the user's env)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not (value.strip().isascii() and value.strip().isdigit()) or int(value) < 1:
+        raise InvalidInputError(f"WORLD_SIZE={value!r} is not a positive int; pass --processes N (or unset it)")
+    return int(value)
 
 
 def format_plan(plan: dict, out: str) -> str:
