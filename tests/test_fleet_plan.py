@@ -91,6 +91,9 @@ def test_plan_text_and_bad_options(capsys, files, tmp_path):  # noqa: F811
     assert "--processes is for --plan" in capsys.readouterr().err
     assert main([*args, "--plan", "--routing", "sticky"]) == 2
     assert "round-robin" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    for eps in ("nan", "-1"):  # (was "balance_eps must be ...", the router's argument, not the flag)
+        assert main([*args, "--plan", "--balance-eps", eps]) == 2
+        assert f"--balance-eps {eps} must be a number >= 0" in capsys.readouterr().err
 
 
 @needs_accelerate

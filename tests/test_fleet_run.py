@@ -281,6 +281,11 @@ def test_an_out_the_main_process_refuses_stops_every_process_with_its_error(file
     assert "[rank" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
     assert done.stderr.count("is not a JSON line") == 2  # one line from each process
     assert out.read_text() == first + "\n" + '{"id": "broken\n'  # left as it was
+    # an option only the main process's planning read (the router's --balance-eps) did the same
+    done, summary = launch(files, tmp_path / "other.jsonl", run_options=("--balance-eps", "nan"))
+    assert done.returncode != 0 and summary is None
+    assert done.stderr.count("--balance-eps nan must") == 2, done.stderr[-3000:]
+    assert "[rank" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
 
 
 @needs_accelerate

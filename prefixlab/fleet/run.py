@@ -118,11 +118,11 @@ def run_batch(args: argparse.Namespace) -> dict | None:
             outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
             done = outputs.finished(out)
             _check_resumed(out, prompts, done, digest)
+            pending = [p.index for p in prompts if p.id not in done]
+            plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
         except InvalidInputError as err:  # sent as the plan: the others wait for it (else they die of a dead peer)
             broadcast_object_list([str(err), None])
             raise
-        pending = [p.index for p in prompts if p.id not in done]
-        plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
         if restart:
             print(f"prefixlab: restart {restart} (of at most {max_restarts}): {plan[0]} of {len(prompts)} prompts "
                   f"were done before it; the {len(pending)} left unfinished by the failure are planned again over "
