@@ -130,7 +130,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         elif plan[0]:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)
-    if isinstance(plan[0], str):  # the main process refused OUT: every process stops with its error
+    if isinstance(plan[0], str):  # the main process refused OUT or the plan: every process stops with its error
         raise InvalidInputError(plan[0])
     resumed, assignment = plan
     mine = [i for i, process in assignment.items() if process == rank]
