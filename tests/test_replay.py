@@ -168,3 +168,37 @@ def test_as_store_replays_what_a_patched_prefix_store_reuses_and_evicts(policy, 
 
     core = PrefixCacheCore(capacity, policy, spec, 32, overflow=False, tuning_lag_requests=0)
     assert replay_hits(requests, core, as_store=True).tolist() == reused and core.evictions == evictions
+
+
+def test_an_as_store_fleet_routes_on_what_a_store_resumes():
+    """A store resumes at most all but a prompt's last token, so an affinity router asking the replicas must hear
+    that (as `prefixlab run`'s ProcessStore answers); the as_store fleet asked the cores for whole prompts, routing
+    otherwise than a fleet of stores does (other hits on 95 of 200 random traces)."""
+    from prefixlab.cache.core import PrefixCacheCore
+    from prefixlab.cache.replay import replay_request
+    from prefixlab.fleet.router import make_router
+    from prefixlab.sim.replay import simulate_fleet
+
+    rng, spec = np.random.default_rng(0), tiny_spec()
+    prefixes = [rng.integers(0, 3, rng.integers(2, 20)) for _ in range(3)]
+    requests = []
+    for i in range(30):
+        prompt = np.concatenate([prefixes[rng.integers(3)], rng.integers(0, 3, rng.integers(0, 4))])
+        requests.append(Request("s", i, float(i), prompt, rng.integers(0, 3, rng.integers(0, 4))))
+
+    class AsStore:  # what a PrefixStore would resume of a prompt (hf_resume: all but its last token)
+        def __init__(self, core):
+            self.core = core
+
+        def peek(self, tokens):
+            return self.core.peek(tokens, limit=max(len(tokens) - 1, 0))
+
+    cores = [PrefixCacheCore(700, "marconi", spec, 32, overflow=False) for _ in range(2)]
+    router, reused = make_router("affinity", 2, 0, caches=[AsStore(core) for core in cores]), 0
+    for request in requests:
+        replica = router.choose(request.input_tokens).replica
+        hit = replay_request(cores[replica], request.input_tokens, request.output_tokens, as_store=True)
+        router.record(replica, request.tokens, len(request.input_tokens) - hit)
+        reused += hit
+    result, loads = simulate_fleet(requests, "marconi", 700, spec, 2, "affinity", overflow=False, as_store=True)
+    assert (result.reused_tokens, loads.tolist()) == (reused, router.loads.tolist())

@@ -100,13 +100,16 @@ def simulate_fleet(
     sending each request to one of them (affinity asks the caches what they hold). Returns the fleet's result and
     each replica's prefill tokens (input tokens not reused). `as_store`: as in simulate."""
     from prefixlab.fleet.router import make_router
+    from prefixlab.fleet.schedule import ProcessStore
 
     requests = _check_requests(requests)
     lag, as_store = _check_lag(tuning_lag_requests), _check_as_store(as_store, overflow)
     cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow, tuning_lag_requests=lag)
              for _ in range(replicas)]
-    # affinity asks the replica caches what they still hold (peek), so it sees their evictions
-    router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=cores)
+    # affinity asks the replica caches what they still hold (peek), so it sees their evictions; a store resumes at
+    # most all but a prompt's last token, and says so (as `prefixlab run`'s model of a process's store does)
+    caches = [ProcessStore(core, primed=False) for core in cores] if as_store else cores
+    router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=caches)
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
