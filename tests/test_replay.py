@@ -126,8 +126,11 @@ def test_a_fleet_reports_its_replicas_alpha_and_tuning_time():
     assert fleet.tuning_seconds > 0
 
 
-@pytest.mark.parametrize(("policy", "kv_tokens", "seed"), [("dp", 60, 1), ("marconi", 60, 2), ("dp", 200, 3)])
-def test_as_store_replays_what_a_patched_prefix_store_reuses_and_evicts(policy, kv_tokens, seed):
+@pytest.mark.parametrize(("family", "policy", "kv_tokens", "seed"), [
+    ("qwen3_5", "dp", 60, 1), ("qwen3_5", "marconi", 60, 2), ("qwen3_5", "dp", 200, 3),
+    ("glm5_next", "dp", 60, 1),  # a DSA model: nothing past store.admit_limit is held (spec.reuse_limit)
+])
+def test_as_store_replays_what_a_patched_prefix_store_reuses_and_evicts(family, policy, kv_tokens, seed):
     """A PrefixStore resumes at most all but a prompt's last token, captures the state there (where a repeat
     resumes), plans over the prompt only and admits the tokens it fed (not the last output token). The plain
     replay models none of it: on this stream it reused up to 36 tokens more and 23 fewer than the store on one
@@ -140,7 +143,7 @@ def test_as_store_replays_what_a_patched_prefix_store_reuses_and_evicts(policy, 
     from prefixlab import HybridPrefixCache, PrefixStore
     from prefixlab.cache.costmodel import ModelSpec
 
-    model = hf_models.build("qwen3_5")
+    model = hf_models.build(family)
     spec = ModelSpec.from_config(model.config, torch.float32)
     capacity = 2 * spec.state_bytes + kv_tokens * spec.kv_bytes_per_token
     store = PrefixStore(model, capacity=capacity, policy=policy, tuning_lag_requests=0)
