@@ -91,6 +91,9 @@ def test_plan_text_and_bad_options(capsys, files, tmp_path):  # noqa: F811
     assert "--processes is for --plan" in capsys.readouterr().err
     assert main([*args, "--plan", "--routing", "sticky"]) == 2
     assert "round-robin" in capsys.readouterr().err and not list(tmp_path.iterdir())
+    for eps in ("nan", "-1"):  # (was "balance_eps must be ...", the router's argument, not the flag)
+        assert main([*args, "--plan", "--balance-eps", eps]) == 2
+        assert f"--balance-eps {eps} must be a number >= 0" in capsys.readouterr().err
 
 
 @needs_accelerate
@@ -102,3 +105,16 @@ def test_the_plan_is_what_two_launched_processes_serve(capsys, files, tmp_path):
     served = {r["id"]: r["process"] for r in read_out(out)}
     assert served == {i: p["process"] for p in planned["per_process"] for i in p["ids"]}
     assert [g["prompt_tokens"] for g in summary["per_process"]] == [p["prompt_tokens"] for p in planned["per_process"]]
+
+
+@pytest.mark.parametrize("world_size", ["abc", "0", "-2", "2.0", "²"])
+def test_a_bad_world_size_is_a_clear_error(capsys, monkeypatch, files, tmp_path, world_size):  # noqa: F811
+    """--plan without --processes plans for the launcher's WORLD_SIZE: 'abc' gave int()'s raw ValueError, 0 / -2
+    "replicas must be a positive int", a word the command never uses."""
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    args = ["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", tmp_path / "o.jsonl", "--plan"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"WORLD_SIZE={world_size!r}" in err and "--processes" in err and "replicas" not in err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert plan(capsys, *args[1:2], files / "config.json", tmp_path / "o.jsonl")["processes"] == 2

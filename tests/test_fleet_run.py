@@ -267,6 +267,28 @@ def test_fewer_prompts_than_processes(files, reference, tmp_path):
 
 
 @needs_accelerate
+def test_an_out_the_main_process_refuses_stops_every_process_with_its_error(files, reference, tmp_path):
+    """The main process alone reads OUT and plans; when it refused OUT (a line that is not JSON, records of
+    another prompt file) the others, waiting for its plan, died of gloo's 'Connection closed by peer' with a raw
+    traceback each. Now the plan carries the error: every process stops with it, no traceback."""
+    out = tmp_path / "out.jsonl"
+    first = json.dumps({"id": next(iter(reference)), "output_ids": [1]})
+    out.write_text(first + "\n" + '{"id": "broken\n')
+    done, summary = launch(files, out)
+    assert done.returncode != 0 and summary is None
+    assert "out.jsonl:2 is not a JSON line" in done.stderr, done.stderr[-3000:]
+    # (the launcher's own traceback for a failed child stays, as for any run that fails)
+    assert "[rank" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.count("is not a JSON line") == 2  # one line from each process
+    assert out.read_text() == first + "\n" + '{"id": "broken\n'  # left as it was
+    # an option only the main process's planning read (the router's --balance-eps) did the same
+    done, summary = launch(files, tmp_path / "other.jsonl", run_options=("--balance-eps", "nan"))
+    assert done.returncode != 0 and summary is None
+    assert done.stderr.count("--balance-eps nan must") == 2, done.stderr[-3000:]
+    assert "[rank" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
+
+
+@needs_accelerate
 def test_a_process_killed_mid_run(files, reference, tmp_path):
     """PREFIXLAB_TEST_EXIT_AFTER=<rank>:<n> (a test hook, prefixlab/fleet/launch.py) makes process <rank> SIGKILL
     itself after writing n records, on a launch's first attempt only. Without --max_restarts the launcher stops the

@@ -124,3 +124,84 @@ def test_a_fleet_reports_its_replicas_alpha_and_tuning_time():
     fleet, _ = simulate_fleet(requests, "dp", int(1e9), spec, 1, "round-robin")
     assert one.alpha is not None and fleet.alpha == one.alpha and fleet.evictions == one.evictions
     assert fleet.tuning_seconds > 0
+
+
+@pytest.mark.parametrize(("family", "policy", "kv_tokens", "seed"), [
+    ("qwen3_5", "dp", 60, 1), ("qwen3_5", "marconi", 60, 2), ("qwen3_5", "dp", 200, 3),
+    ("glm5_next", "dp", 60, 1),  # a DSA model: nothing past store.admit_limit is held (spec.reuse_limit)
+])
+def test_as_store_replays_what_a_patched_prefix_store_reuses_and_evicts(family, policy, kv_tokens, seed):
+    """A PrefixStore resumes at most all but a prompt's last token, captures the state there (where a repeat
+    resumes), plans over the prompt only and admits the tokens it fed (not the last output token). The plain
+    replay models none of it: on this stream it reused up to 36 tokens more and 23 fewer than the store on one
+    request, with 30 evictions where the store made 54. `as_store=True` replays the store's calls."""
+    import warnings
+
+    import hf_models
+    import torch
+
+    from prefixlab import HybridPrefixCache, PrefixStore
+    from prefixlab.cache.costmodel import ModelSpec
+
+    model = hf_models.build(family)
+    spec = ModelSpec.from_config(model.config, torch.float32)
+    capacity = 2 * spec.state_bytes + kv_tokens * spec.kv_bytes_per_token
+    store = PrefixStore(model, capacity=capacity, policy=policy, tuning_lag_requests=0)
+    rng, vocab = np.random.default_rng(seed), model.config.vocab_size
+    systems, histories, requests, reused = [rng.integers(1, vocab, rng.integers(5, 40)) for _ in range(3)], {}, [], []
+    for i in range(20):
+        session = int(rng.integers(0, 5))
+        if session in histories and rng.random() < 0.6:
+            prompt = np.concatenate([histories[session], rng.integers(1, vocab, rng.integers(1, 8))])
+        else:
+            prompt = np.concatenate([systems[session % 3], rng.integers(1, vocab, rng.integers(1, 10))])
+        ids, new = torch.tensor(prompt[None]), int(rng.integers(1, 6))
+        cache = HybridPrefixCache(store)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (entries that do not fit: the store says so)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                                 max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+        histories[session] = out[0].numpy()
+        reused.append(cache.reused_tokens)
+        requests.append(Request(str(session), i, float(i), prompt, out[0, len(prompt):].numpy()))
+    evictions = store.stats()["evictions"]
+    store.close()
+    from prefixlab.cache.core import PrefixCacheCore
+    from prefixlab.sim.replay import replay_hits
+
+    core = PrefixCacheCore(capacity, policy, spec, 32, overflow=False, tuning_lag_requests=0)
+    assert replay_hits(requests, core, as_store=True).tolist() == reused and core.evictions == evictions
+
+
+def test_an_as_store_fleet_routes_on_what_a_store_resumes():
+    """A store resumes at most all but a prompt's last token, so an affinity router asking the replicas must hear
+    that (as `prefixlab run`'s ProcessStore answers); the as_store fleet asked the cores for whole prompts, routing
+    otherwise than a fleet of stores does (other hits on 95 of 200 random traces)."""
+    from prefixlab.cache.core import PrefixCacheCore
+    from prefixlab.cache.replay import replay_request
+    from prefixlab.fleet.router import make_router
+    from prefixlab.sim.replay import simulate_fleet
+
+    rng, spec = np.random.default_rng(0), tiny_spec()
+    prefixes = [rng.integers(0, 3, rng.integers(2, 20)) for _ in range(3)]
+    requests = []
+    for i in range(30):
+        prompt = np.concatenate([prefixes[rng.integers(3)], rng.integers(0, 3, rng.integers(0, 4))])
+        requests.append(Request("s", i, float(i), prompt, rng.integers(0, 3, rng.integers(0, 4))))
+
+    class AsStore:  # what a PrefixStore would resume of a prompt (hf_resume: all but its last token)
+        def __init__(self, core):
+            self.core = core
+
+        def peek(self, tokens):
+            return self.core.peek(tokens, limit=max(len(tokens) - 1, 0))
+
+    cores = [PrefixCacheCore(700, "marconi", spec, 32, overflow=False) for _ in range(2)]
+    router, reused = make_router("affinity", 2, 0, caches=[AsStore(core) for core in cores]), 0
+    for request in requests:
+        replica = router.choose(request.input_tokens).replica
+        hit = replay_request(cores[replica], request.input_tokens, request.output_tokens, as_store=True)
+        router.record(replica, request.tokens, len(request.input_tokens) - hit)
+        reused += hit
+    result, loads = simulate_fleet(requests, "marconi", 700, spec, 2, "affinity", overflow=False, as_store=True)
+    assert (result.reused_tokens, loads.tolist()) == (reused, router.loads.tolist())

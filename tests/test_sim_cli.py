@@ -60,7 +60,8 @@ def stand_in_replay(monkeypatch):
     """simulate/ceiling stand-ins with known numbers: token hit rate = 10 x capacity in GB."""
     calls = []
 
-    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None, overflow=True, tuning_lag_requests=0):
+    def fake_simulate(requests, policy, capacity_bytes, spec, progress=None, overflow=True, tuning_lag_requests=0,
+                      as_store=False):
         calls.append((len(requests), policy, capacity_bytes, spec.name))
         for _ in requests:
             progress(1)
@@ -304,3 +305,26 @@ def test_a_tuning_lag_replays_the_stores_background_tuning_deterministically(cap
     assert [[row[k] for k in keys] for row in rows("--tuning-lag", "0")] == [[row[k] for k in keys] for row in inline]
     assert lagged[0]["token_hit_rate"] != inline[0]["token_hit_rate"]  # the alpha applied 40 requests later
     assert [[row[k] for k in keys] for row in again] == [[row[k] for k in keys] for row in lagged]
+
+
+@pytest.mark.parametrize("fleet", [[], ["--replicas", "2", "--routing", "affinity"]], ids=["one cache", "fleet"])
+def test_as_store_replays_requests_as_a_prefix_store_serves_them(capsys, fleet):
+    """--as-store replays what a PrefixStore does with each request (test_replay.py checks it against a real one):
+    a strict budget, and on the builtin trace other hits than Marconi's replay under the same strict budget (the
+    state the store keeps before each prompt's last token can also make later requests hit deeper)."""
+    def rows(*flags):
+        code, out, _ = run(capsys, "simulate", "builtin", "--policy", "marconi", "--capacity-gb", "0.5", "--json",
+                           *fleet, *flags)
+        assert code == 0
+        return [{k: v for k, v in json.loads(line).items() if not k.endswith("seconds")}  # (timings)
+                for line in out.strip().splitlines()]
+
+    strict, as_store = rows("--strict-budget"), rows("--as-store")
+    assert as_store == rows("--as-store", "--strict-budget") and len(as_store) == 1
+    assert as_store[0]["reused_tokens"] != strict[0]["reused_tokens"]  # (fewer on one cache, more on the fleet)
+    if not fleet:
+        spec, trace = ModelSpec.from_name("marconi-7b"), builtin_trace()
+        direct = simulate(trace, "marconi", 500_000_000, spec, overflow=False, as_store=True)
+        assert as_store[0]["reused_tokens"] == direct.reused_tokens and as_store[0]["evictions"] == direct.evictions
+    with pytest.raises(prefixlab.sim.replay.InvalidInputError, match="overflow=False"):
+        simulate(builtin_trace(), "marconi", 10**9, ModelSpec.from_name("marconi-7b"), as_store=True)

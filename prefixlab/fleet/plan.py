@@ -44,6 +44,8 @@ def check_options(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(ASSIGNMENTS)}")
     if args.order not in ("radix", "input"):
         raise InvalidInputError(f"--order {args.order!r}: use radix or input")
+    if not args.balance_eps >= 0:  # (here, on every process: only the main one plans, the others wait for it)
+        raise InvalidInputError(f"--balance-eps {args.balance_eps:g} must be a number >= 0 (e.g. 0.15)")
     if args.hydragen and args.order != "radix":
         raise InvalidInputError("--hydragen batches the siblings under radix-order primes: use it with --order radix")
 
@@ -141,7 +143,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     from prefixlab.fleet.tokenizer import prompt_tokenizer
 
     check_options(args)
-    processes = args.processes or int(os.environ.get("WORLD_SIZE", "1"))
+    processes = args.processes or _world_size()
     out = Path(args.out).resolve()
     if out.is_dir():
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
@@ -168,6 +170,14 @@ def make_plan(args: argparse.Namespace) -> dict:
             "batching": batching, **totals,
             "load_imbalance": float(work.max() / work.mean()) if work.mean() else 1.0,
             "router_loads": loads, "per_process": per_process}
+
+
+def _world_size() -> int:
+    """The launcher's process count, which --plan plans for without --processes (checked: it is the user's env)."""
+    value = os.environ.get("WORLD_SIZE", "1")
+    if not (value.strip().isascii() and value.strip().isdigit()) or int(value) < 1:
+        raise InvalidInputError(f"WORLD_SIZE={value!r} is not a positive int; pass --processes N (or unset it)")
+    return int(value)
 
 
 def format_plan(plan: dict, out: str) -> str:

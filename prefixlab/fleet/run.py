@@ -114,11 +114,15 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     store_model = _store_model(args, model)  # on every process: a bad --policy / --capacity stops them all
     plan = [None, None]  # (already finished, assignment of the pending prompts), decided on the main process
     if state.is_main_process:
-        outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
-        done = outputs.finished(out)
-        _check_resumed(out, prompts, done, digest)
-        pending = [p.index for p in prompts if p.id not in done]
-        plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
+        try:
+            outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
+            done = outputs.finished(out)
+            _check_resumed(out, prompts, done, digest)
+            pending = [p.index for p in prompts if p.id not in done]
+            plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
+        except InvalidInputError as err:  # sent as the plan: the others wait for it (else they die of a dead peer)
+            broadcast_object_list([str(err), None])
+            raise
         if restart:
             print(f"prefixlab: restart {restart} (of at most {max_restarts}): {plan[0]} of {len(prompts)} prompts "
                   f"were done before it; the {len(pending)} left unfinished by the failure are planned again over "
@@ -126,6 +130,8 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         elif plan[0]:
             print(f"prefixlab: resuming {out}: {plan[0]} of {len(prompts)} prompts already done", file=sys.stderr)
     broadcast_object_list(plan)
+    if isinstance(plan[0], str):  # the main process refused OUT or the plan: every process stops with its error
+        raise InvalidInputError(plan[0])
     resumed, assignment = plan
     mine = [i for i, process in assignment.items() if process == rank]
     steps = process_steps(prompts, assignment, rank, args, batching)  # (what --plan reports: fleet/plan.py)

@@ -125,7 +125,8 @@ def parse_routings(text: str) -> list[str]:
 def core_options(args: argparse.Namespace) -> dict:
     """The replayed caches' options from `simulate`'s flags."""
     lag = parse_number(args.tuning_lag, "--tuning-lag", integer=True, strict=False)
-    return {"overflow": not args.strict_budget, "tuning_lag_requests": lag}
+    return {"overflow": not (args.strict_budget or args.as_store), "tuning_lag_requests": lag,
+            "as_store": args.as_store}
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -148,7 +149,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.plot is not None:  # ('' too: refused there)
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
-    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
+    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget or args.as_store)
     bound = ceiling(requests, spec)
     rows = []
     with tqdm(
@@ -189,7 +190,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     if max(replica_counts) > len(requests):
         raise InvalidInputError(f"--replicas {max(replica_counts)} is more than the trace's {len(requests)} requests: "
                                 f"at most {len(requests)} replicas can each serve one")
-    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget)
+    note_capacities_below_one_state(capacities_gb, spec, args.strict_budget or args.as_store)
     bound = ceiling(requests, spec)
     runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))
     rows = []
@@ -314,6 +315,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--strict-budget", action="store_true",
                      help="never exceed the byte budget (default: an entry larger than the free space is kept whole "
                           "until the next admission, as in Marconi's simulator)")
+    sim.add_argument("--as-store", action="store_true",
+                     help="replay each request as a PrefixStore serves it (its last prompt token recomputed, the state "
+                          "before it kept, the last output token never fed; a strict budget), not as Marconi's does")
     sim.add_argument("--tuning-lag", default="0", metavar="N",
                      help="apply a tuned alpha N requests after it is due, its replays on a background thread, as a "
                           "PrefixStore does (which applies it once found); default 0: inline, as Marconi")

@@ -39,27 +39,45 @@ def simulate(
     alpha: float | None = None,
     overflow: bool = True,
     tuning_lag_requests: int = 0,
+    as_store: bool = False,
 ) -> SimResult:
     """Replay `requests` through a `policy` cache of `capacity_bytes`; `progress(1)` is called after each request
     (pass a tqdm's `update`). `alpha=None` tunes Marconi's alpha as the paper does. `overflow=True` keeps an
     entry larger than the free space whole until the next admission, as the Marconi simulator does;
     `overflow=False` never exceeds the budget (see PrefixCacheCore). `tuning_lag_requests` n > 0 applies a tuned
-    alpha n requests after it is due, as a PrefixStore tuning in the background does (deterministically)."""
+    alpha n requests after it is due, as a PrefixStore tuning in the background does (deterministically).
+    `as_store=True` (with overflow=False) replays each request as a PrefixStore serves it (replay_as_store: the
+    last prompt token recomputed, the state before it kept, the last output token never fed)."""
     requests = _check_requests(requests)
     core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha, overflow=overflow,
                            tuning_lag_requests=_check_lag(tuning_lag_requests))
     started = time.perf_counter()
-    hits = np.zeros(len(requests), dtype=np.int64)
-    for i, request in enumerate(requests):
-        hits[i] = replay_request(core, request.input_tokens, request.output_tokens)
-        if progress is not None:
-            progress(1)
+    hits = replay_hits(requests, core, progress, as_store=_check_as_store(as_store, overflow))
     elapsed = time.perf_counter() - started
     lengths = np.array([len(r.input_tokens) for r in requests], dtype=np.int64)
     return summarize(
         policy, capacity_bytes, lengths, hits, spec, alpha=core.alpha, evictions=core.evictions, replay_seconds=elapsed,
         tuning_seconds=core.tuning_seconds,
     )
+
+
+def replay_hits(requests: Sequence[Request], core: PrefixCacheCore, progress: Callable[[int], object] | None = None,
+                *, as_store: bool = False) -> np.ndarray:
+    """Each request's hit length, replayed in order through `core` (see simulate)."""
+    hits = np.zeros(len(requests), dtype=np.int64)
+    for i, request in enumerate(requests):
+        hits[i] = replay_request(core, request.input_tokens, request.output_tokens, as_store=as_store)
+        if progress is not None:
+            progress(1)
+    return hits
+
+
+def _check_as_store(as_store: object, overflow: bool) -> bool:
+    if not isinstance(as_store, bool):
+        raise InvalidInputError(f"as_store must be True or False, got {as_store!r}")
+    if as_store and overflow:  # a store never exceeds its budget
+        raise InvalidInputError("as_store=True replays a PrefixStore, whose budget is strict: pass overflow=False")
+    return as_store
 
 
 def simulate_fleet(
@@ -76,23 +94,27 @@ def simulate_fleet(
     block_size: int = 32,
     overflow: bool = True,
     tuning_lag_requests: int = 0,
+    as_store: bool = False,
 ) -> tuple[SimResult, np.ndarray]:
     """Replay `requests` over `replicas` caches of `capacity_bytes` each, a `routing` router (prefixlab.fleet)
     sending each request to one of them (affinity asks the caches what they hold). Returns the fleet's result and
-    each replica's prefill tokens (input tokens not reused)."""
+    each replica's prefill tokens (input tokens not reused). `as_store`: as in simulate."""
     from prefixlab.fleet.router import make_router
+    from prefixlab.fleet.schedule import ProcessStore
 
     requests = _check_requests(requests)
-    lag = _check_lag(tuning_lag_requests)
+    lag, as_store = _check_lag(tuning_lag_requests), _check_as_store(as_store, overflow)
     cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow, tuning_lag_requests=lag)
              for _ in range(replicas)]
-    # affinity asks the replica caches what they still hold (peek), so it sees their evictions
-    router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=cores)
+    # affinity asks the replica caches what they still hold (peek), so it sees their evictions; a store resumes at
+    # most all but a prompt's last token, and says so (as `prefixlab run`'s model of a process's store does)
+    caches = [ProcessStore(core, primed=False) for core in cores] if as_store else cores
+    router = make_router(routing, replicas, seed, balance_eps=balance_eps, caches=caches)
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
         replica = router.choose(request.input_tokens).replica
-        hits[i] = replay_request(cores[replica], request.input_tokens, request.output_tokens)
+        hits[i] = replay_request(cores[replica], request.input_tokens, request.output_tokens, as_store=as_store)
         router.record(replica, request.tokens, len(request.input_tokens) - int(hits[i]))
         if progress is not None:
             progress(1)
