@@ -243,6 +243,17 @@ def test_simulate_prints_dp_vs_best_other(capsys, stand_in_replay):
     )
 
 
+def test_a_capacity_replica_count_or_routing_given_twice_is_one_row(capsys):
+    """As a policy given twice: "--replicas 2,2" printed the same fleet twice."""
+    code, out, _ = run(capsys, "simulate", "builtin", "--policy", "sglang+,sglang+", "--capacity-gb", "1,1.0",
+                       "--replicas", "2,2", "--routing", "random,random", "--json")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [(r["policy"], r["capacity_gb"], r["replicas"], r["routing"]) for r in rows] == [
+        ("sglang+", 1.0, 2, "random")]
+    code, out, _ = run(capsys, "simulate", "builtin", "--policy", "sglang+", "--capacity-gb", "1,1", "--json")
+    assert code == 0 and len(out.splitlines()) == 1
+
+
 def test_simulate_fleet_json_table_and_plot(capsys, tmp_path):
     plot = tmp_path / "fleet.png"
     code, out, err = run(capsys, "simulate", "builtin", "--policy", "sglang+", "--capacity-gb", "1",

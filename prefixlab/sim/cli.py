@@ -49,8 +49,8 @@ def parse_number(text: str, option: str, *, integer: bool = False, minimum: floa
 
 
 def parse_capacities_gb(text: str) -> list[float]:
-    """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"."""
-    capacities = [parse_number(part.strip(), "--capacity-gb") for part in text.split(",")]
+    """Comma-separated positive capacities in GB (1e9 bytes), e.g. "1,2,5"; each once (as policies)."""
+    capacities = list(dict.fromkeys(parse_number(part.strip(), "--capacity-gb") for part in text.split(",")))
     for capacity_gb in capacities:
         if not math.isfinite(capacity_gb * report.BYTES_PER_GB):
             raise InvalidInputError(f"--capacity-gb {capacity_gb:g} is too large to count in bytes; pass sizes in GB, "
@@ -104,14 +104,14 @@ def load_requests(trace: str, on_error: str) -> list[Request]:
 
 
 def parse_replicas(text: str) -> list[int]:
-    """Comma-separated replica counts, e.g. "8,16,64"."""
-    return [parse_number(part.strip(), "--replicas", integer=True) for part in text.split(",")]
+    """Comma-separated replica counts, e.g. "8,16,64"; each once."""
+    return list(dict.fromkeys(parse_number(part.strip(), "--replicas", integer=True) for part in text.split(",")))
 
 
 def parse_routings(text: str) -> list[str]:
     from prefixlab.fleet.router import check_routing
 
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    names = list(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))  # each once
     if not names:
         raise InvalidInputError("--routing is empty; use random, round-robin and/or affinity")
     for name in names:
