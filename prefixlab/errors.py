@@ -3,10 +3,20 @@
 import math
 from numbers import Integral, Real
 
+import numpy as np
+
 
 def is_int(value: object) -> bool:
     """An integer argument: a Python or numpy integer (sizes computed with numpy are ints too), never a bool."""
     return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A flag given as a bool (numpy's too), as a Python bool; anything else is refused, not read as truthy (a string
+    such as "False" or "no", from a file or the environment, would turn the flag on)."""
+    if not isinstance(value, bool | np.bool_):
+        raise InvalidInputError(f"{name}={value!r} is not a bool: {name} must be True or False")
+    return bool(value)
 
 
 def is_finite_number(value: object) -> bool:

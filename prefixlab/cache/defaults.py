@@ -15,12 +15,17 @@ import threading
 import weakref
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from prefixlab.cache.model_info import STATE_DROPPING_MODEL_TYPES, model_identity, parse_capacity
 from prefixlab.cache.sharing import check_open
-from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, check_not_compiled_wrapper
+from prefixlab.errors import (
+    InvalidInputError,
+    ModelMismatchError,
+    UnsupportedModelError,
+    check_bool,
+    check_not_compiled_wrapper,
+)
 
 if TYPE_CHECKING:
     from prefixlab.cache.store import PrefixStore
@@ -126,10 +131,8 @@ def normalize_option(name: str, value):
         return None if value is None else parse_capacity(value, "offload_capacity")
     if name == "media_cache":  # (0, or "0MB": no encoded images kept)
         return parse_capacity(value, "media_cache", zero=True)
-    if name == "patch":  # (a truthy string such as "False", read from a file, would patch)
-        if not isinstance(value, bool | np.bool_):
-            raise InvalidInputError(f"patch={value!r} must be True or False")
-        return bool(value)
+    if name == "patch":
+        return check_bool("patch", value)
     if name == "policy":
         from prefixlab.cache.policies import check_policy_name
 

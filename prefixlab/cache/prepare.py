@@ -14,7 +14,7 @@ import torch
 from prefixlab.cache.defaults import default_store
 from prefixlab.cache.hooks import attach, detach
 from prefixlab.cache.model_info import CacheLayout
-from prefixlab.errors import InvalidInputError, check_not_compiled_wrapper
+from prefixlab.errors import InvalidInputError, check_bool, check_not_compiled_wrapper
 
 _HOLDS_KERNELS: weakref.WeakSet = weakref.WeakSet()  # models whose kernel patch `patch` holds a share of
 _LOCK = threading.Lock()  # patch / unpatch of one model from several threads: one share at most
@@ -28,8 +28,7 @@ def patch(model: torch.nn.Module, kernels: bool = True) -> torch.nn.Module:
     `model.generate(..., past_key_values=HybridPrefixCache(policy="dp"))` binds each cache to the model's default
     store, created by the first one with its options. `prefixlab.unpatch(model)` undoes it."""
     _check_model(model, "patch")
-    if not isinstance(kernels, bool):  # (a truthy string such as "False" would patch)
-        raise InvalidInputError(f"kernels={kernels!r} must be True or False")
+    check_bool("kernels", kernels)
     CacheLayout.from_config(model.config)  # UnsupportedModelError now rather than on the first request
     from prefixlab.cache.ownership import release_collected
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 import torch
 
 from prefixlab.errors import InvalidInputError, is_finite_number, is_int
@@ -88,12 +87,6 @@ def check_chunk_size(chunk_size: int) -> int:
         f"chunk_size must be a positive int, got {chunk_size!r}",
     )
     return int(chunk_size)
-
-
-def check_flag(name: str, value: object) -> bool:
-    """A bool (numpy's too), as a Python bool: a string such as "no" is truthy, so it is refused, not read."""
-    require(isinstance(value, bool | np.bool_), f"{name} must be True or False, got {value!r}")
-    return bool(value)
 
 
 def check_scale(scale: float | None) -> float | None:

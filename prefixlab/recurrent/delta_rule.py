@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from prefixlab.errors import check_bool
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled, prepare_qk
@@ -47,7 +48,7 @@ def gated_delta_rule(
     _checks.check_state("initial_state", initial_state, (batch, heads_v, dim_k, dim_v), q.dtype)
     _checks.check_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     positions = _checks.check_capture(capture, length)
-    use_qk_l2norm = _checks.check_flag("use_qk_l2norm", use_qk_l2norm)
+    use_qk_l2norm = check_bool("use_qk_l2norm", use_qk_l2norm)
     chunk_size, scale = _checks.check_chunk_size(chunk_size), _checks.check_scale(scale)
     backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), tokens=length)
 

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from prefixlab.errors import check_bool
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 from prefixlab.recurrent.dispatch import PORTABLE_BACKENDS
@@ -53,7 +54,7 @@ def selective_scan(
     _checks.check_same_device({"u": u, "delta": delta, "A": A, "B": B, "C": C, "D": D, "z": z,
                                "delta_bias": delta_bias, "initial_state": initial_state})  # fmt: skip
     positions = _checks.check_capture(capture, length)
-    delta_softplus = _checks.check_flag("delta_softplus", delta_softplus)
+    delta_softplus = check_bool("delta_softplus", delta_softplus)
     allowed = ("auto", *PORTABLE_BACKENDS)
     require(backend in allowed, f"backend must be one of {list(allowed)}, got {backend!r}")
 

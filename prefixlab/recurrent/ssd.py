@@ -14,6 +14,7 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from prefixlab.errors import check_bool
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 from prefixlab.recurrent.dispatch import resolve_backend, triton_dtype_unsupported
@@ -57,7 +58,7 @@ def ssd(
     _checks.check_same_device({"x": x, "dt": dt, "A": A, "B": B, "C": C, "D": D, "dt_bias": dt_bias,
                                "initial_state": initial_state})  # fmt: skip
     positions = _checks.check_capture(capture, length)
-    dt_softplus = _checks.check_flag("dt_softplus", dt_softplus)
+    dt_softplus = check_bool("dt_softplus", dt_softplus)
     chunk_size = _checks.check_chunk_size(chunk_size)
     require(
         isinstance(dt_limit, tuple | list) and len(dt_limit) == 2

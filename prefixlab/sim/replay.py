@@ -17,7 +17,7 @@ from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.replay import replay_request
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import RadixTree
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, check_bool
 from prefixlab.sim.metrics import SimResult, summarize
 from prefixlab.sim.trace import Request
 
@@ -73,8 +73,7 @@ def replay_hits(requests: Sequence[Request], core: PrefixCacheCore, progress: Ca
 
 
 def _check_as_store(as_store: object, overflow: bool) -> bool:
-    if not isinstance(as_store, bool):
-        raise InvalidInputError(f"as_store must be True or False, got {as_store!r}")
+    check_bool("as_store", as_store)
     if as_store and overflow:  # a store never exceeds its budget
         raise InvalidInputError("as_store=True replays a PrefixStore, whose budget is strict: pass overflow=False")
     return as_store
