@@ -19,6 +19,15 @@ def check_bool(name: str, value: object) -> bool:
     return bool(value)
 
 
+def check_scale(scale: object, default: str) -> float | None:
+    """An attention scale: None (`default` says what it then is) or a finite real number (numpy's too) as a Python
+    float. The kernels turn NaN / inf into NaN outputs without a word, read a bool as 1.0 and fail deep in torch on a
+    str, so every public entry point checks it."""
+    if scale is not None and not is_finite_number(scale):
+        raise InvalidInputError(f"scale={scale!r} must be a finite number or None ({default})")
+    return None if scale is None else float(scale)
+
+
 def is_finite_number(value: object) -> bool:
     """A finite real argument: a Python or numpy number, never a bool."""
     return isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)

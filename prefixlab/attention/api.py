@@ -8,12 +8,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from prefixlab.attention.kernels import checked_scale
 from prefixlab.attention.packed import packed_tree_attention
 from prefixlab.attention.reference import reference_attention, suffix_visibility
 from prefixlab.attention.split import split_attention
 from prefixlab.attention.tree import SharedLevel, TreePlan, plan_tree
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, check_scale
 
 Method = Literal["auto", "split", "packed", "sdpa"]
 METHODS = ("auto", "split", "packed", "sdpa")
@@ -66,7 +65,7 @@ def hydragen_attention(
     """
     if method not in METHODS:
         raise InvalidInputError(f"method={method!r} must be one of {METHODS}")
-    scale = checked_scale(scale)  # (numpy scalars too)
+    scale = check_scale(scale, "head_dim ** -0.5")  # (numpy scalars too)
     plan = plan_tree(q, levels, suffix_keys, suffix_values, seq_levels, suffix_mask, suffix_lengths)
     if q.shape[2] == 0:  # no query: nothing to attend (the kernels' shapes cannot hold zero queries)
         return q.new_zeros(q.shape)

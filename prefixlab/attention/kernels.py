@@ -26,15 +26,7 @@ import warnings
 import torch
 
 from prefixlab.compile import compile_or_eager
-from prefixlab.errors import InvalidInputError, is_finite_number
-
-
-def checked_scale(scale: object) -> float | None:
-    """None or a finite real number (numpy scalars too) as a Python float. Every public entry point checks it: the
-    kernels turn NaN / inf into NaN outputs without a word, read a bool as 1.0, and fail deep in torch on a str."""
-    if scale is not None and not is_finite_number(scale):
-        raise InvalidInputError(f"scale={scale!r} must be a finite number (None: head_dim ** -0.5)")
-    return None if scale is None else float(scale)
+from prefixlab.errors import InvalidInputError, check_scale
 
 
 def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -225,7 +217,7 @@ def attention_with_lse(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention returning (out, lse): q (N, H, M, D), k/v (N, Hkv, L, D), mask (N|1, 1, M, L) bool."""
     _check_lse_inputs(q, k, v, mask)
-    scale = checked_scale(scale)
+    scale = check_scale(scale, "head_dim ** -0.5")
     if k.shape[2] == 0:
         raise InvalidInputError("attention_with_lse needs at least one key; drop empty key sets before calling")
     if q.shape[2] == 0:  # (ATen's fused CPU kernel divides by the query count: SIGFPE)

@@ -15,11 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from prefixlab.attention.kernels import checked_scale
 from prefixlab.attention.reference import suffix_visibility
 from prefixlab.attention.tree import SharedLevel, TreePlan, _check_tensor, check_levels, level_visibility
 from prefixlab.compile import compile_or_eager
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, check_scale
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,7 @@ def varlen_prefill_attention(
     layout = tree_layout(visible, [level.length for level in levels], list(lengths), list(lengths))
     keys = torch.cat([level.keys for level in levels] + [k.transpose(0, 1)], dim=1)[None]
     values = torch.cat([level.values for level in levels] + [v.transpose(0, 1)], dim=1)[None]
-    scale = checked_scale(scale)
+    scale = check_scale(scale, "head_dim ** -0.5")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = packed_attention(q.transpose(0, 1)[None], keys, values, layout, scale, compiled)
     return out[0].transpose(0, 1)

@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from prefixlab.errors import InvalidInputError, is_finite_number, is_int
+from prefixlab.errors import InvalidInputError, is_int
 
 
 def require(condition: bool, message: str) -> None:
@@ -87,13 +87,6 @@ def check_chunk_size(chunk_size: int) -> int:
         f"chunk_size must be a positive int, got {chunk_size!r}",
     )
     return int(chunk_size)
-
-
-def check_scale(scale: float | None) -> float | None:
-    """None or a finite real number (numpy scalars included), as a Python float."""
-    require(scale is None or is_finite_number(scale),
-            f"scale must be a finite float or None (K ** -0.5), got {scale!r}")
-    return None if scale is None else float(scale)
 
 
 def cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from prefixlab.errors import check_bool
+from prefixlab.errors import check_bool, check_scale
 from prefixlab.recurrent import _checks
 from prefixlab.recurrent._checks import require
 from prefixlab.recurrent.delta_rule_chunked import delta_rule_chunked, delta_rule_compiled, prepare_qk
@@ -49,7 +49,7 @@ def gated_delta_rule(
     _checks.check_same_device({"q": q, "k": k, "v": v, "g": g, "beta": beta, "initial_state": initial_state})
     positions = _checks.check_capture(capture, length)
     use_qk_l2norm = check_bool("use_qk_l2norm", use_qk_l2norm)
-    chunk_size, scale = _checks.check_chunk_size(chunk_size), _checks.check_scale(scale)
+    chunk_size, scale = _checks.check_chunk_size(chunk_size), check_scale(scale, "K ** -0.5")
     backend = resolve_backend(backend, q.device, "fla", fla_unsupported(q.dtype, g.dim() == 4), tokens=length)
 
     out_dtype = q.dtype
