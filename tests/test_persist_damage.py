@@ -163,6 +163,11 @@ def assert_refused_untouched(model, path, tensors: dict, header: dict) -> None:
     lambda h: h.update(policy="lru"),
     lambda h: h.update(block_size=0),
     lambda h: h.update(offload_capacity_bytes=1.5),
+    lambda h: h.update(alpha=0.5),
+    lambda h: h.update(alpha={"device": -1.0}),
+    lambda h: h.update(alpha={"device": float("nan")}),
+    lambda h: h.update(alpha={"device": True}),
+    lambda h: h.update(alpha={"elsewhere": 0.5}),
 ])
 def test_a_well_formed_file_with_an_inconsistent_header_raises_the_librarys_error(saved, copied, edit):
     """Headers whose checksum matches but whose content does not (written by something else): CorruptStoreError."""

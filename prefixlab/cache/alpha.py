@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from prefixlab.errors import InvalidInputError, is_int
+from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 ALPHA_GRID = tuple(round(0.1 * i, 1) for i in range(21))  # Marconi's grid: 0, 0.1, ..., 2.0
 PROVISIONAL_MULTIPLIER = 2  # the provisional tuning: 2 x N0 requests after the first eviction's N0
@@ -142,6 +142,23 @@ class AlphaBootstrap:
         twin = copy.copy(self)
         twin.requests = deque(self.requests)
         return twin
+
+
+def settled_alpha(core) -> float | None:
+    """The core's alpha once it will not change any more (tuned, or fixed when the core was built); None while it is
+    still to be tuned or for a policy without one."""
+    return core.alpha if core.bootstrap is None else None
+
+
+def settle_alpha(core, alpha: float) -> None:
+    """Give an empty core a settled alpha (what a saved store had tuned): it runs with it and tunes no more."""
+    core.eviction.alpha, core.bootstrap = alpha, None
+
+
+def settled_alphas_valid(alphas: object, tiers: Sequence[str]) -> bool:
+    """Whether `alphas` is what a saved store records: {tier: a settled alpha (a finite number >= 0) or None}."""
+    return isinstance(alphas, dict) and set(alphas) <= set(tiers) and all(
+        alpha is None or (is_finite_number(alpha) and alpha >= 0) for alpha in alphas.values())
 
 
 def check_tuning_lag(lag: object) -> int | None:

@@ -5,8 +5,9 @@ What a file holds
             "<tier>.n<node id>.s<position>.conv|recurrent.<layer>.<i>" (its checkpoints), tier "device" or "host"
             (the offload tier). A prefix shared by many entries is written once.
   metadata  "prefixlab": the JSON header: format, model identity (config + dtype, cache/model_info.py), the weights
-            fingerprint, the store's options, each tier's nodes (id, parent, namespace, tokens, checkpoints, marks), and
-            each tensor's dtype, shape and BLAKE2b digest of its bytes as written;
+            fingerprint, the store's options, each tier's settled alpha (kept when loaded with the same options) and
+            nodes (id, parent, namespace, tokens, checkpoints, marks), and each tensor's dtype, shape and BLAKE2b
+            digest of its bytes as written;
             "prefixlab.blake2b": the digest of the header text.
 
 Integrity. `load` verifies, before it builds anything: the header digest, the identity, the weights fingerprint and
@@ -41,6 +42,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from prefixlab.cache.alpha import settle_alpha, settled_alpha, settled_alphas_valid
 from prefixlab.cache.defaults import check_model_argument
 from prefixlab.cache.digests import digest, tensor_digests
 from prefixlab.cache.model_info import model_identity
@@ -98,6 +100,8 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
         "capacity_bytes": store.capacity_bytes,
         "offload_capacity_bytes": store.offload.capacity_bytes if store.offload is not None else None,
         "policy": store.core.policy, "block_size": store.core.options.block_size, "tiers": tiers,
+        "alpha": {tier: settled_alpha(core) for tier, core in (("device", store.core), ("host", store.offload))
+                  if core is not None},
         "tensors": {name: [str(tensors[name].dtype), list(tensors[name].shape), hexdigest]
                     for name, hexdigest in tensor_digests(tensors).items()},
     }
@@ -174,6 +178,7 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
     store = cls(model, **(saved | options))
     try:
         _fingerprints[store] = store.weights, fingerprint
+        _restore_alphas(store, header, saved)
         with store.lock:  # the new store may already be the model's default: other threads wait for the entries
             dropped = _admit(store, entries)
     except BaseException as err:
@@ -237,6 +242,16 @@ def _read_header(path: Path, file) -> dict:
     return header
 
 
+def _restore_alphas(store: PrefixStore, header: dict, saved: dict) -> None:
+    """A tier loaded as it was saved (policy, block size, its capacity; no `alpha=`) keeps the alpha it had settled
+    (tuned or fixed): a tuning is not run twice. Otherwise it tunes anew."""
+    same = "alpha" not in store.options and all(store.options[key] == saved[key] for key in ("policy", "block_size"))
+    for tier, core, capacity in (("device", store.core, "capacity"), ("host", store.offload, "offload_capacity")):
+        alpha = header.get("alpha", {}).get(tier)
+        if same and core is not None and alpha is not None and store.options[capacity] == saved.get(capacity):
+            settle_alpha(core, alpha)
+
+
 def _check_saved_options(header: dict) -> None:
     """ValueError unless the saved budget, policy and block size are what save_store writes (a header whose
     checksum matches can still come from something else: that is a corrupt file, not the caller's bad input)."""
@@ -248,6 +263,8 @@ def _check_saved_options(header: dict) -> None:
             and header["policy"] in POLICY_NAMES):
         raise ValueError(f"saved options capacity_bytes={header['capacity_bytes']!r}, policy={header['policy']!r}, "
                          f"block_size={header['block_size']!r}, offload_capacity_bytes={offload!r}")
+    if not settled_alphas_valid(header.get("alpha", {}), TIERS):  # (files saved before alphas were kept have none)
+        raise ValueError(f"saved alpha {header['alpha']!r}")
 
 
 def _check_model(path: Path, header: dict, model: torch.nn.Module) -> dict[str, str]:
