@@ -135,7 +135,7 @@ def main() -> int:
     from accelerate import PartialState
     from accelerate.utils import broadcast_object_list
 
-    from prefixlab.fleet import launch, serve
+    from prefixlab.fleet import launch, loading, serve
     from prefixlab.fleet.prompts import read_prompts
     from prefixlab.fleet.run import run_batch
 
@@ -188,7 +188,7 @@ def main() -> int:
 
     # the same model without prefixlab, each process an even slice of the prompts: the reference outputs, and with
     # --baseline the timed plain generate() loop
-    model = serve.load_model(str(folder / "config.json"), 0, "cpu" if args.cpu else str(state.device))
+    model = loading.load_model(str(folder / "config.json"), 0, "cpu" if args.cpu else str(state.device))
     prompts = read_prompts(folder / "prompts.jsonl", max_new_tokens=args.max_new_tokens)
     mine = prompts[state.process_index::state.num_processes]
     if args.baseline:  # first-call costs (allocations, kernel selection) out of both timed paths

@@ -9,7 +9,7 @@ import torch
 from hf_models import config as tiny_config
 
 from prefixlab.cli import main
-from prefixlab.fleet import serve
+from prefixlab.fleet import loading
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +76,9 @@ def test_an_error_of_its_own_building_a_model_from_a_good_config_is_not_blamed_o
     def fails(*args, **kwargs):
         raise AttributeError("a bug while building the model")
 
-    monkeypatch.setattr(serve, "_meta_model", fails)
+    monkeypatch.setattr(loading, "_meta_model", fails)
     with pytest.raises(AttributeError, match="a bug while building the model"):
-        serve.load_model(str(folder / "model"), meta=True)
+        loading.load_model(str(folder / "model"), meta=True)
 
 
 BUILDS_BUT_FAILS = {  # family, config.json values a model builds from whose first forward fails (shapes that differ)

@@ -11,7 +11,7 @@ from hf_models import config as tiny_config
 
 from prefixlab.cli import main
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import outputs, serve
+from prefixlab.fleet import loading, outputs
 from prefixlab.fleet.prompts import read_prompts
 
 
@@ -116,7 +116,7 @@ def test_an_error_building_a_model_from_readable_weights_is_not_taken_for_damage
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fails)
     with pytest.raises(RuntimeError, match="a bug while building the model"):
-        serve.load_model(str(tmp_path))
+        loading.load_model(str(tmp_path))
 
 
 def test_only_the_files_from_pretrained_reads_are_blamed_or_read_for_the_dtype(tmp_path):
@@ -136,10 +136,10 @@ def test_only_the_files_from_pretrained_reads_are_blamed_or_read_for_the_dtype(t
     (folder / "config.json").write_text(json.dumps(config))  # (from_pretrained's dtype: the checkpoint's)
     save_file({"lora.weight": torch.zeros(4, dtype=torch.float32)}, folder / "adapter_model.safetensors")
     torch.save({"learning_rate": 1e-4, "args": argparse.Namespace(seed=1)}, folder / "training_args.bin")
-    assert serve.load_model(str(folder)).dtype == serve.load_model(str(folder), meta=True).dtype == torch.bfloat16
-    assert serve._unreadable_weights(folder) is None  # the checkpoint reads: not a damaged file's error
+    assert loading.load_model(str(folder)).dtype == loading.load_model(str(folder), meta=True).dtype == torch.bfloat16
+    assert loading._unreadable_weights(folder) is None  # the checkpoint reads: not a damaged file's error
     (folder / "model.safetensors").write_bytes(b"not weights")
-    assert serve._unreadable_weights(folder).startswith("model.safetensors cannot be read")
+    assert loading._unreadable_weights(folder).startswith("model.safetensors cannot be read")
 
 
 def test_weights_of_other_shapes_than_the_config_are_refused_naming_the_config(capsys, tmp_path):

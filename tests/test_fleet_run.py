@@ -15,7 +15,7 @@ from hf_models import config as tiny_config
 
 import prefixlab.fleet.serve
 from prefixlab.cli import main
-from prefixlab.fleet import outputs, serve
+from prefixlab.fleet import loading, outputs, serve
 from prefixlab.fleet.launch import TEST_EXIT_AFTER
 from prefixlab.fleet.prompts import read_prompts
 from prefixlab.fleet.run import Stopped
@@ -40,7 +40,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(files):
     """id -> greedy output of the same model without prefixlab."""
-    model = serve.load_model(str(files / "config.json"))
+    model = loading.load_model(str(files / "config.json"))
     with torch.inference_mode():
         return {p.id: serve.generate_uncached(model, p.tokens, p.max_new_tokens)
                 for p in read_prompts(files / "prompts.jsonl")}
@@ -145,7 +145,7 @@ def test_hydragen_batches_the_siblings_of_each_prime_exactly(capsys, files, tmp_
     shutil.copy(files / "config.json", ragged / "config.json")
     with open(ragged / "prompts.jsonl", "w") as file:
         file.writelines(json.dumps(records[i]) + "\n" for i in rng.permutation(12))
-    model = serve.load_model(str(ragged / "config.json"))
+    model = loading.load_model(str(ragged / "config.json"))
     with torch.inference_mode():
         reference = {r["id"]: serve.generate_uncached(model, r["input_ids"], r["max_new_tokens"]) for r in records}
     plain = run(capsys, ragged, tmp_path / "radix.jsonl")[1]
@@ -333,7 +333,7 @@ def test_part_files_end_on_whole_lines(tmp_path, reference):
 
 
 def test_plain_loop_is_the_uncached_reference(files, reference):
-    model = serve.load_model(str(files / "config.json"))
+    model = loading.load_model(str(files / "config.json"))
     stats = serve.ProcessStats()
     prompts = read_prompts(files / "prompts.jsonl")
     assert serve.serve_plain(model, prompts, stats) == reference

@@ -9,7 +9,7 @@ import torch
 from hf_models import config as tiny_config
 from test_fleet_run import read_out, run
 
-from prefixlab.fleet import serve
+from prefixlab.fleet import loading, serve
 from prefixlab.fleet.prompts import read_prompts
 
 
@@ -25,7 +25,7 @@ def family_file(tmp_path, family: str, seed: int, prefix_tokens: int, own_tokens
 
 def check_outputs_uncached(tmp_path) -> torch.nn.Module:
     """Assert the run's outputs are the model's uncached greedy ones, in input order; returns the model."""
-    model = serve.load_model(str(tmp_path / "config.json"))
+    model = loading.load_model(str(tmp_path / "config.json"))
     with torch.inference_mode():
         assert all(r["output_ids"] == serve.generate_uncached(model, p.tokens, 2)
                    for r, p in zip(read_out(tmp_path / "out.jsonl"), read_prompts(tmp_path / "prompts.jsonl"),

@@ -9,7 +9,7 @@ import torch
 from test_fleet_run import files, read_out, run  # noqa: F401  (files: the module fixture)
 
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import serve
+from prefixlab.fleet import loading, serve
 from prefixlab.fleet.prompts import read_prompts
 
 
@@ -34,7 +34,7 @@ def test_sampled_outputs_are_the_uncached_models_with_the_same_seed(capsys, file
                            *(["--hydragen"] if hydragen else []))
     assert code == 0 and summary["reused_tokens"] > 0
     records = {r["id"]: r for r in read_out(tmp_path / "out.jsonl")}
-    model = serve.load_model(str(tmp_path / "config.json"))
+    model = loading.load_model(str(tmp_path / "config.json"))
     state = torch.random.get_rng_state()
     with torch.inference_mode():
         for prompt in read_prompts(tmp_path / "prompts.jsonl", max_new_tokens=6):
@@ -82,3 +82,18 @@ def test_bad_sampling_options_name_the_line(tmp_path, options, message):
     path.write_text(json.dumps({"id": 1, "input_ids": [5, 6], **options}) + "\n")
     with pytest.raises(InvalidInputError, match=rf"p.jsonl:1: {message}"):
         read_prompts(path)
+
+
+def test_a_seeded_prompt_draws_as_transformers_after_manual_seed_and_leaves_other_devices_alone(
+        files, monkeypatch):  # noqa: F811
+    """The draws are those of `torch.manual_seed(seed)` then `generate`, but only the generators they use are
+    seeded (and restored): torch.manual_seed would reseed every GPU of the process, not only the model's."""
+    model = loading.load_model(str(files / "config.json"))
+    tokens, sampling = [5, 9, 11, 40], (("temperature", 1.5), ("seed", 7))
+    torch.manual_seed(7)
+    expected = model.generate(torch.tensor([tokens]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                              max_new_tokens=6, do_sample=True, temperature=1.5, pad_token_id=0)[0, 4:].tolist()
+    seeded_all = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", seeded_all.append)
+    assert serve.generate_uncached(model, tokens, 6, sampling) == expected
+    assert not seeded_all

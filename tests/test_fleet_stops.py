@@ -13,7 +13,7 @@ from test_fleet_run import read_out
 
 from prefixlab.cli import main
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import serve
+from prefixlab.fleet import loading, serve
 from prefixlab.fleet.prompts import read_prompts
 from prefixlab.fleet.stops import finish_reason
 from prefixlab.fleet.tokenizer import PromptTokenizer
@@ -41,7 +41,7 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("stops")
     tiny_config("qwen3_5").to_json_file(folder / "config.json")
     word_tokenizer(folder / "tokenizer")
-    model = serve.load_model(str(folder / "config.json"))
+    model = loading.load_model(str(folder / "config.json"))
     rng = np.random.default_rng(3)
     prefix = rng.integers(3, 128, 60).tolist()
     prompts = [prefix + rng.integers(3, 128, 4 + k % 3).tolist() for k in range(8)]

@@ -10,7 +10,7 @@ from test_fleet_run import read_out
 
 from prefixlab.cli import main
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import serve
+from prefixlab.fleet import loading, serve
 from prefixlab.fleet.prompts import read_prompts
 from prefixlab.fleet.tokenizer import PromptTokenizer, prompt_tokenizer
 
@@ -54,7 +54,7 @@ def test_chat_prompts_reuse_their_system_message_exactly(capsys, tmp_path):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and summary["reused_tokens"] > 0
     hf = PromptTokenizer(folder).hf
-    model = serve.load_model(str(tmp_path / "config.json"))
+    model = loading.load_model(str(tmp_path / "config.json"))
     for record, line in zip(read_out(out), prompts.read_text().splitlines(), strict=True):
         ids = hf.apply_chat_template(json.loads(line)["messages"], add_generation_prompt=True)["input_ids"]
         assert record["prompt_tokens"] == len(ids) and ids[-2:] == [hf.convert_tokens_to_ids("assistant"), 9]

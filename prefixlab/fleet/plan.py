@@ -136,7 +136,7 @@ def estimate(prompts: Sequence[Prompt], steps: Sequence, store_model, batching: 
 
 def make_plan(args: argparse.Namespace) -> dict:
     """The plan of `args`' run (module docstring) as one JSON-ready dict."""
-    from prefixlab.fleet import outputs, serve
+    from prefixlab.fleet import loading, outputs
     from prefixlab.fleet.prompts import read_prompts
     from prefixlab.fleet.run import _check_resumed, _hydragen_mode, _store_model
     from prefixlab.fleet.stops import check_model_stop_strings
@@ -148,7 +148,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     if out.is_dir():
         raise InvalidInputError(f"--out {args.out!r} is a folder; pass the path of the output file (OUT.jsonl)")
     tokenizer = prompt_tokenizer(args.tokenizer, args.model)
-    model = serve.load_model(args.model, args.seed, meta=True)
+    model = loading.load_model(args.model, args.seed, meta=True)
     check_model_stop_strings(model, args.model)
     batching = _hydragen_mode(model) if args.hydragen else None
     text_config = model.config.get_text_config()

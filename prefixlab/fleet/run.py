@@ -77,7 +77,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
     from accelerate.utils import broadcast_object_list, gather_object
 
     from prefixlab.cache.store import PrefixStore
-    from prefixlab.fleet import serve
+    from prefixlab.fleet import loading, serve
     from prefixlab.fleet.plan import assign_pending, check_options, process_steps
     from prefixlab.fleet.prompts import read_prompts
 
@@ -96,7 +96,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         raise InvalidInputError(f"--out {args.out!r} is not a regular file (a pipe or device): the run rewrites OUT "
                                 "at the end; pass the path of a file (OUT.jsonl)")
     tokenizer = prompt_tokenizer(args.tokenizer, args.model)
-    model = serve.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
+    model = loading.load_model(args.model, args.seed, "cpu" if args.cpu else str(state.device))
     batching = _hydragen_mode(model) if args.hydragen else None
     text_config = model.config.get_text_config()
     prompts = read_prompts(args.prompts, tokenizer, max_new_tokens=args.max_new_tokens, on_error=args.on_error,
@@ -106,7 +106,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         print(f"prefixlab: note: {len(prompts)} prompts for {processes} processes; "
               f"{processes - len(prompts)} of them will have nothing to do", file=sys.stderr)
     launch.share_cores(state, processes)
-    digests = gather_object([serve.model_digest(model)])
+    digests = gather_object([loading.model_digest(model)])
     if len(set(digests)) > 1:
         raise InvalidInputError(f"the processes built different models ({digests}); check --seed and --model")
     digest = _output_digest(digests[0], tokenizer)
