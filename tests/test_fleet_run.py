@@ -314,24 +314,6 @@ def test_a_process_killed_mid_run(files, reference, tmp_path):
     assert not list(tmp_path.glob("out.jsonl.part*"))
 
 
-def test_part_files_end_on_whole_lines(tmp_path, reference):
-    """A process killed while writing leaves its last line cut short: the next writer of that part cuts it off
-    (the prompt is redone); a whole last record missing only its line break is kept."""
-    out = tmp_path / "out.jsonl"
-    records = [{"id": prompt_id, "output_ids": ids} for prompt_id, ids in reference.items()]
-    for last, kept in ((json.dumps(records[2])[:-5], 2), (json.dumps(records[2]), 3)):
-        outputs.part_path(out, 1).write_text("".join(json.dumps(r) + "\n" for r in records[:2]) + last)
-        assert len(outputs.finished(out)) == kept  # what the main process plans with...
-        writer = outputs.PartWriter(out, 1)
-        writer.write(records[3])
-        writer.close()
-        assert list(outputs.finished(out)) == [r["id"] for r in records[:kept]] + [records[3]["id"]]  # ...and keeps
-    # a stopped run merges without removing the parts (the other processes may still append to theirs)
-    assert outputs.merge(out, list(reference), remove_parts=False)[0] == 4 and outputs.part_files(out)
-    assert outputs.merge(out, list(reference))[0] == 4 and not outputs.part_files(out)
-    assert [r["id"] for r in read_out(out)] == [r["id"] for r in records[:4]]
-
-
 def test_plain_loop_is_the_uncached_reference(files, reference):
     model = loading.load_model(str(files / "config.json"))
     stats = serve.ProcessStats()
@@ -384,24 +366,3 @@ def test_the_first_token_clock_waits_for_the_gpu_before_reading_the_time(monkeyp
     clock = FirstTokenClock()
     assert clock(None, scores) is scores and clock(None, scores) is scores
     assert events == [("sync", "cuda:0"), ("clock", None)]  # once, before the clock; later steps untouched
-
-
-def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, files, tmp_path):
-    prompts = tmp_path / "two.jsonl"
-    prompts.write_text("".join((files / "prompts.jsonl").read_text().splitlines(keepends=True)[:2]))
-    args = ["run", prompts, "--model", files / "config.json", "--max-new-tokens", "1", "--out"]
-    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
-    target.write_text("")
-    link.symlink_to(target)
-    assert main([*args, link]) == 0
-    assert link.is_symlink() and len(read_out(target)) == 2  # the target holds the results, the link stays a link
-    pipe = tmp_path / "pipe.jsonl"
-    os.mkfifo(pipe)
-    assert main([*args, pipe]) == 2
-    assert "not a regular file" in capsys.readouterr().err and pipe.is_fifo()
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
-def test_an_out_that_cannot_be_written_is_a_clear_error(capsys, files):
-    assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", "/proc/out.jsonl"]) == 2
-    assert "cannot write" in capsys.readouterr().err
