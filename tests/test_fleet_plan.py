@@ -91,9 +91,11 @@ def test_plan_text_and_bad_options(capsys, files, tmp_path):  # noqa: F811
     assert "--processes is for --plan" in capsys.readouterr().err
     assert main([*args, "--plan", "--routing", "sticky"]) == 2
     assert "round-robin" in capsys.readouterr().err and not list(tmp_path.iterdir())
-    for eps in ("nan", "-1"):  # (was "balance_eps must be ...", the router's argument, not the flag)
+    # (was "balance_eps must be ...", the router's argument, not the flag; inf was taken, where `simulate` refuses it:
+    # every replica eligible however loaded, the balance bound gone)
+    for eps in ("nan", "-1", "inf"):
         assert main([*args, "--plan", "--balance-eps", eps]) == 2
-        assert f"--balance-eps {eps} must be a number >= 0" in capsys.readouterr().err
+        assert f"--balance-eps {eps} must be a finite number >= 0" in capsys.readouterr().err
 
 
 @needs_accelerate
