@@ -4,13 +4,18 @@ correct load then generates the uncached model's tokens). It took any (kv_heads,
 first attention layer then raised inside generate, after the recurrent layers had already run on the loaded
 states (the cache half-updated)."""
 
+import math
+
 import pytest
 import torch
 from hf_models import FAMILIES, build, tokens
 from hydragen_helpers import prefix_tensors
+from test_costmodel_hf import TINY, run_tiny
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 from prefixlab.attention import HydragenCache
 from prefixlab.attention.hf_cache import SharedPrefixLayer
+from prefixlab.attention.prefix_checks import expected_shapes
 from prefixlab.errors import InvalidInputError
 
 PREFIX, PROMPT = 6, 9
@@ -129,3 +134,18 @@ def test_every_family_hydragen_serves_loads_its_own_prefix(family):
         tensors[side] = {i: t for i, t in tensors[side].items() if i in attention}
     cache.load_shared_prefix(**tensors, batch_size=2)
     assert cache.get_seq_length() == PREFIX
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY))
+def test_the_expected_shapes_are_those_of_every_supported_models_own_cache(model_type):
+    """The shapes load_shared_prefix expects, read from each supported model type's config (head_dim apart from
+    hidden / heads, conv kernels of 3 and 5, Mamba1 and Mamba2 layouts), are those its own forward caches."""
+    model, cache = run_tiny(model_type, torch.float32)
+    kv, states = expected_shapes(model.config)
+    for layer in getattr(cache, "layers", ()):
+        if type(layer) is DynamicLayer and kv is not None and getattr(layer, "keys", None) is not None:
+            assert (layer.keys.shape[1], layer.keys.shape[3]) == kv
+        if isinstance(layer, LinearAttentionCacheLayerMixin) and states is not None:
+            conv, held = layer.conv_states.get(0), layer.recurrent_states.get(0)
+            assert conv is None or tuple(conv.shape[1:]) == states[0]
+            assert held is None or states[1] is None or math.prod(held.shape[1:]) == states[1]

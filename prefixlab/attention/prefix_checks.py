@@ -29,9 +29,9 @@ def expected_shapes(config) -> tuple[tuple[int, int] | None, tuple[tuple[int, in
     """((kv_heads, head_dim) of the attention layers, ((conv channels, kernel), recurrent elements) of a recurrent
     layer's states per sequence), read from the config as the cost model reads it; None where the config does not
     say one shape for all (a model type it does not know, several kinds, a kind not in _STATE_SHAPES)."""
-    try:
-        groups = spec_from_config(config).layers
-    except UnsupportedModelError:
+    try:  # (shapes do not depend on the dtype; a config the cost model cannot read leaves them unchecked)
+        groups = spec_from_config(config, torch.float32).layers
+    except (UnsupportedModelError, InvalidInputError):
         return None, None
     attention = {(d["kv_heads"], d["head_dim"]) for d in (dict(g.dims) for g in groups if g.kind == "attention")
                  if "kv_heads" in d}

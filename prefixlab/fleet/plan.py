@@ -15,11 +15,10 @@ need).
 
 Per process it reports the prompts and their tokens, and what the scheduler's model-free copy of the process's store
 (the StoreModel affinity routes against: same --policy, --capacity and cost spec, each step replayed as a store
-serves it, schedule.prefill) expects the run to reuse and to
-prefill, primes included, replaying the process's steps in order; Hydragen batches reuse what that store holds of
-their prime, and are not admitted, as in a run. These are estimates (schedule.py: a store may place a prime's
-checkpoint elsewhere; batches' padding is not counted; outputs are not known, so not fed). With affinity routing
-the router's own predicted loads are reported too.
+serves it, schedule.prefill) expects the run to reuse and to prefill, primes included, replaying the process's steps
+in order; Hydragen batches reuse what that store holds of their prime, and are not admitted, as in a run. These are
+estimates (schedule.py: a store may place a prime's checkpoint elsewhere; batches' padding is not counted; outputs
+are not known, so not fed). With affinity routing the router's own predicted loads are reported too.
 """
 
 from __future__ import annotations
