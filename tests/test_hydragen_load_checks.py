@@ -13,7 +13,7 @@ from hydragen_helpers import prefix_tensors
 from test_costmodel_hf import TINY, run_tiny
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
-from prefixlab.attention import HydragenCache
+from prefixlab.attention import HydragenCache, prefix_checks
 from prefixlab.attention.hf_cache import SharedPrefixLayer
 from prefixlab.attention.prefix_checks import expected_shapes
 from prefixlab.errors import InvalidInputError
@@ -87,6 +87,20 @@ def test_a_prefix_of_the_wrong_shape_or_dtype_is_refused_and_leaves_the_cache_em
     with pytest.raises(InvalidInputError, match=match):
         cache.load_shared_prefix(**_edited(tensors, kinds, layer_pick, edit), batch_size=2)
     _assert_empty_then_usable(cache, standard, hydragen, prompt, tensors)
+
+
+def test_without_shapes_from_the_config_the_layers_must_agree(loaded, monkeypatch):
+    """A model type the cost model does not read gives no shapes: one layer unlike the others is still refused."""
+    standard, hydragen, prompt, tensors = loaded
+    monkeypatch.setattr(prefix_checks, "expected_shapes", lambda config: (None, None))
+    for bad in ("kv heads, last layer", "conv channels, last layer", "recurrent state, last layer"):
+        kinds, layer_pick, edit, match = BAD[bad]
+        if len(tensors[kinds[0]]) > 1:
+            cache = HydragenCache(hydragen.config)
+            with pytest.raises(InvalidInputError, match=match):
+                cache.load_shared_prefix(**_edited(tensors, kinds, layer_pick, edit), batch_size=2)
+            assert cache.shared_bytes() == 0 and cache.expected_batch is None
+    _assert_empty_then_usable(HydragenCache(hydragen.config), standard, hydragen, prompt, tensors)
 
 
 def test_a_prefix_in_another_dtype_than_the_model_is_refused_before_any_layer_runs(loaded):

@@ -279,7 +279,8 @@ class HydragenCache(Cache):
     def _check_loaded_as(self, computed: torch.Tensor) -> None:
         """At the first layer of the first forward after a load (before it changes the cache): the loaded prefix
         must be in the dtype the model computes in, and on its device where it is all on one (a load alone cannot
-        know them)."""
+        know them). Every family whose prefix it loads keeps its conv states in its KV's dtype (not Inkling's fp32
+        conv states, whose layers hold KV and state together: no shared level to load)."""
         dtypes, devices = {dtype for dtype, _ in self.loaded_as}, {device for _, device in self.loaded_as}
         if dtypes - {computed.dtype} or (len(devices) == 1 and devices != {computed.device}):
             loaded = ", ".join(sorted(f"{dtype} on {device}" for dtype, device in self.loaded_as))

@@ -94,19 +94,20 @@ def _check_kv(shaped: dict, expected: tuple[int, int] | None) -> None:
 def _check_states(conv: dict, held: dict, expected) -> None:
     """One per-sequence shape and one dtype for each kind of state, and the config's shape where it says one."""
     conv_shape, held_elements = expected or (None, None)
-    for name, states in (("conv_states", conv), ("recurrent_states", held)):
+    kinds = (("conv_states", conv, lambda shape: conv_shape in (None, shape),
+              f"(batch, {conv_shape[0]} channels, kernel {conv_shape[1]})" if conv_shape else None),
+             ("recurrent_states", held, lambda shape: held_elements in (None, math.prod(shape)),
+              f"{held_elements} values per sequence" if held_elements else None))
+    for name, states, fits, want in kinds:
         _one_dtype(name, list(states.values()))
         shapes = {i: tuple(t.shape[1:]) for i, t in states.items()}
+        common = max(shapes.values(), key=list(shapes.values()).count, default=None)  # (most layers' shape)
         for i, shape in shapes.items():
-            wrong = (len(set(shapes.values())) > 1 or (name == "conv_states" and conv_shape not in (None, shape))
-                     or (name == "recurrent_states" and held_elements not in (None, math.prod(shape))))
-            if wrong:
-                want = (f"(batch, {conv_shape[0]} channels, kernel {conv_shape[1]})" if conv_shape and name ==
-                        "conv_states" else f"{held_elements} values per sequence" if held_elements else
-                        "one shape in every layer")
+            if not fits(shape) or shape != common:
                 raise InvalidInputError(
-                    f"{name}[{i}] has the per-sequence shape {shape}; this model's layers take {want} (layers: "
-                    f"{ {j: s for j, s in shapes.items()} }): give the states this model computed for the prefix"
+                    f"{name}[{i}] has the per-sequence shape {shape}; this model's layers take "
+                    f"{want or f'one shape, {common} in the other layers'} (layers: {shapes}): give the states this "
+                    "model computed for the prefix"
                 )
 
 
