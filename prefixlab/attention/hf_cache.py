@@ -326,7 +326,7 @@ class HydragenCache(Cache):
         # (all checked before any layer changes: a refused load leaves the cache empty)
         loaded = [k for k, _ in shaped.values() if k.shape[1]] + [conv for conv, _ in per_sequence.values()]
         self.loaded_as = {(t.dtype, t.device) for t in loaded}
-        self.expected_batch = int(batch_size)
+        self.expected_batch = batch_size = int(batch_size)
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
         for i, (conv, recurrent_state) in per_sequence.items():
