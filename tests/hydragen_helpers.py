@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 GEN = dict(return_dict_in_generate=True, output_scores=True, pad_token_id=0)
 
@@ -32,3 +33,19 @@ def assert_hydragen_refused(model, match: str) -> None:
     with pytest.raises(InvalidInputError, match=match):
         HydragenCache(model.config)
     assert batching_mode(model) is None
+
+
+def prefix_tensors(model, prefix):
+    """What a prefix store hands over: per-layer KV and recurrent states after `prefix`, computed by `model`."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prefix, past_key_values=cache, use_cache=True)
+    attention = {i: layer for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is not None}
+    recurrent = {i: layer for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states")}
+    return dict(
+        keys={i: layer.keys for i, layer in attention.items()},
+        values={i: layer.values for i, layer in attention.items()},
+        conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
+        recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()
+                          if layer.is_recurrent_states_initialized[0]},  # (none in LFM2's conv layers)
+    )

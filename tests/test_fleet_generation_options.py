@@ -10,6 +10,7 @@ import torch
 from hf_models import build
 from transformers import WatermarkingConfig
 
+import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
 from prefixlab.cache.store import PrefixStore
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import serve, siblings
@@ -78,6 +79,25 @@ def test_banned_or_biased_sequences_that_read_a_rows_last_tokens_are_not_batched
     # (seed 4: the word is row 0's last prefix token, its 2 own tokens, and the token it would generate first)
     _group_over_a_primed_prefix(configure([79, 40, 91, 25]), 4, refused)
     _group_over_a_primed_prefix(configure([25]), 4, exact)
+
+
+@pytest.mark.parametrize("field, value, pad", [("encoder_repetition_penalty", 1.3, 107),
+                                               ("encoder_no_repeat_ngram_size", 1, 41)])
+def test_encoder_options_read_a_padded_rows_pads_so_its_siblings_are_served_one_by_one(capsys, field, value, pad):
+    """A decoder-only model's "encoder" ids are the prompt as generate gets it, a padded row's pads included:
+    encoder_repetition_penalty boosted the pad id and encoder_no_repeat_ngram_size banned it (or its n-grams) in a
+    batch only. With the pad id 107 (41) row 0 got [25, 107, 42] ([89, 26, 72]) where alone it gets [25, 89, 26]
+    ([41, 97, 110]). Such siblings are now served one by one, as the plain run serves them."""
+    def check(model, store, rows):
+        model.config.pad_token_id = pad
+        prompts = [Prompt(k, k, row, 3) for k, row in enumerate(rows)]
+        records = []
+        serve.serve(model, store, prompts, [((0, 1), PREFIX)], records.append)
+        assert {r["id"]: r["output_ids"] for r in records} == \
+            {p.id: serve.generate_uncached(model, p.tokens, 3) for p in prompts}
+        assert f"{field}={value!r}" in capsys.readouterr().err
+
+    _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, field, value), 4, check)
 
 
 def test_a_batch_that_would_move_a_dynamic_rope_is_served_one_by_one():

@@ -301,8 +301,9 @@ def test_router_inputs_are_checked():
         router.record(2, np.arange(3), 3)
     with pytest.raises(InvalidInputError, match="token ids"):
         router.choose(np.array([[1, 2]]))
-    with pytest.raises(InvalidInputError, match="balance_eps"):
-        AffinityRouter(2, balance_eps=-1)
+    for eps in (-1, float("inf"), float("nan"), "0.1"):
+        with pytest.raises(InvalidInputError, match="balance_eps"):
+            AffinityRouter(2, balance_eps=eps)
     with pytest.raises(InvalidInputError, match="min_total_prefill_tokens"):
         AffinityRouter(2, min_total_prefill_tokens=-5)
     core = PrefixCacheCore(10**9, "marconi", SPEC)

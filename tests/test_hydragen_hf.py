@@ -3,7 +3,7 @@ stored once (counted in bytes), prefixes fed from outside, padding, and bad inpu
 
 import pytest
 import torch
-from hydragen_helpers import assert_hydragen_refused, generate_seeded
+from hydragen_helpers import assert_hydragen_refused, generate_seeded, prefix_tensors
 from hydragen_helpers import assert_same as _assert_same
 from transformers import (
     DynamicCache,
@@ -156,27 +156,11 @@ def test_left_padding_stays_exact(pair):
         assert cache.shared_bytes() == _kv_bytes(hydragen, 2 * 12)  # each prompt once, its padding included
 
 
-def _prefix_tensors(model, prefix):
-    """What a prefix store hands over: per-layer KV and recurrent states after `prefix`, computed by `model`."""
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(prefix, past_key_values=cache, use_cache=True)
-    attention = {i: layer for i, layer in enumerate(cache.layers) if getattr(layer, "keys", None) is not None}
-    recurrent = {i: layer for i, layer in enumerate(cache.layers) if hasattr(layer, "recurrent_states")}
-    return dict(
-        keys={i: layer.keys for i, layer in attention.items()},
-        values={i: layer.values for i, layer in attention.items()},
-        conv_states={i: layer.conv_states[0] for i, layer in recurrent.items()},
-        recurrent_states={i: layer.recurrent_states[0] for i, layer in recurrent.items()
-                          if layer.is_recurrent_states_initialized[0]},  # (none in LFM2's conv layers)
-    )
-
-
 def test_prefix_fed_from_outside(pair):
     standard, hydragen = pair
     prompt = torch.randint(1, VOCAB, (1, 18), generator=torch.Generator().manual_seed(6))
     cache = HydragenCache(hydragen.config)
-    cache.load_shared_prefix(**_prefix_tensors(standard, prompt[:, :14]), batch_size=4)
+    cache.load_shared_prefix(**prefix_tensors(standard, prompt[:, :14]), batch_size=4)
     out = _generate(hydragen, prompt, 8, cache, do_sample=True, num_return_sequences=4)
     _assert_same(_generate(standard, prompt, 8, do_sample=True, num_return_sequences=4), out)
     if _rows_share_bits(hydragen, prompt, 8, [(range(4), slice(0, 18))], do_sample=True, num_return_sequences=4):
@@ -190,7 +174,7 @@ def test_prefix_fed_then_prompts_branch(pair):
     prefix = torch.randint(1, VOCAB, (1, 12), generator=g)
     ids = torch.cat([prefix.repeat(2, 1), torch.randint(1, VOCAB, (2, 5), generator=g)], dim=1)
     cache = HydragenCache(hydragen.config)
-    cache.load_shared_prefix(**_prefix_tensors(standard, prefix), batch_size=6)
+    cache.load_shared_prefix(**prefix_tensors(standard, prefix), batch_size=6)
     out = _generate(hydragen, ids, 10, cache, do_sample=True, num_return_sequences=3)
     _assert_same(_generate(standard, ids, 10, do_sample=True, num_return_sequences=3), out)
     layer = next(layer for layer in cache.layers if hasattr(layer, "levels"))
@@ -223,7 +207,7 @@ def test_without_hydragen_cache_it_is_sdpa_bit_for_bit(pair):
 def test_bad_shared_prefix_raises_and_leaves_cache_empty(pair):
     standard, hydragen = pair
     prompt = torch.randint(1, VOCAB, (1, 8), generator=torch.Generator().manual_seed(8))
-    tensors = _prefix_tensors(standard, prompt[:, :6])
+    tensors = prefix_tensors(standard, prompt[:, :6])
     cache = HydragenCache(hydragen.config)
     for bad in (0, True, 2.0):  # True was taken for 1
         with pytest.raises(InvalidInputError, match="batch_size"):
@@ -271,7 +255,7 @@ def test_right_padded_candidates_scored_over_a_loaded_prefix(pair):
         candidates[b, n:] = 0
     mask = torch.cat([torch.ones(3, 10, dtype=torch.long), own], dim=1)
     cache = HydragenCache(hydragen.config)
-    cache.load_shared_prefix(**_prefix_tensors(standard, prefix), batch_size=3)
+    cache.load_shared_prefix(**prefix_tensors(standard, prefix), batch_size=3)
     with torch.no_grad():
         expected = standard(torch.cat([prefix.repeat(3, 1), candidates], dim=1), attention_mask=mask).logits[:, 10:]
         logits = hydragen(candidates, attention_mask=mask, past_key_values=cache, use_cache=True).logits
@@ -284,7 +268,7 @@ def test_a_refused_load_leaves_the_cache_empty_and_reset_takes_another_batch(pai
     then refused as 'not empty'); after reset(), a batch of another size crashed in transformers' recurrent buffer."""
     standard, hydragen = pair
     prompt = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(12))
-    tensors = _prefix_tensors(standard, prompt[:, :10])
+    tensors = prefix_tensors(standard, prompt[:, :10])
     cache = HydragenCache(hydragen.config)
     if tensors["conv_states"]:
         wrong = {i: state.expand(2, *state.shape[1:]) for i, state in tensors["conv_states"].items()}

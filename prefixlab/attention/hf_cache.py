@@ -28,10 +28,11 @@ from transformers.cache_utils import (
 )
 
 from prefixlab.attention.dedupe import common_prefix_length, identical_row_groups
+from prefixlab.attention.prefix_checks import check_prefix
 from prefixlab.attention.reference import materialize_rows
 from prefixlab.attention.tree import SharedLevel
 from prefixlab.cache.hfspec import keeps_recurrent_state
-from prefixlab.errors import InvalidInputError, is_int
+from prefixlab.errors import InvalidInputError
 
 # transformers' own implementations expect (B, H, T, D) tensors, not a SharedBatchKV
 BUILTIN_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
@@ -257,16 +258,38 @@ class HydragenCache(Cache):
         ]
         super().__init__(layers=layers)
         self.expected_batch: int | None = None  # set by load_shared_prefix
+        self.loaded_as: set = set()  # (dtype, device) of what load_shared_prefix loaded, until the first forward
+        self.text_config = text_config  # (load_shared_prefix reads its layer shapes)
         self.keeps_recurrent_state = keeps_recurrent_state(text_config)  # else conv states only (LFM2)
 
     def reset(self) -> None:
         super().reset()
-        self.expected_batch = None
+        self.expected_batch, self.loaded_as = None, set()
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self._check_loaded_as(key_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def update_conv_state(self, conv_states: torch.Tensor, layer_idx: int, *args, **kwargs) -> torch.Tensor:
         # recurrent layers run before the first attention layer: check the batch here for a clear error
         _check_batch(self.expected_batch, conv_states.shape[0])
+        self._check_loaded_as(conv_states)
         return super().update_conv_state(conv_states, layer_idx, *args, **kwargs)
+
+    def _check_loaded_as(self, computed: torch.Tensor) -> None:
+        """At the first layer of the first forward after a load (before it changes the cache): the loaded prefix
+        must be in the dtype the model computes in, and on its device where it is all on one (a load alone cannot
+        know them). Every family whose prefix it loads keeps its conv states in its KV's dtype (not Inkling's fp32
+        conv states, whose layers hold KV and state together: no shared level to load)."""
+        dtypes, devices = {dtype for dtype, _ in self.loaded_as}, {device for _, device in self.loaded_as}
+        if dtypes - {computed.dtype} or (len(devices) == 1 and devices != {computed.device}):
+            loaded = ", ".join(sorted(f"{dtype} on {device}" for dtype, device in self.loaded_as))
+            raise InvalidInputError(
+                f"the shared prefix was loaded as {loaded} but the model computes in {computed.dtype} on "
+                f"{computed.device}: reset() the cache and load_shared_prefix the tensors in the model's dtype and "
+                "device"
+            )
+        self.loaded_as = set()
 
     def shared_bytes(self) -> int:
         """Bytes of attention KV stored once for several sequences."""
@@ -294,34 +317,16 @@ class HydragenCache(Cache):
                 whose linear-attention layers keep only a conv state (LFM2) takes no recurrent_states.
         Then call `generate` with input_ids that START with the prefix tokens: it feeds only the tokens after it.
         """
-        keys, values = dict(_indexed(keys, "keys")), dict(_indexed(values, "values"))
         attention = [i for i, layer in enumerate(self.layers) if isinstance(layer, SharedPrefixLayer)]
         recurrent = [i for i, layer in enumerate(self.layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
-        if sorted(keys) != attention or sorted(values) != attention:
-            raise InvalidInputError(f"keys/values must be given for exactly the attention layers {attention}")
-        if not is_int(batch_size) or batch_size < 1:
-            raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int")
-        batch_size = int(batch_size)
-        shaped = {i: (_as_level(keys[i], f"keys[{i}]"), _as_level(values[i], f"values[{i}]")) for i in attention}
-        lengths = {k.shape[1] for k, _ in shaped.values()}
-        if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):
-            raise InvalidInputError("every layer's prefix keys and values must have one shape and one length")
-        states = {"conv": conv_states or {}, "recurrent": recurrent_states or {}}
-        wanted = {"conv": recurrent, "recurrent": recurrent if self.keeps_recurrent_state else []}
-        if lengths != {0} and recurrent and any(sorted(states[kind]) != wanted[kind] for kind in states):
-            given = " and recurrent_states" if self.keeps_recurrent_state else " (no recurrent_states: it keeps none)"
-            raise InvalidInputError(
-                f"this model has recurrent layers {recurrent}: give conv_states{given} for each, "
-                "the state after the prefix (KV alone cannot resume them)"
-            )
+        shaped, per_sequence = check_prefix(self.text_config, attention, recurrent, self.keeps_recurrent_state, keys,
+                                            values, batch_size, conv_states, recurrent_states)
         if any(self.layers[i].is_initialized or self.layers[i].levels for i in attention):
             raise InvalidInputError("load_shared_prefix must be called on an empty cache, before generate/forward")
-        per_sequence = {  # (all checked before any layer changes: a refused load leaves the cache empty)
-            i: (_per_sequence(states["conv"][i], batch_size, f"conv_states[{i}]"),
-                None if states["recurrent"].get(i) is None else
-                _per_sequence(states["recurrent"][i], batch_size, f"recurrent_states[{i}]"))
-            for i in (recurrent if lengths != {0} else [])}
-        self.expected_batch = batch_size
+        # (all checked before any layer changes: a refused load leaves the cache empty)
+        loaded = [k for k, _ in shaped.values() if k.shape[1]] + [conv for conv, _ in per_sequence.values()]
+        self.loaded_as = {(t.dtype, t.device) for t in loaded}
+        self.expected_batch = batch_size = int(batch_size)
         for i, (k, v) in shaped.items():
             self.layers[i].load_levels(k, v, batch_size)
         for i, (conv, recurrent_state) in per_sequence.items():
@@ -368,26 +373,3 @@ def _check_batch(expected: int | None, batch: int) -> None:
             f"load_shared_prefix(batch_size={expected}) but generate runs {batch} sequences; "
             "pass the batch generate will run (prompts x num_return_sequences)"
         )
-
-
-def _indexed(per_layer, name: str):
-    if isinstance(per_layer, Mapping):
-        return per_layer.items()
-    if isinstance(per_layer, Sequence):
-        return ((i, t) for i, t in enumerate(per_layer) if t is not None)
-    raise InvalidInputError(
-        f"{name} must be a mapping or sequence of per-layer tensors, got {type(per_layer).__name__}"
-    )
-
-
-def _as_level(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor) or tensor.ndim not in (3, 4) or (tensor.ndim == 4 and tensor.shape[0] != 1):
-        shape = getattr(tensor, "shape", type(tensor).__name__)
-        raise InvalidInputError(f"{name} must be (1, kv_heads, P, D) or (kv_heads, P, D), got {shape}")
-    return (tensor[0] if tensor.ndim == 4 else tensor).contiguous()
-
-
-def _per_sequence(state: torch.Tensor, batch_size: int, name: str) -> torch.Tensor:
-    if not isinstance(state, torch.Tensor) or state.shape[0] not in (1, batch_size):
-        raise InvalidInputError(f"{name} must have batch 1 or {batch_size}, got {getattr(state, 'shape', state)}")
-    return state.expand(batch_size, *state.shape[1:]).clone()

@@ -14,11 +14,11 @@ generation config and modules: what the router's cost model, the vocabulary chec
 need).
 
 Per process it reports the prompts and their tokens, and what the scheduler's model-free copy of the process's store
-(the StoreModel affinity routes against: same --policy, --capacity and cost spec) expects the run to reuse and to
-prefill, primes included, replaying the process's steps in order; Hydragen batches reuse what that store holds of
-their prime, and are not admitted, as in a run. These are estimates (schedule.py: a store may place a prime's
-checkpoint elsewhere; batches' padding is not counted; outputs are not known, so not fed). With affinity routing
-the router's own predicted loads are reported too.
+(the StoreModel affinity routes against: same --policy, --capacity and cost spec, each step replayed as a store
+serves it, schedule.prefill) expects the run to reuse and to prefill, primes included, replaying the process's steps
+in order; Hydragen batches reuse what that store holds of their prime, and are not admitted, as in a run. These are
+estimates (schedule.py: a store may place a prime's checkpoint elsewhere; batches' padding is not counted; outputs
+are not known, so not fed). With affinity routing the router's own predicted loads are reported too.
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ from prefixlab.fleet.prompts import Prompt
 
 def check_options(args: argparse.Namespace) -> None:
     """The routing and order options (a run's and a plan's)."""
+    from prefixlab.fleet.router import check_balance_eps
     from prefixlab.fleet.schedule import ASSIGNMENTS
 
     if args.routing not in ASSIGNMENTS:
         raise InvalidInputError(f"--routing {args.routing!r} is unknown; use one of {', '.join(ASSIGNMENTS)}")
     if args.order not in ("radix", "input"):
         raise InvalidInputError(f"--order {args.order!r}: use radix or input")
-    if not args.balance_eps >= 0:  # (here, on every process: only the main one plans, the others wait for it)
-        raise InvalidInputError(f"--balance-eps {args.balance_eps:g} must be a number >= 0 (e.g. 0.15)")
+    check_balance_eps(args.balance_eps, "--balance-eps")  # (on every process: only the main one plans)
     if args.hydragen and args.order != "radix":
         raise InvalidInputError("--hydragen batches the siblings under radix-order primes: use it with --order radix")
 

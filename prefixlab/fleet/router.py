@@ -44,7 +44,7 @@ import numpy as np
 
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import Node, RadixTree, Walk
-from prefixlab.errors import InvalidInputError, is_int
+from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 ROUTING_NAMES = ("random", "round-robin", "affinity")
 
@@ -132,6 +132,17 @@ class RoundRobinRouter(Router):
         return Choice(replica, 0)
 
 
+def check_balance_eps(value: object, name: str = "balance_eps") -> float:
+    """The affinity router's balance bound as a float: a finite number >= 0, else InvalidInputError naming `name`
+    (the CLI flag where one gave it: `run` and its plan check theirs here; `simulate` parses its flag as a finite
+    number >= 0 and its routers check it here). inf would lift the bound (every replica eligible however loaded), NaN
+    or a negative one would make none eligible."""
+    if not is_finite_number(value) or value < 0:
+        shown = f"{value:g}" if is_finite_number(value) or isinstance(value, float) else repr(value)
+        raise InvalidInputError(f"{name} {shown} must be a finite number >= 0 (e.g. 0.15)")
+    return float(value)
+
+
 class AffinityRouter(Router):
     """Longest resumable prefix under a balance constraint (see the module docstring).
 
@@ -144,15 +155,14 @@ class AffinityRouter(Router):
                  caches: Sequence[ReplicaCache] | None = None, min_total_prefill_tokens: int = 0) -> None:
         super().__init__(replicas, seed)
         replicas = self.replicas  # a Python int
-        if not isinstance(balance_eps, int | float) or not balance_eps >= 0:
-            raise InvalidInputError(f"balance_eps must be a number >= 0, got {balance_eps!r}")
+        balance_eps = check_balance_eps(balance_eps)
         if not is_int(min_total_prefill_tokens) or min_total_prefill_tokens < 0:
             raise InvalidInputError(f"min_total_prefill_tokens must be an int >= 0, got {min_total_prefill_tokens!r}")
         if caches is not None and (len(caches) != replicas or not all(callable(getattr(c, "peek", None))
                                                                        for c in caches)):
             raise InvalidInputError(f"caches must be {replicas} objects with a peek(tokens) method (one per "
                                     "replica, e.g. PrefixCacheCore), or None")
-        self.balance_eps, self.checkpointed, self.caches = float(balance_eps), checkpointed, caches
+        self.balance_eps, self.checkpointed, self.caches = balance_eps, checkpointed, caches
         self.min_mean_tokens = int(min_total_prefill_tokens) / replicas  # the final mean is at least this
         self.tree = RadixTree()
         self.all_mask = (1 << replicas) - 1

@@ -22,7 +22,7 @@ import numpy as np
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.cache.replay import replay_request
+from prefixlab.cache.replay import replay_as_store
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.router import ROUTING_NAMES, make_router
 
@@ -48,9 +48,10 @@ class StoreModel:
 
 
 def prefill(core: PrefixCacheCore, tokens: np.ndarray) -> int:
-    """Prefill `tokens` through `core` as a process's HybridPrefixCache does (it resumes at most all but the last
-    token, which yields the logits) and admit them; returns the tokens computed."""
-    return len(tokens) - replay_request(core, tokens[:-1], tokens[-1:])
+    """Prefill `tokens` through `core` as a process's PrefixStore does (replay_as_store: it resumes at most all but
+    the last token, which yields the logits, keeps the state before that token too, where a repeat resumes, and
+    admits them; outputs are not known when planning); returns the tokens computed."""
+    return len(tokens) - replay_as_store(core, tokens, len(tokens))
 
 
 class ProcessStore:

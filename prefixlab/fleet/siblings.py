@@ -86,6 +86,9 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
     "use_mtp": bool,
     "watermarking_config": lambda v: v is not None and _watermark_reads_before_last(v),
     "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
+    # a decoder-only model's "encoder" ids are the input ids generate gets, a padded row's pads included: the pad id
+    # boosted (encoder_repetition_penalty) or its n-grams banned (encoder_no_repeat_ngram_size) in a batch only
+    "encoder_repetition_penalty": lambda v: v not in (None, 1.0), "encoder_no_repeat_ngram_size": bool,
     "exponential_decay_length_penalty": lambda v: v is not None,
     "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
     # a sequence of several tokens is matched against each row's last tokens, pads in a row with few own tokens
