@@ -154,7 +154,7 @@ def test_store_patches_by_default_and_close_restores_the_model(family):
     assert not getattr(model, "prefixlab_patched", False)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mistral", "gemma"])
 def test_kv_only_models_reuse_every_shared_token(family, monkeypatch):
     """Attention-only models need no checkpoints: any shared prefix is reusable. Until the cost model reads these
     configs, the store gets an equivalent hand-built spec (attention + MLP layers of the tiny config)."""
