@@ -23,7 +23,7 @@ for i, input_ids in enumerate(questions):
 
 prefixlab.patch(model)  # once per model: prefixlab's kernels + the hooks every HybridPrefixCache works through
 for i, input_ids in enumerate(questions):
-    cache = HybridPrefixCache(policy="dp", capacity="256MB")  # the card's line: the model's default store
+    cache = HybridPrefixCache(policy="dp", capacity="256MB")  # README's line: binds to the model's default store
     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
     assert torch.equal(out, plain[i]), "prefix reuse changed the output"
     print(f"request {i}: identical tokens; {cache.report()}")

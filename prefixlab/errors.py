@@ -46,7 +46,8 @@ class TraceFormatError(PrefixlabError, ValueError):
 
 
 class ModelMismatchError(PrefixlabError, ValueError):
-    """A store or cache built for one model is used with another (config or dtype differ)."""
+    """A store or cache built for one model is used with another (config or dtype differ; for a saved store, also
+    its weights)."""
 
 
 class UnsupportedModelError(PrefixlabError, TypeError):

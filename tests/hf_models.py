@@ -40,6 +40,10 @@ _LFM = ["conv", "conv", "conv", "full_attention"]  # (LFM3 checkpoints' sliding-
 FAMILIES = {
     "llama": (tf.LlamaConfig, tf.LlamaForCausalLM, dict(num_hidden_layers=2)),
     "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(num_hidden_layers=2)),
+    # the README's other KV-only rows (Mistral's default sliding_window=4096 is refused: full attention here)
+    "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, dict(num_hidden_layers=2)),
+    "mistral": (tf.MistralConfig, tf.MistralForCausalLM, dict(num_hidden_layers=2, sliding_window=None)),
+    "gemma": (tf.GemmaConfig, tf.GemmaForCausalLM, dict(num_hidden_layers=2)),
     "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM, dict(num_hidden_layers=4, **_GDN)),
     "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),
     "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(num_hidden_layers=4, **_GDN, **_QWEN_MOE)),

@@ -66,8 +66,8 @@ class HybridPrefixCache(RowResume, RequestCommit, TensorEdits, ModelGuard, Dynam
         store: the persistent, shared part (one per model). Left out, the cache binds on its first forward to the
             model's default store (needs `prefixlab.patch(model)` once, or any PrefixStore of the model).
         namespace: entries are only reused by caches of the same namespace (e.g. one per tenant).
-        policy, capacity, offload_capacity, block_size, patch: options of the default store (PrefixStore's), used
-            to create it or checked against it; only without `store`.
+        policy, capacity, offload_capacity, block_size, patch, media_cache: options of the default store
+            (PrefixStore's), used to create it or checked against it; only without `store`.
     """
 
     is_compileable = False  # generate() on CUDA compiles over all-linear caches (Mamba2); DynamicCache is exempt too

@@ -356,7 +356,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     for kind in (agentic, few_shot):
         kind.add_argument("--seed", default="0", help="random seed (default 0)")
     mix = kinds.add_parser("mix", help="interleave trace files, each stretched to the longest one's time span")
-    mix.add_argument("traces", nargs="+", help="Marconi JSONL traces to mix")
+    mix.add_argument("traces", nargs="+", help="Marconi or Mooncake JSONL traces to mix")
     mix.add_argument("--on-error", default="stop", help="stop (default) or skip malformed trace lines")
     for kind in (conversations, shared):
         kind.add_argument("--input", help="input JSONL (default: the shared data file)")
