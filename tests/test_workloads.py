@@ -5,6 +5,7 @@ import pytest
 
 from prefixlab.errors import InvalidInputError
 from prefixlab.sim.report import TABLE_COLUMNS, dp_vs_best_other, format_table
+from prefixlab.sim.trace import Request
 from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
 
 
@@ -50,6 +51,10 @@ def test_mix_interleaves_traces_over_one_time_span_keeping_each_order():
         assert ours[-1].ts == pytest.approx(max(max(r.ts for r in a), max(r.ts for r in b)))
 
 
+def _timed(*times):
+    return [Request("s", k, ts, np.arange(3), np.arange(2)) for k, ts in enumerate(times)]
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -61,6 +66,11 @@ def test_mix_interleaves_traces_over_one_time_span_keeping_each_order():
         (lambda: mix_traces([]), "non-empty"),
         (lambda: mix_traces([[], []], ["one"]), "names"),
         (lambda: mix_traces([[], []], ["one", "one"]), "unique"),
+        # rates and gaps whose arrival times overflow a float (inf): refused naming them, not the first bad ts
+        (lambda: agentic_trace(num_sessions=3, sessions_per_second=1e-310), "sessions_per_second=1e-310.*larger"),
+        (lambda: agentic_trace(num_sessions=3, seconds_per_turn=1e308), "seconds_per_turn=1e\\+308.*larger"),
+        (lambda: few_shot_trace(num_requests=3, requests_per_second=1e-310), "requests_per_second=1e-310"),
+        (lambda: mix_traces([_timed(0.0, 1e-300), _timed(0.0, 1e10)]), "longest.*timestamps"),
     ],
 )
 def test_workloads_refuse_bad_input(call, match):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,14 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return value
+
+
+def finite_arrivals(requests: list[Request], cause: str, fix: str = "pass a larger rate") -> list[Request]:
+    """`requests` if every arrival time is a finite float, else InvalidInputError: `cause` (the rates or gaps
+    given) put arrivals past the range of floats, and writing the trace would fail naming a request, not them."""
+    if not all(math.isfinite(request.ts) for request in requests):
+        raise InvalidInputError(f"{cause} put arrival times past the range of floats (inf); {fix}")
+    return requests
 
 
 def _check_range(name: str, value: Any) -> tuple[int, int]:
@@ -155,7 +164,9 @@ def build_conversation_trace(
         requests += conversation_requests(
             str(k), turns, k / rate, words_per_minute, max_context_tokens, seconds_per_output_token
         )
-    return sorted(requests, key=lambda r: r.ts)
+    return finite_arrivals(sorted(requests, key=lambda r: r.ts), f"sessions_per_second={rate:g}, words_per_minute="
+                           f"{words_per_minute:g} and seconds_per_output_token={seconds_per_output_token:g}",
+                           "pass a larger rate or typing speed, or a shorter reply time")
 
 
 # --- shared-prefix workloads: many short requests behind a few long, shared prefixes -------------------------------
@@ -201,7 +212,7 @@ def shared_prefix_requests(
         requests.append(
             Request(f"p{prefix_index}-r{index}", 0, ts, np.concatenate([prefixes[prefix_index], query]), output)
         )
-    return requests
+    return finite_arrivals(requests, f"requests_per_second={requests_per_second:g}")
 
 
 def _html_text(lines: list[str]) -> str:
