@@ -1,14 +1,18 @@
 """Degenerate input to the simulator's Python API (issue 9's bar): empty outputs given as lists, one-token prompts,
 bad fleet sizes, seeds, flags and progress callbacks run sensibly or are refused with InvalidInputError."""
 
+import math
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prefix_helpers import tiny_spec
 
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet.router import make_router
-from prefixlab.sim.replay import simulate, simulate_fleet
+from prefixlab.sim.replay import ceiling, replay_hits, simulate, simulate_fleet
 from prefixlab.sim.trace import Request
 
 ROUTINGS = ("random", "round-robin", "affinity")
@@ -83,3 +87,52 @@ def test_a_progress_that_is_not_callable_is_refused_before_replaying(fleet):
 def test_balance_eps_refuses_a_bool():
     with pytest.raises(InvalidInputError, match="balance_eps"):
         make_router("affinity", 2, balance_eps=True)
+
+
+POLICIES = ("vllm+", "sglang+", "marconi", "dp", "marconi+balanced", "marconi+block", "marconi+log")
+_TOKENS = st.lists(st.integers(0, 3), max_size=8)  # a tiny alphabet: prompts repeat, share and diverge often
+
+
+@st.composite
+def degenerate_traces(draw):
+    """1-6 requests: empty, one-token and repeated prompts, empty outputs, next turns of earlier requests."""
+    requests = []
+    for k in range(draw(st.integers(1, 6))):
+        if requests and draw(st.booleans()):  # a next turn, or the very same prompt again
+            earlier = draw(st.sampled_from(requests))
+            prompt = [*earlier.input_tokens.tolist(), *earlier.output_tokens.tolist(), *draw(_TOKENS)]
+            prompt = prompt if draw(st.booleans()) else earlier.input_tokens.tolist()
+        else:
+            prompt = draw(_TOKENS)
+        requests.append(Request(str(k), 0, float(k), np.array(prompt, dtype=np.int64),
+                                np.array(draw(st.lists(st.integers(0, 3), max_size=3)), dtype=np.int64)))
+    return requests
+
+
+@settings(max_examples=60, deadline=None)
+@given(degenerate_traces(), st.sampled_from(POLICIES), st.sampled_from([1, 60, 100, 104, 500, 10**6]),
+       st.sampled_from(["overflow", "strict", "store"]), st.sampled_from([0, 1, 3]))
+def test_any_small_degenerate_trace_replays_sensibly(requests, policy, capacity, mode, lag):
+    """Every policy, budget (below one 100-byte state, exactly one, a KV token more, huge) and replay mode runs;
+    the hit rates are in [0, 100], every number finite, the reuse within the infinite-cache bound, a strict budget
+    never exceeded after a request, a store never resuming a prompt's last token, and a fleet of one replica, however
+    routed, the single cache it is."""
+    spec, overflow, as_store = tiny_spec(), mode == "overflow", mode == "store"
+    options = {"overflow": overflow, "tuning_lag_requests": lag, "as_store": as_store}
+    result = simulate(requests, policy, capacity, spec, **options)
+    numbers = [v for v in result.as_dict().values() if isinstance(v, int | float) and not isinstance(v, bool)]
+    assert all(math.isfinite(v) for v in numbers), result
+    assert 0 <= result.token_hit_rate <= 100 and 0 <= result.request_hit_rate <= 100
+    assert result.reused_tokens <= ceiling(requests, spec).reused_tokens
+
+    core = PrefixCacheCore(capacity, policy, spec, overflow=overflow, tuning_lag_requests=lag)
+    held = []
+    hits = replay_hits(requests, core, lambda _: held.append(core.used_bytes), as_store=as_store)
+    assert hits.sum() == result.reused_tokens
+    assert overflow or max(held) <= capacity
+    if as_store:
+        assert all(hit <= max(len(r.input_tokens) - 1, 0) for hit, r in zip(hits, requests, strict=True))
+    for routing in ROUTINGS:
+        fleet, loads = simulate_fleet(requests, policy, capacity, spec, 1, routing, **options)
+        assert (fleet.reused_tokens, fleet.evictions) == (result.reused_tokens, result.evictions)
+        assert loads.tolist() == [result.input_tokens - result.reused_tokens]
