@@ -137,3 +137,11 @@ def test_model_sizes_must_be_ints(size):
     kwargs = {"name": "x", "hidden_size": 8, "dtype_bytes": 2, "layers": (LayerGroup("mlp", 1, 1.0),), size: "8"}
     with pytest.raises(InvalidInputError, match=size):
         ModelSpec(**kwargs)
+
+
+def test_totals_that_overflow_a_float_are_refused():
+    """(Finite per-layer costs whose sum is inf made every FLOP count, efficiency and price inf or NaN.)"""
+    with pytest.raises(InvalidInputError, match="linear_flops_per_token"):
+        ModelSpec("x", 8, 2, (LayerGroup("mlp", 4, 1e308),))
+    with pytest.raises(InvalidInputError, match="state_bytes"):
+        ModelSpec("x", 8, 2, (LayerGroup("mamba2", 2, 1.0, state_bytes=10**400),))

@@ -19,6 +19,7 @@ Layer kinds and variants of the newer families (gated heads, token indexers, hyp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -288,6 +289,10 @@ class ModelSpec:
             "pair_flops": float(sum(g.count * g.pair_flops for g in self.layers)),
         }
         for name, value in totals.items():
+            # (finite layers whose sum is not: every FLOP count and price inf or NaN; bytes past int64 likewise)
+            if not (value < 2**63 if isinstance(value, int) else math.isfinite(value)):
+                raise InvalidInputError(f"ModelSpec {self.name!r}: {name} sums to {value} over its layers; pass "
+                                        "per-layer costs whose total is a finite float")
             object.__setattr__(self, name, value)
 
     def layer_count(self, kind: str) -> int:
