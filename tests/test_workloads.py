@@ -108,3 +108,13 @@ def test_dp_vs_best_other_compares_fleet_rows_of_one_routing():
     assert [(c["routing"], c["token_hit_pts"], c["best_token_policy"]) for c in dp_vs_best_other(rows)] == [
         ("random", 5.0, "sglang+"), ("affinity", -1.0, "sglang+")]  # not dp-random against sglang+-affinity
     assert "at 1 GB x 4 replicas, affinity: token hit -1.00 pts" in format_table(rows, TABLE_COLUMNS[:1])
+
+
+def test_dp_saving_flops_where_every_other_saved_none_is_not_a_percentage():
+    """(It printed "FLOPs saved +100.00 %", a doubling, for a saving over nothing: no ratio exists.)"""
+    rows = [{**_row("marconi", 1, 0.0, 0.0), "ceiling_token_hit_rate": 80.0, "ceiling_request_hit_rate": 80.0},
+            {**_row("dp", 1, 60.0, 5.0e12), "ceiling_token_hit_rate": 80.0, "ceiling_request_hit_rate": 80.0}]
+    assert dp_vs_best_other(rows)[0]["flops_saved_pct"] is None
+    line = format_table(rows, TABLE_COLUMNS[:1]).splitlines()[-1]
+    assert line.endswith("FLOPs saved some where every other saved none (best other marconi)"), line
+    assert "%" not in line and "nan" not in line and "inf" not in line
