@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from prefixlab.errors import InvalidInputError
+from prefixlab.sim.build import builtin_trace
 from prefixlab.sim.report import TABLE_COLUMNS, dp_vs_best_other, format_table
 from prefixlab.sim.trace import Request
 from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
@@ -71,6 +72,10 @@ def _timed(*times):
         (lambda: agentic_trace(num_sessions=3, seconds_per_turn=1e308), "seconds_per_turn=1e\\+308.*larger"),
         (lambda: few_shot_trace(num_requests=3, requests_per_second=1e-310), "requests_per_second=1e-310"),
         (lambda: mix_traces([_timed(0.0, 1e-300), _timed(0.0, 1e10)]), "longest.*timestamps"),
+        # counts numpy cannot size (an OverflowError traceback from `trace build few-shot --num-requests 1e20`)
+        (lambda: few_shot_trace(num_requests=10**20), r"num_requests.*2\*\*63"),
+        (lambda: agentic_trace(num_sessions=10**20), r"num_sessions.*2\*\*63"),
+        (lambda: builtin_trace(num_prompt_requests=10**20), r"num_prompt_requests.*2\*\*63"),
     ],
 )
 def test_workloads_refuse_bad_input(call, match):

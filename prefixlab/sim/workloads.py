@@ -41,7 +41,7 @@ def agentic_trace(
     and a session stops before its context would pass `max_context_tokens`.
     """
     _check_int("seed", seed, 0)
-    _check_int("num_sessions", num_sessions, 0)
+    _check_int("num_sessions", num_sessions, 0, count=True)
     _check_number("sessions_per_second", sessions_per_second)
     _check_number("seconds_per_turn", seconds_per_turn)
     _check_int("max_context_tokens", max_context_tokens, 1)
@@ -85,7 +85,7 @@ def few_shot_trace(
     Tasks are drawn with Zipf(1) popularity, arrivals are Poisson.
     """
     _check_int("seed", seed, 0)
-    _check_int("num_requests", num_requests, 1)
+    _check_int("num_requests", num_requests, 1, count=True)
     _check_int("num_tasks", num_tasks, 1)
     _check_int("pool_size", pool_size, 1)
     low, high = shots
