@@ -74,7 +74,8 @@ class LayerGroup:
         if self.count:  # a group with no layers is dropped, whatever dims its (absent) layers would have
             bad += [f"{name}={value}" for name, value in self.dims if value < (name not in OPTIONAL_DIMS)]
         if bad:
-            raise InvalidInputError(f"{self.kind} layers: {', '.join(bad)}; sizes must be >= 1 (costs >= 0)")
+            raise InvalidInputError(f"{self.kind} layers: {', '.join(bad)}; dims must be >= 1, FLOP costs finite "
+                                    "numbers and byte sizes ints, both >= 0")
 
 
 def attention_layers(
