@@ -324,3 +324,19 @@ def test_builtin_trace_is_deterministic_and_mixed():
     assert not np.array_equal(builtin_trace(seed=1)[0].input_tokens, trace[0].input_tokens)
     with pytest.raises(InvalidInputError, match="num_sessions"):
         builtin_trace(num_sessions=-1)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"sessions_per_second": 1e-310}, "sessions_per_second=1e-310"),
+                                           ({"words_per_minute": 1e-310}, "words_per_minute=1e-310")])
+def test_conversation_rates_too_small_for_a_float_time_are_refused(tmp_path, word_tokenizer, kwargs, match):
+    """(Arrival times overflowed to inf, and writing the trace failed naming requests[6].ts, not the rate.)"""
+    path = write_jsonl(tmp_path / "c.jsonl", [chat("hello", "fine", "how are you", "fine")] * 2)
+    with pytest.raises(InvalidInputError, match=f"{match}.*larger"):
+        build_conversation_trace(path, word_tokenizer, **kwargs)
+
+
+def test_a_request_rate_too_small_for_a_float_time_is_refused(tmp_path, word_tokenizer):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"text": "hello"}])
+    with pytest.raises(InvalidInputError, match="requests_per_second=1e-310.*larger"):
+        build_shared_prefix_trace(path, word_tokenizer, num_requests=3, requests_per_second=1e-310)
+

@@ -104,3 +104,44 @@ def test_negative_costs_and_sizes_are_refused():
     with pytest.raises(InvalidInputError, match="hidden=0"):
         LayerGroup("mlp", 1, 1.0, dims=(("hidden", 0),))
     assert LayerGroup("moe", 0, 1.0, dims=(("experts", 0),)).count == 0  # no layers: their dims do not matter
+
+
+@pytest.mark.parametrize("field, value", [("linear_flops_per_token", float("inf")), ("pair_flops", float("inf")),
+                                          ("state_bytes", float("inf")), ("state_bytes", 1.5),
+                                          ("kv_bytes_per_token", 2.0), ("count", 1.5), ("count", True)])
+def test_costs_must_be_finite_and_sizes_ints(field, value):
+    """An infinite FLOP cost made 0 x inf = NaN FLOPs saved (a miss) and NaN prices; a float byte size made states
+    whose payloads a strict replay refuses mid-trace."""
+    kwargs = {"kind": "mamba2", "count": 1, "linear_flops_per_token": 1.0, field: value}
+    with pytest.raises(InvalidInputError, match=field):
+        LayerGroup(**kwargs)
+
+
+@pytest.mark.parametrize("throughput", [float("nan"), float("inf"), "1e15", True])
+def test_throughput_must_be_a_finite_positive_number(throughput):
+    """(NaN passed the `<= 0` check and made every TTFT NaN; inf made every TTFT 0.)"""
+    with pytest.raises(InvalidInputError, match="effective_flops_per_second"):
+        ModelSpec("x", 8, 2, (LayerGroup("mlp", 1, 1.0),), effective_flops_per_second=throughput)
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, "8", True])
+def test_reuse_limit_must_be_none_or_an_int_at_least_zero(limit):
+    """(A negative limit cut that many tokens off every sequence's end: tokens[:-1].)"""
+    with pytest.raises(InvalidInputError, match="reuse_limit"):
+        ModelSpec("x", 8, 2, (LayerGroup("mlp", 1, 1.0),), reuse_limit=limit)
+    assert ModelSpec("x", 8, 2, (LayerGroup("mlp", 1, 1.0),), reuse_limit=np.int64(0)).reuse_limit == 0
+
+
+@pytest.mark.parametrize("size", ["hidden_size", "dtype_bytes"])
+def test_model_sizes_must_be_ints(size):
+    kwargs = {"name": "x", "hidden_size": 8, "dtype_bytes": 2, "layers": (LayerGroup("mlp", 1, 1.0),), size: "8"}
+    with pytest.raises(InvalidInputError, match=size):
+        ModelSpec(**kwargs)
+
+
+def test_totals_that_overflow_a_float_are_refused():
+    """(Finite per-layer costs whose sum is inf made every FLOP count, efficiency and price inf or NaN.)"""
+    with pytest.raises(InvalidInputError, match="linear_flops_per_token"):
+        ModelSpec("x", 8, 2, (LayerGroup("mlp", 4, 1e308),))
+    with pytest.raises(InvalidInputError, match="state_bytes"):
+        ModelSpec("x", 8, 2, (LayerGroup("mamba2", 2, 1.0, state_bytes=10**400),))

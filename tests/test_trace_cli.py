@@ -55,7 +55,8 @@ def test_trace_build_conversations_and_shared_prefix(capsys, tmp_path):
 
     assert_one_line_error(capsys, *conversations, "--rate", "fast", "-o", out, match="--rate 'fast' is not a number")
     # sessions 1 / 1e-310 s apart: the second arrives at inf, which a JSON trace cannot hold
-    assert_one_line_error(capsys, *conversations, "--rate", "1e-310", "-o", out, match="ts=inf is not a finite")
+    assert_one_line_error(capsys, *conversations, "--rate", "1e-310", "-o", out,
+                          match="sessions_per_second=1e-310, words_per_minute=90")
     assert_one_line_error(capsys, *shared, "--num-requests", "2.5", "-o", out, match="not an integer")
     missing = ("trace", "build", "conversations", "--input", tmp_path / "none.jsonl", "--tokenizer", tok)
     assert_one_line_error(capsys, *missing, "-o", out, match="does not exist")

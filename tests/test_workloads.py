@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from prefixlab.errors import InvalidInputError
+from prefixlab.sim.build import builtin_trace
 from prefixlab.sim.report import TABLE_COLUMNS, dp_vs_best_other, format_table
+from prefixlab.sim.trace import Request
 from prefixlab.sim.workloads import agentic_trace, few_shot_trace, mix_traces
 
 
@@ -50,6 +52,10 @@ def test_mix_interleaves_traces_over_one_time_span_keeping_each_order():
         assert ours[-1].ts == pytest.approx(max(max(r.ts for r in a), max(r.ts for r in b)))
 
 
+def _timed(*times):
+    return [Request("s", k, ts, np.arange(3), np.arange(2)) for k, ts in enumerate(times)]
+
+
 @pytest.mark.parametrize(
     ("call", "match"),
     [
@@ -61,6 +67,15 @@ def test_mix_interleaves_traces_over_one_time_span_keeping_each_order():
         (lambda: mix_traces([]), "non-empty"),
         (lambda: mix_traces([[], []], ["one"]), "names"),
         (lambda: mix_traces([[], []], ["one", "one"]), "unique"),
+        # rates and gaps whose arrival times overflow a float (inf): refused naming them, not the first bad ts
+        (lambda: agentic_trace(num_sessions=3, sessions_per_second=1e-310), "sessions_per_second=1e-310.*larger"),
+        (lambda: agentic_trace(num_sessions=3, seconds_per_turn=1e308), "seconds_per_turn=1e\\+308.*larger"),
+        (lambda: few_shot_trace(num_requests=3, requests_per_second=1e-310), "requests_per_second=1e-310"),
+        (lambda: mix_traces([_timed(0.0, 1e-300), _timed(0.0, 1e10)]), "longest.*timestamps"),
+        # counts numpy cannot size (an OverflowError traceback from `trace build few-shot --num-requests 1e20`)
+        (lambda: few_shot_trace(num_requests=10**20), r"num_requests.*2\*\*63"),
+        (lambda: agentic_trace(num_sessions=10**20), r"num_sessions.*2\*\*63"),
+        (lambda: builtin_trace(num_prompt_requests=10**20), r"num_prompt_requests.*2\*\*63"),
     ],
 )
 def test_workloads_refuse_bad_input(call, match):
@@ -98,3 +113,13 @@ def test_dp_vs_best_other_compares_fleet_rows_of_one_routing():
     assert [(c["routing"], c["token_hit_pts"], c["best_token_policy"]) for c in dp_vs_best_other(rows)] == [
         ("random", 5.0, "sglang+"), ("affinity", -1.0, "sglang+")]  # not dp-random against sglang+-affinity
     assert "at 1 GB x 4 replicas, affinity: token hit -1.00 pts" in format_table(rows, TABLE_COLUMNS[:1])
+
+
+def test_dp_saving_flops_where_every_other_saved_none_is_not_a_percentage():
+    """(It printed "FLOPs saved +100.00 %", a doubling, for a saving over nothing: no ratio exists.)"""
+    rows = [{**_row("marconi", 1, 0.0, 0.0), "ceiling_token_hit_rate": 80.0, "ceiling_request_hit_rate": 80.0},
+            {**_row("dp", 1, 60.0, 5.0e12), "ceiling_token_hit_rate": 80.0, "ceiling_request_hit_rate": 80.0}]
+    assert dp_vs_best_other(rows)[0]["flops_saved_pct"] is None
+    line = format_table(rows, TABLE_COLUMNS[:1]).splitlines()[-1]
+    assert line.endswith("FLOPs saved some where every other saved none (best other marconi)"), line
+    assert "%" not in line and "nan" not in line and "inf" not in line

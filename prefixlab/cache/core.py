@@ -24,7 +24,7 @@ from prefixlab.cache.replay import replay_tokens
 from prefixlab.cache.strict import extends_sequence, fit_strictly, never_fits
 from prefixlab.cache.tokens import as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk, path_tokens
-from prefixlab.errors import InvalidInputError, is_finite_number, is_int
+from prefixlab.errors import InvalidInputError, check_bool, is_finite_number, is_int
 
 
 class PrefixCacheCore:
@@ -69,6 +69,7 @@ class PrefixCacheCore:
                 raise InvalidInputError(f"{arg} must be a positive int, got {value!r}")
         capacity_bytes, block_size, checkpoint_budget, bootstrap_multiplier, history_tokens = map(int, sizes.values())
         check_policy_name(policy)
+        overflow = check_bool("overflow", overflow)  # ("no" or None read as truthy / falsy would pick a budget rule)
         if not isinstance(spec, ModelSpec):
             raise InvalidInputError(f"spec must be a ModelSpec (e.g. ModelSpec.from_name('marconi-7b')), got {spec!r}")
         if alpha is not None and (not is_finite_number(alpha) or alpha < 0):  # (NaN: every score NaN, no eviction)

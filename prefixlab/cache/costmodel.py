@@ -19,12 +19,13 @@ Layer kinds and variants of the newer families (gated heads, token indexers, hyp
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_finite_number, is_int
 
 if TYPE_CHECKING:
     import torch
@@ -63,14 +64,18 @@ class LayerGroup:
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
             raise InvalidInputError(f"LayerGroup kind={self.kind!r} is unknown; use one of {LAYER_KINDS}")
-        if self.count < 0:
-            raise InvalidInputError(f"LayerGroup count={self.count} must be >= 0")
-        costs = ("linear_flops_per_token", "pair_flops", "kv_bytes_per_token", "state_bytes")
-        bad = [f"{name}={getattr(self, name)}" for name in costs if not getattr(self, name) >= 0]
+        if not is_int(self.count) or self.count < 0:
+            raise InvalidInputError(f"LayerGroup count={self.count!r} must be an int >= 0")
+        # costs are finite (an infinite one makes 0 x inf = NaN FLOPs), byte sizes whole (they size payloads)
+        costs = {"linear_flops_per_token": is_finite_number, "pair_flops": is_finite_number,
+                 "kv_bytes_per_token": is_int, "state_bytes": is_int}
+        bad = [f"{name}={getattr(self, name)!r}" for name, kind in costs.items()
+               if not (kind(getattr(self, name)) and getattr(self, name) >= 0)]
         if self.count:  # a group with no layers is dropped, whatever dims its (absent) layers would have
             bad += [f"{name}={value}" for name, value in self.dims if value < (name not in OPTIONAL_DIMS)]
         if bad:
-            raise InvalidInputError(f"{self.kind} layers: {', '.join(bad)}; sizes must be >= 1 (costs >= 0)")
+            raise InvalidInputError(f"{self.kind} layers: {', '.join(bad)}; dims must be >= 1, FLOP costs finite "
+                                    "numbers and byte sizes ints, both >= 0")
 
 
 def attention_layers(
@@ -265,15 +270,19 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not self.layers:
             raise InvalidInputError(f"ModelSpec {self.name!r} has no layers; pass at least one LayerGroup")
-        if self.hidden_size < 1 or self.dtype_bytes < 1:
+        if not all(is_int(size) and size >= 1 for size in (self.hidden_size, self.dtype_bytes)):
             raise InvalidInputError(
-                f"ModelSpec {self.name!r}: hidden_size={self.hidden_size} and dtype_bytes={self.dtype_bytes} "
-                "must both be >= 1"
+                f"ModelSpec {self.name!r}: hidden_size={self.hidden_size!r} and dtype_bytes={self.dtype_bytes!r} "
+                "must both be ints >= 1"
             )
-        if self.effective_flops_per_second <= 0:
-            raise InvalidInputError(
-                f"effective_flops_per_second={self.effective_flops_per_second} must be > 0 (FLOP/s of prefill)"
+        if not is_finite_number(self.effective_flops_per_second) or self.effective_flops_per_second <= 0:
+            raise InvalidInputError(  # (NaN made every TTFT NaN, inf every TTFT 0)
+                f"effective_flops_per_second={self.effective_flops_per_second!r} must be a finite number > 0 (FLOP/s "
+                "of prefill)"
             )
+        if self.reuse_limit is not None and (not is_int(self.reuse_limit) or self.reuse_limit < 0):
+            raise InvalidInputError(f"reuse_limit={self.reuse_limit!r} must be None (no limit) or an int >= 0 (the "
+                                    "tokens of a sequence a store may hold)")
         totals = {
             "kv_bytes_per_token": sum(g.count * g.kv_bytes_per_token for g in self.layers),
             "state_bytes": sum(g.count * g.state_bytes for g in self.layers),
@@ -281,6 +290,10 @@ class ModelSpec:
             "pair_flops": float(sum(g.count * g.pair_flops for g in self.layers)),
         }
         for name, value in totals.items():
+            # (finite layers whose sum is not: every FLOP count and price inf or NaN; bytes past int64 likewise)
+            if not (value < 2**63 if isinstance(value, int) else math.isfinite(value)):
+                raise InvalidInputError(f"ModelSpec {self.name!r}: {name} sums to {value} over its layers; pass "
+                                        "per-layer costs whose total is a finite float")
             object.__setattr__(self, name, value)
 
     def layer_count(self, kind: str) -> int:

@@ -7,7 +7,7 @@ import copy
 
 import numpy as np
 
-from prefixlab.cache.placement import PlacementTable
+from prefixlab.cache.placement import PlacementTable, _check_count, check_decay
 
 MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
 _TABLES: dict[bytes, PlacementTable] = {}  # solved histograms, by their bytes (alpha's window replays share many)
@@ -36,7 +36,9 @@ class EntryLaw:
     """Decayed counts of interior overlap depths (block-binned) and of the events that price them."""
 
     def __init__(self, max_len: int, block: int, decay: float, resolve_every: int) -> None:
-        self.block, self.decay, self.resolve_every = block, decay, resolve_every
+        max_len, block = _check_count("max_len", max_len, 0), _check_count("block", block, 1)
+        self.block, self.decay = block, check_decay(decay)
+        self.resolve_every = _check_count("resolve_every", resolve_every, 1)
         self.bins = max_len // block + 1
         self._interior = np.zeros(self.bins)  # stored scaled by `_scale` (decay^-requests): O(1) per request
         self._scale = 1.0
@@ -92,7 +94,8 @@ class EntryLaw:
         """Tokens placed states saved per token they were predicted to save (1 with nothing seen: a prior of
         `prior_tokens` on both sides). A law that does not come true stops paying for states."""
         prior = prior_tokens * self._scale
-        return (self.realized + prior) / (self.predicted + prior)
+        seen = self.predicted + prior
+        return (self.realized + prior) / seen if seen > 0 else 1.0  # (a zero-token state's prior: nothing to scale)
 
     def bound(self, span: int) -> float:
         """An upper bound on what any states placed in an entry of `span` tokens save per entry (every interior

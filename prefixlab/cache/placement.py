@@ -19,6 +19,7 @@ diff(b) (scipy's PAVA, O(N)), and the best line for x is the hull vertex where t
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -43,6 +44,14 @@ def _check_count(name: str, value, minimum: int, why: str = "") -> int:
     if value < minimum:
         raise InvalidInputError(f"{name}={value} must be >= {minimum}{why}")
     return int(value)
+
+
+def check_decay(decay) -> float:
+    """A decayed histogram's `decay`: the weight a count keeps per observation, a number in (0, 1] (0 divides by
+    zero, NaN makes every count NaN, above 1 counts grow)."""
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0.0 < decay <= 1.0:
+        raise InvalidInputError(f"decay={decay!r} must be a number in (0, 1]")
+    return float(decay)
 
 
 NO_CHECKPOINTS = " (0 checkpoints is no placement: position 0, the zero state, is always free)"
@@ -159,7 +168,10 @@ class PlacementTable:
 
     def __init__(self, hist, budget: int) -> None:
         self._dp = _LayeredDP(hist, budget, _layer)
-        self._total = float(np.asarray(hist, dtype=np.float64).sum())
+        with np.errstate(over="ignore"):
+            self._total = float(np.asarray(hist, dtype=np.float64).sum())
+        if not math.isfinite(self._total):  # (the costs, in hist's units, would be NaN)
+            raise InvalidInputError("hist's total overflows a float; scale its counts down")
         self._costs: list[np.ndarray] = []  # the solved layers' costs, clipped at 0 and scaled to hist's units
         self._lock = threading.Lock()
         self.n = self._dp.n
@@ -174,6 +186,9 @@ class PlacementTable:
     def cost(self, m: int, j: int) -> float:
         """cost(m, j), m <= layers."""
         if m >= len(self._costs):
+            if m > self.layers:
+                raise InvalidInputError(f"m={m} is beyond the table's {self.layers} layers (more states cannot lower "
+                                        "any cost: read cost(layers, j))")
             self._solve(m)
         return float(self._costs[m][min(j, self.n)])
 
@@ -261,9 +276,7 @@ class OverlapHistogram:
         self.max_len = _check_count("max_len", max_len, 1)
         self.block = _check_count("block", block, 1)
         self.resolve_every = _check_count("resolve_every", resolve_every, 1)
-        if not (isinstance(decay, int | float) and 0.0 < decay <= 1.0):
-            raise InvalidInputError(f"decay={decay!r} must be a number in (0, 1]")
-        self.decay = float(decay)
+        self.decay = check_decay(decay)
         self.observations = 0
         # counts are stored scaled by `_scale` = decay^-observations so an observation is O(1), not O(max_len)
         self._counts = np.zeros(self.max_len + 1)

@@ -93,9 +93,11 @@ class Router:
     def __init__(self, replicas: int, seed: int = 0) -> None:
         if not is_int(replicas) or replicas < 1:
             raise InvalidInputError(f"replicas must be a positive int, got {replicas!r}")
+        if not is_int(seed) or not 0 <= seed < 2**63:  # (None would draw a fresh seed: a route not replayable)
+            raise InvalidInputError(f"seed must be an int in [0, 2**63), got {seed!r}")
         self.replicas = int(replicas)
         self.loads = np.zeros(replicas, dtype=np.int64)
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(int(seed))
 
     def choose(self, tokens: np.ndarray) -> Choice:
         raise NotImplementedError

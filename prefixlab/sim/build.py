@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -58,10 +59,19 @@ def _check_number(name: str, value: Any, minimum: float = 0.0, strict: bool = Tr
     return float(value)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidInputError(f"{name} must be an integer >= {minimum}, got {value!r}")
+def _check_int(name: str, value: Any, minimum: int, *, count: bool = False) -> int:
+    """`value` if it is an int >= minimum (a `count` of requests or sessions: below 2**63, numpy sizes it)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (count and value >= 2**63):
+        raise InvalidInputError(f"{name} must be an integer >= {minimum}{' below 2**63' if count else ''}, got "
+                                f"{value!r}")
     return value
+
+
+def finite_arrivals(requests: list[Request], cause: str, fix: str = "pass a larger rate") -> list[Request]:
+    """`requests` if every arrival time is finite, else InvalidInputError naming `cause` (the rates or gaps given)."""
+    if not all(math.isfinite(request.ts) for request in requests):
+        raise InvalidInputError(f"{cause} put arrival times past the range of floats (inf); {fix}")
+    return requests
 
 
 def _check_range(name: str, value: Any) -> tuple[int, int]:
@@ -155,7 +165,9 @@ def build_conversation_trace(
         requests += conversation_requests(
             str(k), turns, k / rate, words_per_minute, max_context_tokens, seconds_per_output_token
         )
-    return sorted(requests, key=lambda r: r.ts)
+    return finite_arrivals(sorted(requests, key=lambda r: r.ts), f"sessions_per_second={rate:g}, words_per_minute="
+                           f"{words_per_minute:g} and seconds_per_output_token={seconds_per_output_token:g}",
+                           "pass a larger rate or typing speed, or a shorter reply time")
 
 
 # --- shared-prefix workloads: many short requests behind a few long, shared prefixes -------------------------------
@@ -201,7 +213,7 @@ def shared_prefix_requests(
         requests.append(
             Request(f"p{prefix_index}-r{index}", 0, ts, np.concatenate([prefixes[prefix_index], query]), output)
         )
-    return requests
+    return finite_arrivals(requests, f"requests_per_second={requests_per_second:g}")
 
 
 def _html_text(lines: list[str]) -> str:
@@ -322,7 +334,7 @@ def build_shared_prefix_trace(
     """
     _check_number("requests_per_second", requests_per_second)
     _check_number("popularity_skew", popularity_skew, strict=False)
-    _check_int("num_requests", num_requests, 1)
+    _check_int("num_requests", num_requests, 1, count=True)
     _check_int("seed", seed, 0)
     if not isinstance(path_prefix, str):
         raise InvalidInputError(f"path_prefix must be a string, got {path_prefix!r}")
@@ -358,8 +370,8 @@ def builtin_trace(seed: int = 0, num_sessions: int = 24, num_prompt_requests: in
     question. Prompts are picked with Zipf(1) popularity.
     """
     _check_int("seed", seed, 0)
-    _check_int("num_sessions", num_sessions, 0)
-    _check_int("num_prompt_requests", num_prompt_requests, 0)
+    _check_int("num_sessions", num_sessions, 0, count=True)
+    _check_int("num_prompt_requests", num_prompt_requests, 0, count=True)
     rng = np.random.default_rng(seed)
     version_1 = rng.integers(0, BUILTIN_VOCAB_SIZE, size=1600, dtype=np.int64)
     version_2 = np.concatenate([version_1[:1200], rng.integers(0, BUILTIN_VOCAB_SIZE, size=500, dtype=np.int64)])

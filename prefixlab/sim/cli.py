@@ -177,7 +177,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     routing); with --single-cache each row also has the hit rate of one cache of the fleet's total capacity."""
     from tqdm import tqdm
 
-    from prefixlab.sim.replay import ceiling, load_imbalance, simulate, simulate_fleet
+    from prefixlab.sim.replay import ceiling, check_fleet_size, load_imbalance, simulate, simulate_fleet
 
     policies, capacities_gb = parse_policies(args.policy), parse_capacities_gb(args.capacity_gb)
     options, replica_counts = core_options(args), parse_replicas(args.replicas)
@@ -187,9 +187,7 @@ def run_simulate_fleet(args: argparse.Namespace) -> int:
     if args.plot is not None:  # ('' too: refused there)
         report.check_plot_path(args.plot)
     requests = load_requests(args.trace, args.on_error)
-    if max(replica_counts) > len(requests):
-        raise InvalidInputError(f"--replicas {max(replica_counts)} is more than the trace's {len(requests)} requests: "
-                                f"at most {len(requests)} replicas can each serve one")
+    check_fleet_size(max(replica_counts), len(requests), "--replicas")
     note_capacities_below_one_state(capacities_gb, spec, args.strict_budget or args.as_store)
     bound = ceiling(requests, spec)
     runs = len(policies) * len(capacities_gb) * len(replica_counts) * (len(routings) + bool(args.single_cache))

@@ -17,7 +17,7 @@ from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.replay import replay_request
 from prefixlab.cache.tokens import as_tokens
 from prefixlab.cache.tree import RadixTree
-from prefixlab.errors import InvalidInputError, check_bool
+from prefixlab.errors import InvalidInputError, check_bool, is_int
 from prefixlab.sim.metrics import SimResult, summarize
 from prefixlab.sim.trace import Request
 
@@ -48,7 +48,7 @@ def simulate(
     alpha n requests after it is due, as a PrefixStore tuning in the background does (deterministically).
     `as_store=True` (with overflow=False) replays each request as a PrefixStore serves it (replay_as_store: the
     last prompt token recomputed, the state before it kept, the last output token never fed)."""
-    requests = _check_requests(requests)
+    requests, progress = _check_requests(requests), _check_progress(progress)
     core = PrefixCacheCore(capacity_bytes, policy, spec, block_size, alpha=alpha, overflow=overflow,
                            tuning_lag_requests=_check_lag(tuning_lag_requests))
     started = time.perf_counter()
@@ -70,6 +70,24 @@ def replay_hits(requests: Sequence[Request], core: PrefixCacheCore, progress: Ca
         if progress is not None:
             progress(1)
     return hits
+
+
+def _check_progress(progress: object) -> Callable[[int], object] | None:
+    if progress is not None and not callable(progress):
+        raise InvalidInputError(f"progress must be None or a callable taking a count (a tqdm's update), got "
+                                f"{progress!r}")
+    return progress
+
+
+def check_fleet_size(replicas: object, num_requests: int, name: str = "replicas") -> int:
+    """`replicas` if it is an int in [1, max(num_requests, 1)]: more replicas than requests leave some idle (and
+    each is a cache built for nothing), so a fleet replay refuses them, as `simulate --replicas` does."""
+    if not is_int(replicas) or replicas < 1:
+        raise InvalidInputError(f"{name} must be a positive int, got {replicas!r}")
+    if replicas > max(num_requests, 1):
+        raise InvalidInputError(f"{name} {replicas} is more than the trace's {num_requests} requests: at most "
+                                f"{max(num_requests, 1)} replicas can each serve one")
+    return int(replicas)
 
 
 def _check_as_store(as_store: object, overflow: bool) -> bool:
@@ -101,7 +119,8 @@ def simulate_fleet(
     from prefixlab.fleet.router import make_router
     from prefixlab.fleet.schedule import ProcessStore
 
-    requests = _check_requests(requests)
+    requests, progress = _check_requests(requests), _check_progress(progress)
+    replicas = check_fleet_size(replicas, len(requests))
     lag, as_store = _check_lag(tuning_lag_requests), _check_as_store(as_store, overflow)
     cores = [PrefixCacheCore(capacity_bytes, policy, spec, block_size, overflow=overflow, tuning_lag_requests=lag)
              for _ in range(replicas)]
@@ -112,9 +131,13 @@ def simulate_fleet(
     started = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     for i, request in enumerate(requests):
-        replica = router.choose(request.input_tokens).replica
-        hits[i] = replay_request(cores[replica], request.input_tokens, request.output_tokens, as_store=as_store)
-        router.record(replica, request.tokens, len(request.input_tokens) - int(hits[i]))
+        # (checked as the caches check them, naming the request; a list input and an empty list output would
+        # concatenate to floats)
+        input_tokens = as_tokens(request.input_tokens, f"requests[{i}].input_tokens")
+        output_tokens = as_tokens(request.output_tokens, f"requests[{i}].output_tokens")
+        replica = router.choose(input_tokens).replica
+        hits[i] = replay_request(cores[replica], input_tokens, output_tokens, as_store=as_store)
+        router.record(replica, np.concatenate([input_tokens, output_tokens]), len(input_tokens) - int(hits[i]))
         if progress is not None:
             progress(1)
     elapsed = time.perf_counter() - started

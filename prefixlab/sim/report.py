@@ -74,11 +74,15 @@ def format_table(rows: list[dict[str, Any]], columns: tuple = TABLE_COLUMNS) -> 
         )
     lines += [
         f"dp vs best other at {c['capacity_gb']:g} GB{_fleet_label(c)}: token hit {c['token_hit_pts']:+.2f} pts "
-        f"(best other {c['best_token_policy']}), FLOPs saved {c['flops_saved_pct']:+.2f} % "
+        f"(best other {c['best_token_policy']}), FLOPs saved {_flops_comparison(c['flops_saved_pct'])} "
         f"(best other {c['best_flops_policy']})"
         for c in dp_vs_best_other(rows)
     ]
     return "\n".join(lines)
+
+
+def _flops_comparison(pct: float | None) -> str:
+    return "some where every other saved none" if pct is None else f"{pct:+.2f} %"
 
 
 def _fleet_label(comparison: dict[str, Any]) -> str:
@@ -89,7 +93,7 @@ def _fleet_label(comparison: dict[str, Any]) -> str:
 def dp_vs_best_other(rows: list[dict[str, Any]], policy: str = "dp") -> list[dict[str, Any]]:
     """Per capacity (and, for fleet rows, replicas and routing) holding a `policy` row and another policy's:
     `policy`'s token hit rate minus the best other's (points) and its FLOPs saved relative to the best other's
-    (percent; 0 when both saved nothing)."""
+    (percent; 0 when both saved nothing, None when only `policy` saved any: no ratio exists)."""
     out = []
     setups = dict.fromkeys((row["capacity_gb"], row.get("replicas"), row.get("routing")) for row in rows)
     for capacity_gb, replicas, routing in setups:
@@ -103,7 +107,7 @@ def dp_vs_best_other(rows: list[dict[str, Any]], policy: str = "dp") -> list[dic
         by_flops = max(others, key=lambda row: row["flops_saved"])
         best_flops = by_flops["flops_saved"]
         relative = 100.0 * (ours["flops_saved"] / best_flops - 1.0) if best_flops > 0 else (
-            0.0 if ours["flops_saved"] <= 0 else 100.0)
+            0.0 if ours["flops_saved"] <= 0 else None)
         out.append({
             "capacity_gb": capacity_gb, **({"replicas": replicas, "routing": routing} if replicas is not None else {}),
             "token_hit_pts": ours["token_hit_rate"] - by_hits["token_hit_rate"],

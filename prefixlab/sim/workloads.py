@@ -16,6 +16,7 @@ from prefixlab.sim.build import (
     _check_int,
     _check_number,
     conversation_requests,
+    finite_arrivals,
     poisson_arrivals,
     popularity_weights,
     random_tokens,
@@ -40,7 +41,7 @@ def agentic_trace(
     and a session stops before its context would pass `max_context_tokens`.
     """
     _check_int("seed", seed, 0)
-    _check_int("num_sessions", num_sessions, 0)
+    _check_int("num_sessions", num_sessions, 0, count=True)
     _check_number("sessions_per_second", sessions_per_second)
     _check_number("seconds_per_turn", seconds_per_turn)
     _check_int("max_context_tokens", max_context_tokens, 1)
@@ -64,7 +65,8 @@ def agentic_trace(
             call = random_tokens(rng, (20, 120), BUILTIN_VOCAB_SIZE)
             session.append((user.tolist(), call.tolist(), rng.exponential(seconds_per_turn) * words_per_second))
         requests += conversation_requests(f"agent-{k}", session, start, 60.0 * words_per_second, max_context_tokens)
-    return sorted(requests, key=lambda r: r.ts)
+    return finite_arrivals(sorted(requests, key=lambda r: r.ts), f"sessions_per_second={sessions_per_second:g} and "
+                           f"seconds_per_turn={seconds_per_turn:g}", "pass a larger rate or a shorter turn time")
 
 
 def few_shot_trace(
@@ -83,7 +85,7 @@ def few_shot_trace(
     Tasks are drawn with Zipf(1) popularity, arrivals are Poisson.
     """
     _check_int("seed", seed, 0)
-    _check_int("num_requests", num_requests, 1)
+    _check_int("num_requests", num_requests, 1, count=True)
     _check_int("num_tasks", num_tasks, 1)
     _check_int("pool_size", pool_size, 1)
     low, high = shots
@@ -126,4 +128,6 @@ def mix_traces(traces: Sequence[Sequence[Request]], names: Sequence[str] | None 
         scale = target / span if span > 0 else 1.0
         mixed += [Request(f"{name}/{r.session_id}", r.turn_id, (r.ts - first) * scale, r.input_tokens,
                           r.output_tokens) for r in trace]
-    return sorted(mixed, key=lambda r: r.ts)
+    shortest = min((span for span in spans if span > 0), default=0.0)
+    return finite_arrivals(sorted(mixed, key=lambda r: r.ts), f"stretching each trace to the longest one's "
+                           f"{target:g} s span (the shortest spans {shortest:g} s)", "fix the traces' timestamps (s)")
