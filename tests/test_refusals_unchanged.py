@@ -138,6 +138,8 @@ def test_forwards_with_malformed_inputs_raise_and_change_nothing(served):
     model, store = served[0], served[1]
     ids = PROMPTS[1][:, :10]
     for inputs, match in [
+        ({"input_ids": ids[0]}, r"\[batch, length\]"),  # 1-D (was a raw ValueError from the hooks)
+        ({"input_ids": ids[None]}, r"\[batch, length\]"),  # 3-D (transformers runs it on some models)
         ({"input_ids": ids[:, :0]}, r"\[batch, length>0\]"),
         ({"input_ids": ids + 1000}, "not a token id"),
         ({"input_ids": ids - 1000}, "not a token id"),
@@ -158,6 +160,8 @@ def test_a_started_cache_given_another_request_refuses_it_and_changes_nothing(se
     for call, error, match in [
         (lambda c: generate(model, torch.cat([ids, ids]), c), InvalidInputError, "rows"),  # another batch size
         (lambda c: generate(model, PROMPTS[2][:, :9], c), InvalidInputError, "does not continue"),  # another prompt
+        (lambda c: model(input_ids=PROMPTS[2][0, :9], past_key_values=c), InvalidInputError,
+         r"\[batch, length\]"),  # 1-D (was a raw IndexError from the hooks)
         (lambda c: generate(model, PROMPTS[2][0, :9], c), IndexError, None),  # (generate's own refusal of 1-D ids)
     ]:
         cache = HybridPrefixCache(store)
