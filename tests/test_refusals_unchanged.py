@@ -175,7 +175,7 @@ def test_a_started_caches_edits_refuse_bad_arguments_and_change_nothing(served):
     cache = HybridPrefixCache(store)
     generate(model, PROMPTS[1][:, :10], cache)
     held, length = cache.held_tokens().clone(), cache.get_seq_length()
-    edits = []
+    edits = [(lambda: cache.crop("a"), InvalidInputError), (lambda: cache.crop(-1.5), InvalidInputError)]
     if not store.layout.state_layers:  # transformers' own refusals of out-of-range rows (KV-only layers)
         edits += [(lambda: cache.reorder_cache(torch.tensor([5])), IndexError),
                   (lambda: cache.batch_select_indices(torch.tensor([5])), IndexError),
