@@ -27,8 +27,8 @@ PROMPTS = [tokens(1, 20, seed=seed) for seed in range(3)]
 
 @pytest.fixture(scope="module", params=SERVED, ids=lambda p: f"{p[0]}-{p[1]}{'-offload' if p[2] else ''}")
 def served(request):
-    """(model, store, the uncached greedy output of a probe prompt): the store holds the three prompts' entries;
-    with an offload tier, a device budget of about one entry, so the host tier holds the others."""
+    """(model, store, a probe prompt, its uncached greedy output, the family): the store holds the three prompts'
+    entries; with an offload tier, a device budget of about one entry, so the host tier holds the others."""
     family, policy, offload = request.param
     model = build(family)
     capacity = "64MB"
@@ -46,7 +46,7 @@ def served(request):
         store.flush()
     assert store.core.used_bytes > 0 and (not offload or store.offload.used_bytes > 0)
     probe_prompt = PROMPTS[0][:, :16].clone()
-    yield model, store, probe_prompt, generate(model, probe_prompt)
+    yield model, store, probe_prompt, generate(model, probe_prompt), family
     store.close()
 
 
@@ -62,7 +62,7 @@ def refused(store, call, error=PrefixlabError, match=None) -> BaseException:
 
 
 def still_exact(served) -> None:
-    model, store, prompt, expected = served
+    model, store, prompt, expected, _ = served
     assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), expected)
     store.flush()
     store.core.check_invariants()
@@ -199,3 +199,40 @@ def test_the_core_refuses_states_that_are_not_a_dict_of_payloads(states, message
     with pytest.raises(InvalidInputError, match=message):
         core.admit([1, 2, 3, 4, 6, 7], lambda a, b: TokenKV(tuple(range(a, b))), states)
     assert tier(core, tensors=False) == before
+
+
+def test_clear_with_a_match_held_and_a_damaged_file_are_refused_and_change_nothing(served, tmp_path):
+    model, store = served[0], served[1]
+    held = store.match(PROMPTS[1][0].tolist())
+    refused(store, store.clear, InvalidInputError, "between requests")
+    store.release(held)
+    damaged = tmp_path / "store.safetensors"
+    store.save(damaged)
+    damaged.write_bytes(damaged.read_bytes()[: damaged.stat().st_size // 2])
+    refused(store, lambda: PrefixStore.load(damaged, model), PrefixlabError)  # (the open store's hooks stay)
+    store.save(damaged)
+    for options in ({"policy": "lru"}, {"offload_capacity": "lots"}, {"block_size": -1}, {"alpha": float("nan")}):
+        refused(store, lambda o=options: PrefixStore.load(damaged, model, **o), InvalidInputError)
+    other = build(served[4], seed=1)  # the same config, other weights: no hooks of this store
+    refused(store, lambda: generate(other, PROMPTS[1][:, :10], HybridPrefixCache(store)), PrefixlabError)
+    still_exact(served)
+
+
+def test_masks_and_positions_transformers_accepts_run_exactly_and_store_nothing_new(served):
+    """Masks that are not plain left padding (another length or batch, fractional, 3-D) are no error to transformers:
+    the cache runs them uncached (`refused_input`, counted as a sequence) and admits nothing; odd positions reuse
+    what they may. Either way the logits are the model's own for the same inputs."""
+    model, store = served[0], served[1]
+    ids = PROMPTS[1][:, :10]
+    for extra in ({"attention_mask": torch.ones(1, 7, dtype=torch.long)}, {"attention_mask": torch.ones(2, 10)},
+                  {"attention_mask": torch.full((1, 10), 0.5)}, {"attention_mask": torch.ones(1, 1, 10)},
+                  {"cache_position": torch.arange(5, 15)}, {"position_ids": torch.arange(5, 15)[None]}):
+        expected = model(input_ids=ids, **extra).logits
+        store.flush()
+        before = snapshot(store)["device"]["contents"]
+        got = model(input_ids=ids, past_key_values=HybridPrefixCache(store), **extra).logits
+        torch.testing.assert_close(got, expected[:, -got.shape[1]:], rtol=0, atol=1e-5)
+        store.flush()
+        if "attention_mask" in extra:
+            assert snapshot(store)["device"]["contents"] == before
+    still_exact(served)
