@@ -22,7 +22,7 @@ from prefixlab.cache.payload import KVPayload, Payload, entry_bytes, fitting_pre
 from prefixlab.cache.policies import PolicyOptions, build_policy, check_policy_name, tunes_alpha
 from prefixlab.cache.replay import replay_tokens
 from prefixlab.cache.strict import extends_sequence, fit_strictly, never_fits
-from prefixlab.cache.tokens import as_tokens, check_namespace
+from prefixlab.cache.tokens import as_states, as_tokens, check_namespace
 from prefixlab.cache.tree import Node, RadixTree, Walk, path_tokens
 from prefixlab.errors import InvalidInputError, check_bool, is_finite_number, is_int
 
@@ -165,7 +165,7 @@ class PrefixCacheCore:
         last kept checkpoint is useless and not stored; a KV-only model stores no states. Returns what was stored
         (falsy if no part of it fits). `restore=True` (a saved or moved entry: load, the offload tier) stores the
         states as they are: nothing is superseded as for a new sequence (vllm+)."""
-        tokens, states = as_tokens(tokens), dict(states or {})
+        tokens, states = as_tokens(tokens), as_states(states)
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> KVPayload, got {kv!r}")
         for position, state in states.items():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from prefixlab.cache.sharing import under_store_lock
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_int
 
 
 class TensorEdits:
@@ -72,6 +72,8 @@ class TensorEdits:
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (assisted decoding's rejected candidates): attention KV only;
         recurrent states cannot roll back. What the store was already given stays (its KV is exact for its tokens)."""
+        if not is_int(tokens_to_remove):
+            raise InvalidInputError(f"crop({tokens_to_remove!r}): pass an int, the negative number of tokens to remove")
         if tokens_to_remove == 0:
             return
         if self.store is None or self.store.layout.state_layers:

@@ -35,7 +35,7 @@ from prefixlab.cache.align import prime_rows, release_primes
 from prefixlab.cache.driven import ModelDrivenCache
 from prefixlab.cache.guards import checked_generate, guarded, shadow, unshadow
 from prefixlab.cache.media_memo import FeatureMemo, install, serve_namespace, uninstall
-from prefixlab.cache.model_info import check_deterministic, check_token_ids, check_use_cache
+from prefixlab.cache.model_info import check_deterministic, check_ids_shape, check_token_ids, check_use_cache
 from prefixlab.cache.multimodal import (
     KEY_BASE,
     TOKEN_KEYS,
@@ -132,6 +132,7 @@ class _ModelHooks:
         if kwargs.get("ple_input_ids") is not None:  # Qwen4-Exp reads its n-grams from input_ids without them
             raise InvalidInputError("with HybridPrefixCache, leave out ple_input_ids (the model reads input_ids, "
                                     "which the cache shortens to the tokens it does not hold)")
+        check_ids_shape(kwargs["input_ids"])
         if not cache.started or kwargs["input_ids"].shape[1] > 1:  # before any lookup (a later turn looks up too)
             check_token_ids(kwargs["input_ids"], module)  # (decode steps feed generate's own tokens: unchecked)
         check_deterministic(module)  # every forward: a later turn on a started cache may run in training mode

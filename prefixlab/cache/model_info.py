@@ -214,9 +214,18 @@ def runs_uncached(store, pads: list[int], length: int) -> bool:
     return (max(pads) > 0 and store.pads_change_states) or (store.rope_limit is not None and length >= store.rope_limit)
 
 
+def check_ids_shape(ids: object) -> None:
+    """InvalidInputError unless `ids` is a [batch, length] tensor (what the store keys rows and columns by)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        got = f"shape {list(ids.shape)}" if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise InvalidInputError(f"input_ids must be a [batch, length] tensor, got {got}; pass one sequence as "
+                                "input_ids[None] (or .unsqueeze(0)): nothing was looked up or admitted")
+
+
 def check_token_ids(ids: torch.Tensor, model: torch.nn.Module) -> None:
-    """InvalidInputError if `ids` are not integers, or naming the first row with a token id outside the model's
-    embedding table."""
+    """InvalidInputError if `ids` are not a [batch, length] tensor of integers, or naming the first row with a token
+    id outside the model's embedding table."""
+    check_ids_shape(ids)
     if ids.dtype not in (torch.int64, torch.int32):  # what an embedding takes (not bool, uint8, floats)
         raise InvalidInputError(
             f"input_ids must hold integer token ids (int64 or int32), got dtype {ids.dtype}; pass e.g. "

@@ -55,10 +55,10 @@ from prefixlab.cache.tensors import (
     owning_state,
     spill_evictions,
 )
-from prefixlab.cache.tokens import as_tokens
+from prefixlab.cache.tokens import as_states, as_tokens
 from prefixlab.cache.walk import KeptWalk
 from prefixlab.cache.weights import watch_optimizer_steps, weights_version
-from prefixlab.errors import InvalidInputError, UnsupportedModelError
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
 
 
 class PrefixStore(ReuseCounts):
@@ -252,6 +252,8 @@ class PrefixStore(ReuseCounts):
     def match_offloaded(self, tokens: Sequence[int], namespace: str, longer_than: int, count: bool = True):
         """A host-tier match reusing more than `longer_than` tokens (locked until `release`), else None; `count`: as
         an offload hit in `stats()` (HybridPrefixCache counts the rows it loads instead: record_request)."""
+        if not is_int(longer_than):  # (before the host tier's match, which locks what it returns)
+            raise InvalidInputError(f"longer_than={longer_than!r} must be an int: the device match's length")
         if self.offload is None:
             return None
         match = self.offload.match(tokens, namespace=namespace)
@@ -298,10 +300,13 @@ class PrefixStore(ReuseCounts):
     def explain(self, tokens: Sequence[int], match) -> str:
         """Why a live match (of either tier) of `tokens` reuses no more (a reason code, cache/explain.py)."""
         core = self.offload if id(match) in self._host_matches else self.core
+        core._check_match(match)
         return why(core, as_tokens(tokens), match)
 
     def hold(self, cache) -> None:
         """Keep `cache` (anything with `commit()`) to admit on the store's next use."""
+        if not callable(getattr(cache, "commit", None)):  # (flush would fail on it at every later use)
+            raise InvalidInputError(f"store.hold takes a cache with a commit() method, got {type(cache).__name__}")
         with self.lock:
             self._open[id(cache)] = cache
 
@@ -317,16 +322,18 @@ class PrefixStore(ReuseCounts):
         entry is not stored) when the budget cannot hold it."""
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
+        tokens = as_tokens(tokens)  # (len() of what is no sequence: a raw TypeError)
         if len(tokens) > self.admit_limit:
             raise InvalidInputError(f"a {len(tokens)}-token entry: this model computes tokens past its first "
                                     f"{self.admit_limit} otherwise in forwards of other lengths (store.admit_limit); "
                                     "admit at most that many")
-        for position, state in (states or {}).items():  # (before anything changes; the KV as the core asks for it)
+        states = as_states(states)
+        for position, state in states.items():  # (before anything changes; the KV as the core asks for it)
             check_state(state, self.layout, f"states[{position}]")
         # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget
         admitted = self.core.admit(
             tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout, self.dtype)),
-            states={position: owning_state(state) for position, state in (states or {}).items()},
+            states={position: owning_state(state) for position, state in states.items()},
             namespace=namespace)
         if not admitted:
             warnings.warn(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
 from prefixlab.errors import InvalidInputError
@@ -23,6 +25,13 @@ def as_tokens(tokens: object, name: str = "tokens") -> np.ndarray:
     if array.size and array.dtype.kind == "u" and array.max() > np.iinfo(np.int64).max:  # (astype would wrap it)
         raise InvalidInputError(f"{name} has a token id of 2**63 or more ({array.max()}); token ids fit in int64")
     return array.astype(np.int64, copy=False)
+
+
+def as_states(states: object) -> dict:
+    """`states` ({position: state payload}, or None for none) as a new dict, or InvalidInputError."""
+    if states is not None and not isinstance(states, Mapping):
+        raise InvalidInputError(f"states must be a dict {{position: state}} (or None), got {type(states).__name__}")
+    return dict(states or {})
 
 
 def check_namespace(namespace: object) -> str:
