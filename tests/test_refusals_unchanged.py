@@ -125,6 +125,8 @@ def test_store_methods_refuse_bad_arguments_and_change_nothing(served, tmp_path)
         (lambda: prefixlab.patch("model"), "transformers model"),
         (lambda: prefixlab.patch(model, kernels="yes"), "kernels"),
         (lambda: prefixlab.unpatch("model"), "transformers model"),
+        (lambda: store.flush(lookup="yes"), "lookup"),  # (a truthy string was read as True)
+        (lambda: store.check_weights(serving="no"), "serving"),
     ]:
         refused(store, call, InvalidInputError, match)
     still_exact(served)

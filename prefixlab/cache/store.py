@@ -58,7 +58,7 @@ from prefixlab.cache.tensors import (
 from prefixlab.cache.tokens import as_states, as_tokens
 from prefixlab.cache.walk import KeptWalk
 from prefixlab.cache.weights import watch_optimizer_steps, weights_version
-from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
+from prefixlab.errors import InvalidInputError, UnsupportedModelError, check_bool, is_int
 
 
 class PrefixStore(ReuseCounts):
@@ -216,6 +216,7 @@ class PrefixStore(ReuseCounts):
         hydragen_cache_from_store; `serving`: and refuse a model with modules in training mode, before anything is
         dropped). A model that resumes exactly only patched must still be (an `unpatch`, or a `with patched(model):`
         block ended)."""
+        serving = check_bool("serving", serving)
         identity = model_identity(self.model)
         if identity != self.identity:
             check_config_still_served(self.model, self.layout)
@@ -349,6 +350,7 @@ class PrefixStore(ReuseCounts):
     def flush(self, lookup: bool = False) -> None:
         """Admit everything open caches hold now (their requests may go on; later tokens are admitted later); for a
         `lookup` (and stats(), a batch's priming), not the decode steps of generate() calls still running."""
+        lookup = check_bool("lookup", lookup)
         decoding = {i: c for i, c in self._open.items() if lookup and getattr(c, "only_decoded_since_commit", bool)()}
         open_caches, self._open = [c for i, c in self._open.items() if i not in decoding], decoding
         for cache in open_caches:
