@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from prefixlab.cache.costmodel import ModelSpec
-from prefixlab.data import shared_file
+from prefixlab.data import absent, shared_file
 from prefixlab.sim.build import build_conversation_trace
 from prefixlab.sim.replay import simulate
 from prefixlab.sim.trace import Request
@@ -32,10 +32,10 @@ def spec():
 
 @pytest.fixture(scope="module")
 def lmsys():
-    paths = shared_file("traces/lmsys_chat_1000.jsonl"), shared_file("tokenizers/gpt-neox-20b.json")
-    if None in paths:
-        pytest.skip("../shared/data traces or tokenizer not present")
-    return build_conversation_trace(*paths, 1.0)
+    paths = "traces/lmsys_chat_1000.jsonl", "tokenizers/gpt-neox-20b.json"
+    if reason := absent(*paths):
+        pytest.skip(reason)
+    return build_conversation_trace(*map(shared_file, paths), 1.0)
 
 
 @pytest.mark.parametrize("gb", [1, 2, 5])
@@ -108,13 +108,13 @@ def test_faithfulness_table(benchmark, lmsys, spec):
 
 def test_system_prompt_versions_table(benchmark, spec):
     """dp and the heuristic placements against marconi where prompts diverge at varying depths."""
-    paths = shared_file("system_prompts/system_prompts.jsonl"), shared_file("tokenizers/gpt-neox-20b.json")
-    if None in paths:
-        pytest.skip("../shared/data system prompts or tokenizer not present")
+    paths = "system_prompts/system_prompts.jsonl", "tokenizers/gpt-neox-20b.json"
+    if reason := absent(*paths):
+        pytest.skip(reason)
     from prefixlab.sim.build import build_shared_prefix_trace
     from prefixlab.sim.replay import ceiling
 
-    trace = build_shared_prefix_trace(*paths, num_requests=1000)
+    trace = build_shared_prefix_trace(*map(shared_file, paths), num_requests=1000)
     rows = [f"ceiling (infinite cache): {ceiling(trace, spec).token_hit_rate:.2f} %",
             "| policy | 2 GB | 5 GB | 10 GB |", "|---|---|---|---|"]
     for policy in ("sglang+", "marconi", "dp", "marconi+balanced", "marconi+log", "vllm+"):
