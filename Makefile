@@ -42,8 +42,9 @@ test-cpus: install
 check-triton-cpu: install
 	bash benchmarks/triton_cpu_check.sh
 
+# -s: each benchmark prints what it measured as it goes; -rs: why any was skipped (e.g. no shared data)
 bench: install
-	$(BIN)/python -m pytest benchmarks --benchmark-enable -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest benchmarks --benchmark-enable -p no:cacheprovider -s -rs $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check prefixlab tests benchmarks examples

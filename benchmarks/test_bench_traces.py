@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from prefixlab.data import shared_file
+from prefixlab.data import absent, shared_file
 from prefixlab.sim.build import build_conversation_trace, build_shared_prefix_trace, builtin_trace
 from prefixlab.sim.formats import read_trace, write_trace
 
@@ -21,10 +21,9 @@ def shared_or_skip(benchmark, relative: str):
     """A shared data file; skipped when absent or when benchmarking is off (the builds take seconds)."""
     if benchmark.disabled:
         pytest.skip("building from shared data is timed only with --benchmark-enable (make bench)")
-    path = shared_file(relative)
-    if path is None:
-        pytest.skip(f"../shared/data/{relative} not present")
-    return path
+    if reason := absent(relative):
+        pytest.skip(reason)
+    return shared_file(relative)
 
 
 def test_read_marconi_jsonl(benchmark, tmp_path):

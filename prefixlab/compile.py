@@ -62,12 +62,12 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
         except Exception as err:  # a compiled kernel that crashes where `fn` runs (checked devices)
             if not checked or type(err).__module__.startswith("prefixlab"):
                 raise
-            want = fn(*args, **kwargs)  # raises what `fn` raises on these inputs, if anything
+            want = _reference(fn, args, kwargs)  # raises what `fn` raises on these inputs, if anything
             why = f"it raised {type(err).__name__}: {str(err).splitlines()[0][:160]}"
             return _wrong(_signature(args, kwargs), why, want)
         if not checked or _graphs_compiled() == graphs:  # unchecked, or a graph checked when it was compiled
             return out
-        want = fn(*args, **kwargs)
+        want = _reference(fn, args, kwargs)
         mismatch = _mismatch(out, want)
         return out if mismatch is None else _wrong(_signature(args, kwargs), mismatch, want)
 
@@ -81,6 +81,14 @@ def compile_or_eager(fn: Callable, what: str, *, check_devices: tuple[str, ...] 
     run.compile_failed = failed  # what failed, for tests and reports
     run.wrong_results = []  # the checked signatures whose compiled results were wrong
     return run
+
+
+def _reference(fn: Callable, args: tuple, kwargs: dict) -> object:
+    """`fn` run uncompiled to check a compiled result: without the warning FlexAttention gives when it runs
+    uncompiled (this run is uncompiled on purpose; the compiled one is what the caller gets)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".* called without torch\.compile")
+        return fn(*args, **kwargs)
 
 
 def _graphs_compiled() -> int:

@@ -21,3 +21,16 @@ def shared_file(relative: str) -> Path | None:
     root = shared_data_dir()
     path = root / relative if root else None
     return path if path is not None and path.is_file() else None
+
+
+def absent(*relative: str) -> str | None:
+    """None when every one of these shared data files is present; else, for a skip, the first missing one and how to
+    point at the shared data (an unset or mistyped PREFIXLAB_SHARED_DATA)."""
+    missing = next((name for name in relative if shared_file(name) is None), None)
+    if missing is None:
+        return None
+    env, root = os.environ.get("PREFIXLAB_SHARED_DATA"), shared_data_dir()
+    where = root / missing if root else f"../shared/data/{missing}"
+    if env and not Path(env).is_dir():
+        return f"PREFIXLAB_SHARED_DATA={env} is not a folder ({where} not present either)"
+    return f"{where} not present (set PREFIXLAB_SHARED_DATA to the shared data folder to run this)"

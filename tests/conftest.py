@@ -4,7 +4,7 @@ import pytest
 import torch
 from cuda_packages import force_fla_ieee_solve
 
-from prefixlab.data import shared_file
+from prefixlab.data import absent, shared_file
 
 # On a CUDA machine with fla installed, transformers' own fp32 GatedDeltaNet layers run fla's Triton kernels, whose
 # fp32 dots default to TF32: the model without prefixlab then differs from itself by ~1e-3 in the logits when the
@@ -19,10 +19,9 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 def require_shared(relative: str):
     """Path of a shared data file, or skip the test with a clear reason."""
-    path = shared_file(relative)
-    if path is None:
-        pytest.skip(f"../shared/data/{relative} not present (set PREFIXLAB_SHARED_DATA to run this test)")
-    return path
+    if reason := absent(relative):
+        pytest.skip(reason)
+    return shared_file(relative)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -109,6 +109,22 @@ def test_a_checked_kernel_that_is_right_is_compared_once_per_compiled_graph(monk
     assert not fn.wrong_results and len(comparisons) == 3  # a graph each: (5,) float32, (2, 2), (5,) float64
 
 
+def test_the_uncompiled_reference_run_of_a_check_does_not_warn_about_running_uncompiled():
+    """FlexAttention warns when it runs without torch.compile (it then materialises the scores); a checked device's
+    reference run is uncompiled on purpose, so that warning (seen in `make bench`) would only worry a user."""
+    def flex_like(x):
+        if not torch.compiler.is_compiling():
+            warnings.warn("flex_like called without torch.compile() - an unfused implementation", stacklevel=2)
+        return x * 2
+
+    fn = compile_or_eager(flex_like, "a test function", check_devices=("cpu",), backend="eager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0))
+    with pytest.warns(UserWarning, match="without torch.compile"):  # a caller's own uncompiled call still warns
+        flex_like(torch.ones(3))
+
+
 def test_nan_from_a_kernel_is_a_wrong_result():
     def nan_backend(graph_module, example_inputs):
         return lambda *inputs: tuple(o * float("nan") for o in graph_module(*inputs))

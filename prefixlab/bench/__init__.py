@@ -25,6 +25,15 @@ def check_sizes(**sizes: int) -> None:
             raise InvalidInputError(f"--{name.replace('_', '-')}={value} must be at least 1")
 
 
+def wall_clock_note() -> str:
+    """For a wall-clock bar's failure message: the machine's load, since other jobs on a shared machine slow one path
+    more than the other (`make bench`'s decode-step and hit-TTFT bars failed at load 5-7 on 2 cores, passed at 2)."""
+    import os
+
+    return (f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; a wall-clock bar: rerun on a quieter "
+            "machine before reading it as a regression")
+
+
 def check_device(name: str):
     """`name` as a torch.device this machine has, cpu or cuda, else InvalidInputError saying which it has."""
     import torch
