@@ -79,3 +79,21 @@ def test_each_tier_keeps_its_own_alpha(model, tmp_path):
     assert device_only.core.alpha == alphas[0]  # its device tier is the one saved
     for one in (store, loaded, device_only):
         one.close()
+
+
+def test_a_load_that_evicts_does_not_tune_on_its_own_entries(model, tmp_path):
+    """Entries admitted before any lookup (a load into a smaller budget, evicting as it goes) are not traffic: they
+    neither open the alpha window nor fill it (they did, and the load tuned alpha on them and never again)."""
+    store = PrefixStore(model, **OPTIONS | {"capacity": 200_000})
+    served(model, store, stream(0, 6))
+    assert store.core.bootstrap is not None  # (nothing settled to keep: the loaded store must tune on its own)
+    store.save(tmp_path / "store.safetensors")
+    small = PrefixStore.load(tmp_path / "store.safetensors", model, capacity=100_000, tuning_lag_requests=0)
+    assert small.core.evictions > 0  # (the load evicted: the case at hand)
+    window = small.core.bootstrap
+    assert window is not None and window.tune_at is None and not window.requests and small.core.alpha == 0
+    served(model, small, stream(1, 1))
+    small.flush()  # (a request is admitted at the store's next use)
+    assert len(small.core.bootstrap.requests) == 1  # its first request is the window's first
+    for one in (store, small):
+        one.close()

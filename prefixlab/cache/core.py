@@ -193,7 +193,7 @@ class PrefixCacheCore:
         new_states = sorted((p, s) for p, s in states.items()  # a KV-only model's matches never use a state
                             if p > shared or not walk.has_checkpoint(p)) if self.hybrid else []
 
-        if self.bootstrap is not None:
+        if self.bootstrap is not None and self.requests:  # (before any lookup: a load's entries, not traffic)
             self._record(tokens, match)
         self.admission.before_admit(walk)
         self.clock += 1
@@ -303,7 +303,7 @@ class PrefixCacheCore:
                 victim = self.eviction.pick(self.clock)
                 if victim is None:
                     return False
-                if self.bootstrap is not None and not self.eviction.thins(victim):
+                if self.bootstrap is not None and self.requests and not self.eviction.thins(victim):
                     self.bootstrap.first_eviction(self.requests)  # Marconi's: a whole entry (thinning is not one)
                 parent = victim.parent
                 if self.evicted is not None:
