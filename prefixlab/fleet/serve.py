@@ -87,7 +87,7 @@ def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = 
     from prefixlab.cache.hooks import cache_keyword
     from prefixlab.fleet.siblings import GREEDY
 
-    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    input_ids = prompt_ids(model, tokens)
     options = dict(sampling)
     seed = options.pop("seed", None)
     decoding = GREEDY | ({"do_sample": True} | options if options else {})
@@ -148,17 +148,25 @@ def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = N
 
 def prime(model, store, tokens) -> int:
     """Prefill `tokens` alone through the store (so it keeps a checkpoint at their end); returns tokens computed."""
-    import torch
-
     from prefixlab.cache.hf import HybridPrefixCache
     from prefixlab.cache.hooks import cache_keyword, forward_parameters
 
     cache = HybridPrefixCache(store)
-    input_ids = torch.as_tensor(tokens, dtype=torch.long, device=model.device)[None]
+    input_ids = prompt_ids(model, tokens)
     keep = {"logits_to_keep": 1} if "logits_to_keep" in forward_parameters(model) else {}  # skip the LM head
     model(input_ids=input_ids, use_cache=True, **{cache_keyword(model): cache}, **keep)
     store.flush()
     return len(tokens) - cache.reused_tokens
+
+
+def prompt_ids(model, tokens):
+    """One prompt's token ids as generate's [1, T] input on the model's device; InvalidInputError (before any lookup)
+    for what is not a flat sequence of int ids (floats and bools were truncated to ids, served and admitted)."""
+    import torch
+
+    from prefixlab.cache.tokens import as_tokens
+
+    return torch.as_tensor(as_tokens(tokens, "the prompt's tokens"), device=model.device)[None]
 
 
 def _resumable(store, tokens) -> int:

@@ -225,6 +225,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     from prefixlab.fleet.serve import FirstTokenClock
     from prefixlab.fleet.stops import eos_ids, finish_reason, row_stops
 
+    rows = _checked_rows(model, rows, shared_length)
     mode = batching_mode(model)
     if mode is None:
         raise InvalidInputError(f"{type(model).__name__} has no attention layer HydragenCache can share: serve its "
@@ -280,6 +281,24 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     read = sum(reused + len(rows) * (width - reused + t) for t in range(1, generated)) * per_token
     held = (reused + len(rows) * (width - reused + max(generated - 1, 0))) * per_token
     return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started, reasons)
+
+
+def _checked_rows(model, rows: Sequence[np.ndarray], shared_length: int) -> list[np.ndarray]:
+    """`rows` as int64 arrays, or InvalidInputError before any lookup: no rows, rows that are not flat sequences of
+    the model's token ids (floats were truncated to ids; an id past the vocabulary failed inside the embedding), a
+    shared length that is not an int >= 0."""
+    from prefixlab.cache.model_info import check_token_ids
+    from prefixlab.errors import InvalidInputError, is_int
+    from prefixlab.fleet.serve import prompt_ids
+
+    if not is_int(shared_length) or shared_length < 0:
+        raise InvalidInputError(f"shared_length={shared_length!r} must be an int >= 0 (the tokens every row shares)")
+    if not len(rows):
+        raise InvalidInputError("rows must hold at least one prompt's token ids")
+    checked = [prompt_ids(model, row) for row in rows]
+    for ids in checked:
+        check_token_ids(ids, model)
+    return [ids[0].cpu().numpy() for ids in checked]
 
 
 def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
