@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 from hf_models import build, generate, tokens
+from multimodal_helpers import END, IMAGE, START, TEXT, image_inputs
+from multimodal_helpers import build_model as build_multimodal
 from persist_helpers import model_state
 from test_refusals_unchanged import refused, still_exact
 
@@ -66,10 +68,10 @@ def hydragen_served(request):
     served[1].close()
 
 
-def _hydragen_exact(model, store, prompt, batch=2):
+def _hydragen_exact(model, store, prompt, batch=2, **options):
     """A valid Hydragen request over the store: every row the uncached model's greedy tokens."""
     expected = generate(model, prompt)
-    cache = hydragen_cache_from_store(store, prompt, batch_size=batch)
+    cache = hydragen_cache_from_store(store, prompt, batch_size=batch, **options)
     out = generate(model, prompt.repeat(batch, 1), cache)
     assert cache.get_seq_length() > 0
     assert all(torch.equal(row[None], expected) for row in out)
@@ -129,3 +131,40 @@ def test_the_fleets_store_calls_refuse_bad_prompt_tokens_and_change_nothing(hydr
     result = siblings.generate_group(model, store, rows, len(good), [3, 3])
     assert result.outputs == [serve.generate_uncached(model, r, 3) for r in rows]
     still_exact(hydragen_served)
+
+
+@pytest.fixture(scope="module")
+def multimodal():
+    model = build_multimodal()
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB", block_size=4)
+    model(**image_inputs(prompt, 1), past_key_values=HybridPrefixCache(store))
+    store.flush()
+    yield model, store, prompt
+    store.close()
+
+
+def test_malformed_images_are_refused_and_change_nothing(multimodal):
+    """Pixels or grids that do not fit the prompt: InvalidInputError, or the vision tower's own RuntimeError. Before,
+    pixels without their grid were looked up (nodes touched, counted) and then failed in the model (AttributeError)."""
+    model, store, prompt = multimodal
+    good = image_inputs(prompt, 1)
+    pixels, grid = good["pixel_values"], good["image_grid_thw"]
+    for change, error in [({"pixel_values": pixels[:8]}, RuntimeError),
+                          ({"pixel_values": pixels[:, :10]}, RuntimeError),
+                          ({"image_grid_thw": torch.tensor([[1, 4, 4], [1, 4, 4]])}, RuntimeError),
+                          ({"image_grid_thw": torch.tensor([[1, 2, 2]])}, InvalidInputError),
+                          ({"image_grid_thw": torch.tensor([[2, 4, 4]])}, InvalidInputError),
+                          ({"image_grid_thw": grid.float()}, InvalidInputError),
+                          ({"image_grid_thw": torch.tensor([[1, -4, -4]])}, InvalidInputError),
+                          ({"image_grid_thw": grid[0]}, InvalidInputError),
+                          ({"image_grid_thw": None}, InvalidInputError)]:
+        inputs = good | change
+        refused(store, lambda i=inputs: model(**i, past_key_values=HybridPrefixCache(store)), error)
+    expected = model(**good).logits
+    cache = HybridPrefixCache(store)
+    got = model(**good, past_key_values=cache).logits
+    torch.testing.assert_close(got, expected[:, -got.shape[1]:], rtol=0, atol=1e-5)
+    assert cache.reused_tokens > prompt.index(END)
+    store.flush()
+    store.core.check_invariants()

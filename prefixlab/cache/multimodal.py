@@ -82,6 +82,9 @@ def computes_positions(model: torch.nn.Module) -> bool:
     return any(hasattr(m, "compute_3d_position_ids") for m in (model, getattr(model, "model", None)))
 
 
+_RAW = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
+
+
 class MediaTokens:
     """What the hooks need to know of one model's placeholders (read once from its config; holds no model)."""
 
@@ -105,6 +108,10 @@ class MediaTokens:
         the ids the store sees for its columns: image and video placeholders keyed by content. Unchanged where
         nothing is keyed (no image or video, or a later forward of a request without the text positions generate
         passes)."""
+        for pixels, grid in _RAW.values():  # (else looked up, then the vision tower's AttributeError)
+            if self.keyed_ids and kwargs.get(pixels) is not None and kwargs.get(grid) is None:
+                raise InvalidInputError(f"{pixels} were given without {grid}: pass both, as the model's processor "
+                                        "returns them. Nothing was looked up or admitted")
         present = {m: t for m, t in self.keyed_ids.items() if bool((kwargs["input_ids"] == t).any())}
         if not present:
             return kwargs
@@ -112,12 +119,11 @@ class MediaTokens:
         if text is None:
             return kwargs
         outputs = dict(kwargs.get("mm_encoder_outputs") or {})
-        raw = {"image": ("pixel_values", "image_grid_thw"), "video": ("pixel_values_videos", "video_grid_thw")}
-        if any(kwargs.get(pixels) is not None for pixels, _ in raw.values()):
+        if any(kwargs.get(pixels) is not None for pixels, _ in _RAW.values()):
             if outputs:
                 return kwargs  # pixels and features both given: the model's own error
             base = getattr(module, "model", module)  # the model takes features or pixels: all of them encoded
-            for modality, (pixels, grid) in raw.items():
+            for modality, (pixels, grid) in _RAW.items():
                 if kwargs.get(pixels) is not None:
                     encode = getattr(base, f"get_{modality}_features")
                     outputs[modality] = encode(kwargs[pixels], kwargs.get(grid), return_dict=True)
