@@ -63,15 +63,15 @@ def test_default_store_options_are_refused_and_change_nothing(family):
 def hydragen_served(request):
     model = build(request.param)
     model.set_attn_implementation("hydragen")  # (no HydragenCache: SDPA bit for bit)
-    served = filled(model)
+    served = (*filled(model)[:4], request.param)
     yield served
     served[1].close()
 
 
-def _hydragen_exact(model, store, prompt, batch=2, **options):
-    """A valid Hydragen request over the store: every row the uncached model's greedy tokens."""
+def _hydragen_exact(model, store, prompt, batch=2):
+    """A valid Hydragen request of `model` over the store: every row the uncached model's greedy tokens."""
     expected = generate(model, prompt)
-    cache = hydragen_cache_from_store(store, prompt, batch_size=batch, **options)
+    cache = hydragen_cache_from_store(store, prompt, batch_size=batch, model=model)
     out = generate(model, prompt.repeat(batch, 1), cache)
     assert cache.get_seq_length() > 0
     assert all(torch.equal(row[None], expected) for row in out)
@@ -101,10 +101,17 @@ def test_hydragen_from_a_store_refuses_bad_inputs_and_changes_nothing(hydragen_s
         (lambda: hydragen_cache_from_store(store, good, 2, model=other), ModelMismatchError, "another model"),
     ]:
         refused(store, call, error, match)
+    # the same config, other weights: the store's KV and states are not this model's (were served: other outputs)
+    retrained = build(hydragen_served[4], seed=1)
+    retrained.set_attn_implementation("hydragen")
+    refused(store, lambda: hydragen_cache_from_store(store, good, 2, model=retrained), ModelMismatchError, "weights")
     closed = PrefixStore(model, capacity="1MB")
     closed.close()
     refused(store, lambda: hydragen_cache_from_store(closed, good, 2), PrefixlabError, "closed")
     _hydragen_exact(model, store, probe)
+    twin = build(hydragen_served[4])  # another object with the same weights: served
+    twin.set_attn_implementation("hydragen")
+    _hydragen_exact(twin, store, probe)
     still_exact(hydragen_served)
 
 

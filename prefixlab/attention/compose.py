@@ -18,6 +18,8 @@ To cache a continuation (e.g. the chosen answer before the next chat turn), run 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from prefixlab.attention.hf_cache import HydragenCache, SharedPrefixLayer
@@ -26,6 +28,7 @@ from prefixlab.cache.devices import layer_devices
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
+from prefixlab.cache.weights import weights_version
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 
 
@@ -58,6 +61,8 @@ def hydragen_cache_from_store(
             "Use the PrefixStore built for this model"
         )
     check_unconverted(store, model)
+    if model is not store.model:
+        _check_same_weights(store.model, model)
     if not isinstance(prompt_ids, torch.Tensor) or prompt_ids.dim() != 2 or prompt_ids.shape[0] != 1 \
             or prompt_ids.shape[1] == 0 or prompt_ids.is_floating_point():
         raise InvalidInputError(
@@ -91,6 +96,28 @@ def hydragen_cache_from_store(
         store.release_lookup(match, source)
     cache.load_shared_prefix(**shared, batch_size=batch_size)
     return cache
+
+
+_SAME_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the versions last found equal
+
+
+def _check_same_weights(owner: torch.nn.Module, model: torch.nn.Module) -> None:
+    """ModelMismatchError unless `model` holds the weights of `owner` (the store's model, which computed every entry):
+    another object of the same config, other weights, was served KV and states it would not have computed. Compared
+    value by value, again only when either model's weights version changed."""
+    versions = (id(owner), weights_version(owner), weights_version(model))
+    if _SAME_WEIGHTS.get(model) == versions:
+        return
+    ours, theirs = owner.state_dict(), model.state_dict()
+    differ = sorted(set(ours) ^ set(theirs)) or [
+        name for name, tensor in ours.items() if not tensor.is_meta and not theirs[name].is_meta
+        and (tensor.shape != theirs[name].shape or not torch.equal(tensor, theirs[name].to(tensor.device)))]
+    if differ:
+        raise ModelMismatchError(
+            f"{type(model).__name__} has the store's config but other weights ({differ[0]} differs): the store's "
+            "entries were computed with its own model's weights. Use the PrefixStore built for this model"
+        )
+    _SAME_WEIGHTS[model] = versions
 
 
 def _prefix_tensors(match, attention: list[int], devices: dict[int, torch.device], device: torch.device) -> dict:
