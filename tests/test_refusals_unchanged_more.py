@@ -135,6 +135,10 @@ def test_the_fleets_store_calls_refuse_bad_prompt_tokens_and_change_nothing(hydr
                              (rows, len(good) + 2), (rows, -1), (rows, 1.5)]:
         refused(store, lambda r=bad_rows, s=shared: siblings.generate_group(model, store, r, s, [2, 2]),
                 InvalidInputError)
+    for new_tokens, stops in [([2, 2, 2], None), ([2], None), ([0, 2], None), ([-1, 2], None), ([2.5, 2], None),
+                              ([2, 2], [[5]])]:  # (were an IndexError after the lookup, or a row dropped or cut)
+        refused(store, lambda n=new_tokens, t=stops: siblings.generate_group(model, store, rows, len(good), n,
+                                                                            stop_token_ids=t), InvalidInputError)
     result = siblings.generate_group(model, store, rows, len(good), [3, 3])
     assert result.outputs == [serve.generate_uncached(model, r, 3) for r in rows]
     still_exact(hydragen_served)

@@ -225,7 +225,7 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     from prefixlab.fleet.serve import FirstTokenClock
     from prefixlab.fleet.stops import eos_ids, finish_reason, row_stops
 
-    rows = _checked_rows(model, rows, shared_length)
+    rows = _checked_group(model, rows, shared_length, max_new_tokens, stop_token_ids)
     mode = batching_mode(model)
     if mode is None:
         raise InvalidInputError(f"{type(model).__name__} has no attention layer HydragenCache can share: serve its "
@@ -283,10 +283,12 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started, reasons)
 
 
-def _checked_rows(model, rows: Sequence[np.ndarray], shared_length: int) -> list[np.ndarray]:
+def _checked_group(model, rows: Sequence[np.ndarray], shared_length: int, max_new_tokens: Sequence[int],
+                   stop_token_ids) -> list[np.ndarray]:
     """`rows` as int64 arrays, or InvalidInputError before any lookup: no rows, rows that are not flat sequences of
     the model's token ids (floats were truncated to ids; an id past the vocabulary failed inside the embedding), a
-    shared length that is not an int >= 0."""
+    shared length that is not an int >= 0, not one positive max_new_tokens (nor one stop list) per row (a row was
+    dropped or cut, or an IndexError came after the lookup)."""
     from prefixlab.cache.model_info import check_token_ids
     from prefixlab.errors import InvalidInputError, is_int
     from prefixlab.fleet.serve import prompt_ids
@@ -295,6 +297,11 @@ def _checked_rows(model, rows: Sequence[np.ndarray], shared_length: int) -> list
         raise InvalidInputError(f"shared_length={shared_length!r} must be an int >= 0 (the tokens every row shares)")
     if not len(rows):
         raise InvalidInputError("rows must hold at least one prompt's token ids")
+    if len(max_new_tokens) != len(rows) or not all(is_int(n) and n >= 1 for n in max_new_tokens):
+        raise InvalidInputError(f"max_new_tokens={list(max_new_tokens)!r} must hold one positive int per row "
+                                f"({len(rows)} rows)")
+    if stop_token_ids is not None and len(stop_token_ids) != len(rows):
+        raise InvalidInputError(f"stop_token_ids must hold one list of ids per row ({len(rows)} rows) or be None")
     checked = [prompt_ids(model, row) for row in rows]
     for ids in checked:
         check_token_ids(ids, model)
