@@ -47,6 +47,10 @@ def test_default_store_options_are_refused_and_change_nothing(family):
             with pytest.raises(InvalidInputError):
                 call(model, **options)
             assert default_store(model) is None and model_state(model) == bare
+    for namespace in ("", None, b"x"):  # (was refused after the default store was built: its hooks were left)
+        with pytest.raises(InvalidInputError, match="namespace"):
+            HybridPrefixCache.for_model(model, namespace=namespace)
+        assert default_store(model) is None and model_state(model) == bare
     served = filled(model)
     store = served[1]
     assert PrefixStore.default_for(model) is store
