@@ -176,6 +176,10 @@ def test_malformed_images_are_refused_and_change_nothing(multimodal):
                           ({"image_grid_thw": None}, InvalidInputError)]:
         inputs = good | change
         refused(store, lambda i=inputs: model(**i, past_key_values=HybridPrefixCache(store)), error)
+        # through generate: transformers refuses each itself, before the cache sees the request
+        refused(store, lambda i=inputs: model.generate(**i, past_key_values=HybridPrefixCache(store), max_new_tokens=2,
+                                                       do_sample=False, pad_token_id=0),
+                (RuntimeError, AttributeError, IndexError, InvalidInputError))
     expected = model(**good).logits
     cache = HybridPrefixCache(store)
     got = model(**good, past_key_values=cache).logits
