@@ -283,12 +283,9 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     return GroupResult(outputs, reused, padding, read, held, clock.at[0] - started, reasons)
 
 
-def _checked_group(model, rows: Sequence[np.ndarray], shared_length: int, max_new_tokens: Sequence[int],
-                   stop_token_ids) -> list[np.ndarray]:
-    """`rows` as int64 arrays, or InvalidInputError before any lookup: no rows, rows that are not flat sequences of
-    the model's token ids (floats were truncated to ids; an id past the vocabulary failed inside the embedding), a
-    shared length that is not an int >= 0, not one positive max_new_tokens (nor one stop list) per row (a row was
-    dropped or cut, or an IndexError came after the lookup)."""
+def _checked_group(model, rows: Sequence[np.ndarray], shared_length: int, max_new_tokens, stop_token_ids) -> list:
+    """`rows` as int64 arrays, or InvalidInputError before any lookup (float ids were truncated; a max_new_tokens or
+    stop_token_ids of another length dropped or cut rows, or failed after the lookup)."""
     from prefixlab.cache.model_info import check_token_ids
     from prefixlab.errors import InvalidInputError, is_int
     from prefixlab.fleet.serve import prompt_ids
