@@ -28,6 +28,7 @@ from prefixlab.cache.devices import layer_devices
 from prefixlab.cache.model_info import check_deterministic, check_token_ids
 from prefixlab.cache.store import PrefixStore, model_identity
 from prefixlab.cache.tensors import TOKEN_AXIS, TensorState
+from prefixlab.cache.tokens import check_namespace
 from prefixlab.cache.weights import weights_version
 from prefixlab.errors import InvalidInputError, ModelMismatchError, UnsupportedModelError, is_int
 
@@ -74,8 +75,7 @@ def hydragen_cache_from_store(
     if not is_int(batch_size) or batch_size < 1:
         raise InvalidInputError(f"batch_size={batch_size!r} must be a positive int (the sequences generate runs)")
     batch_size = int(batch_size)
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
+    check_namespace(namespace)
     cache = HydragenCache(model.config)  # refuses models whose attention cannot read shared KV, before any lookup
     attention = [i for i, layer in enumerate(cache.layers) if isinstance(layer, SharedPrefixLayer)]
     if not attention:

@@ -56,12 +56,8 @@ from prefixlab.cache.rows import PADS_ONLY, left_pads, pad_safe_splits, real_pos
 from prefixlab.cache.sharing import under_store_lock
 from prefixlab.cache.store import PrefixStore
 from prefixlab.cache.tensors import snapshot_states
+from prefixlab.cache.tokens import check_namespace
 from prefixlab.errors import InvalidInputError
-
-
-def _check_namespace(namespace: object) -> None:
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidInputError(f"namespace={namespace!r} must be a non-empty string")
 
 
 class HybridPrefixCache(RowResume, RequestCommit, TensorEdits, ModelGuard, DynamicCache, ModelDrivenCache):
@@ -90,7 +86,7 @@ class HybridPrefixCache(RowResume, RequestCommit, TensorEdits, ModelGuard, Dynam
                 "prefixlab.PrefixStore(model), or leave it out: HybridPrefixCache(policy='dp') after "
                 "prefixlab.patch(model)"
             )
-        _check_namespace(namespace)
+        check_namespace(namespace)
         self._store_options = cache_store_options(store, store_options)
         super().__init__(config=store.model.config if store is not None else None)
         self.store = store
@@ -107,7 +103,7 @@ class HybridPrefixCache(RowResume, RequestCommit, TensorEdits, ModelGuard, Dynam
     @classmethod
     def for_model(cls, model: torch.nn.Module, namespace: str = "default", **store_options) -> HybridPrefixCache:
         """A cache bound now to the model's default store (`PrefixStore.default_for(model, **store_options)`)."""
-        _check_namespace(namespace)  # (before a default store is built: a refused call leaves none)
+        check_namespace(namespace)  # (before a default store is built: a refused call leaves none)
         return cls(PrefixStore.default_for(model, **store_options), namespace=namespace)
 
     def prefixlab_bind(self, model: torch.nn.Module) -> None:
