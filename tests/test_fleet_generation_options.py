@@ -13,7 +13,7 @@ from transformers import WatermarkingConfig
 import prefixlab.attention  # noqa: F401  (registers attn_implementation="hydragen")
 from prefixlab.cache.store import PrefixStore
 from prefixlab.errors import InvalidInputError
-from prefixlab.fleet import serve, siblings
+from prefixlab.fleet import generation_options, serve, siblings
 from prefixlab.fleet.prompts import Prompt
 
 PREFIX = 40
@@ -72,7 +72,7 @@ def test_banned_or_biased_sequences_that_read_a_rows_last_tokens_are_not_batched
             siblings.generate_group(model, store, rows, PREFIX, [3, 3])
 
     def exact(model, store, rows):
-        assert siblings.prompt_reading_options(model) == []
+        assert generation_options.prompt_reading_options(model) == []
         expected = [serve.generate_uncached(model, row, 3) for row in rows]
         assert siblings.generate_group(model, store, rows, PREFIX, [3, 3]).outputs == expected
 

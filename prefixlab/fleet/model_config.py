@@ -143,7 +143,7 @@ def check_runs(model: str, path: Path, loaded, info: dict | None = None):
     loading info (check_complete)."""
     import torch
 
-    from prefixlab.fleet.siblings import GREEDY
+    from prefixlab.fleet.generation_options import GREEDY
     from prefixlab.fleet.stops import check_model_stop_strings
 
     check_complete(model, path, loaded, info or {})

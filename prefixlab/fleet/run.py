@@ -186,7 +186,7 @@ def _hydragen_mode(model) -> str | None:
         mode = batching_mode(model)
     except (ValueError, NotImplementedError):  # e.g. a model with no attention implementation to set
         mode = None
-    from prefixlab.fleet.siblings import prompt_reading_options
+    from prefixlab.fleet.generation_options import prompt_reading_options
 
     if mode is not None and (options := prompt_reading_options(model)):
         print(f"prefixlab: note: --hydragen: the model's generation config sets {', '.join(options)}, which read "

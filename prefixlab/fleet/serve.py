@@ -85,7 +85,7 @@ def _generate(model, tokens, max_new_tokens: int, cache=None, sampling: tuple = 
     from transformers import LogitsProcessorList
 
     from prefixlab.cache.hooks import cache_keyword
-    from prefixlab.fleet.siblings import GREEDY
+    from prefixlab.fleet.generation_options import GREEDY
 
     input_ids = prompt_ids(model, tokens)
     options = dict(sampling)

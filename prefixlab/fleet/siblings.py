@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from prefixlab.fleet.generation_options import GREEDY, prompt_reading_options
 from prefixlab.fleet.schedule import common_prefix
 
 Step = tuple[int | tuple[int, ...], int]
@@ -77,64 +78,6 @@ def batching_mode(model) -> str | None:
     joinable = all(isinstance(layer, SharedPrefixLayer) or type(layer) is LinearAttentionLayer for layer in layers)
     # "rows" decodes each row's last prompt token as a one-token step, not exact where those differ from prefills
     return "rows" if joinable and not decode_differs_from_prefill(model) else "equal"
-
-
-_PROMPT_READING = {  # generation options whose logits processors read a row's tokens or length (its padding too)
-    # assisted decoding from the generation config (prompt lookup reads the prompt; transformers runs it on one row:
-    # a batch raised "assisted generate is only supported for batch_size = 1")
-    "prompt_lookup_num_tokens": lambda v: v is not None, "assistant_early_exit": lambda v: v is not None,
-    "use_mtp": bool,
-    "watermarking_config": lambda v: v is not None and _watermark_reads_before_last(v),
-    "repetition_penalty": lambda v: v not in (None, 1.0), "no_repeat_ngram_size": bool, "min_length": bool,
-    # a decoder-only model's "encoder" ids are the input ids generate gets, a padded row's pads included: the pad id
-    # boosted (encoder_repetition_penalty) or its n-grams banned (encoder_no_repeat_ngram_size) in a batch only
-    "encoder_repetition_penalty": lambda v: v not in (None, 1.0), "encoder_no_repeat_ngram_size": bool,
-    "exponential_decay_length_penalty": lambda v: v is not None,
-    "forced_eos_token_id": lambda v: v is not None,  # (forced at the batch's last step, not each row's)
-    # a sequence of several tokens is matched against each row's last tokens, pads in a row with few own tokens
-    # (one token reads nothing before it: a plain ban or bias, the same in a batch)
-    "bad_words_ids": lambda v: any(_several(word) for word in v or ()),
-    "sequence_bias": lambda v: any(_several(tokens) for tokens in _biased_sequences(v)),
-}
-
-
-def _watermark_reads_before_last(config) -> bool:
-    """Whether a watermark's seed reads a row's tokens before its last (pads in a padded batch): transformers'
-    "lefthash" hashes the last token only, "selfhash" the last context_width - 1 and the candidate, SynthID its last
-    ngram_len - 1 (and a scheme not known here is taken to read them)."""
-    scheme = getattr(config, "seeding_scheme", None)
-    if scheme == "lefthash":
-        return False
-    return scheme != "selfhash" or getattr(config, "context_width", 1) > 2
-
-
-def _several(tokens) -> bool:
-    return isinstance(tokens, list | tuple) and len(tokens) > 1  # (malformed values are generate's to refuse)
-
-
-def _biased_sequences(bias) -> list:
-    """The token sequences of a `sequence_bias`: a dict's keys, or the first items of [[tokens], bias] pairs (the
-    form a generation_config.json holds)."""
-    if isinstance(bias, dict):
-        return list(bias)
-    return [pair[0] for pair in bias or () if isinstance(pair, list | tuple) and pair]
-
-
-# What `prefixlab run` decodes with, whatever the model's generation config says (its num_beams / num_return_sequences
-# would make a beam search of it, or return more rows than one per prompt; its cache_implementation, e.g. "static"
-# saved for torch.compile, would make generate refuse the store's cache passed beside it; a "use_cache": false left
-# by training would feed every sequence whole at each step, which Zamba2 / Nemotron-H refuse with a cache;
-# return_dict_in_generate would return an output object where run reads the tensor of token ids).
-GREEDY = {"do_sample": False, "num_beams": 1, "num_return_sequences": 1, "cache_implementation": None,
-          "use_cache": True, "return_dict_in_generate": False}
-
-
-def prompt_reading_options(model) -> list[str]:
-    """The options of `model.generation_config` under which a padded sibling batch would generate other tokens than
-    each prompt alone (`name=value`); empty when it may batch."""
-    config = getattr(model, "generation_config", None)
-    return [f"{name}={getattr(config, name)!r}" for name, set_ in _PROMPT_READING.items()
-            if config is not None and set_(getattr(config, name, None))]
 
 
 def _moves_rope_frequencies(model, positions: int) -> bool:
@@ -286,9 +229,11 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
 def _checked_group(model, rows: Sequence[np.ndarray], shared_length: int, max_new_tokens, stop_token_ids) -> list:
     """`rows` as int64 arrays, or InvalidInputError before any lookup (float ids were truncated; a max_new_tokens or
     stop_token_ids of another length dropped or cut rows, or failed after the lookup)."""
+    import torch
+
     from prefixlab.cache.model_info import check_token_ids
+    from prefixlab.cache.tokens import as_tokens
     from prefixlab.errors import InvalidInputError, is_int
-    from prefixlab.fleet.serve import prompt_ids
 
     if not is_int(shared_length) or shared_length < 0:
         raise InvalidInputError(f"shared_length={shared_length!r} must be an int >= 0 (the tokens every row shares)")
@@ -299,10 +244,10 @@ def _checked_group(model, rows: Sequence[np.ndarray], shared_length: int, max_ne
                                 f"({len(rows)} rows)")
     if stop_token_ids is not None and len(stop_token_ids) != len(rows):
         raise InvalidInputError(f"stop_token_ids must hold one list of ids per row ({len(rows)} rows) or be None")
-    checked = [prompt_ids(model, row) for row in rows]
+    checked = [as_tokens(row, "the prompt's tokens") for row in rows]  # (on the host: no trip to the device and back)
     for ids in checked:
-        check_token_ids(ids, model)
-    return [ids[0].cpu().numpy() for ids in checked]
+        check_token_ids(torch.from_numpy(ids)[None], model)
+    return checked
 
 
 def _prefill_rows(model, store, head, rows: Sequence[np.ndarray]):
