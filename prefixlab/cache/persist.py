@@ -178,8 +178,8 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
     store = cls(model, **(saved | options))
     try:
         _fingerprints[store] = store.weights, fingerprint
-        _restore_alphas(store, header, saved)
         with store.lock:  # the new store may already be the model's default: other threads wait for the entries
+            _restore_alphas(store, header, saved)
             dropped = _admit(store, entries)
     except BaseException as err:
         store.close()  # take the hooks and patches off the model: nothing half-built stays behind
