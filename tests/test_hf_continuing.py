@@ -176,3 +176,18 @@ def test_a_later_turn_masking_a_held_token_is_refused(family):
         generate(model, ids, cache, attention_mask=mask)
     assert not cache.started  # reset: it serves the turn again, plainly
     assert torch.equal(generate(model, ids, cache), generate(model, ids))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "llama"])
+def test_a_chunk_starting_at_a_pad_token_while_another_row_is_still_in_its_left_pads(family):
+    """Row 0's mid-prompt pad at a chunk's first column, row 1 still padding there: row 1's first real token (position
+    0) was compared with seen - its pads (< 0) and the chunk refused as a new prompt mid-generate."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", policy="marconi")
+    ids = tokens(2, 30, seed=4)
+    ids[1, :12] = 0  # row 1: pads only in the first two chunks of 5 and at the third's first columns
+    ids[0, 10] = 0  # row 0: pad_token_id at the third chunk's first column
+    mask = (ids != 0).long()
+    want = generate(model, ids, attention_mask=mask, prefill_chunk_size=5)
+    got = generate(model, ids, HybridPrefixCache(store), attention_mask=mask, prefill_chunk_size=5)
+    assert torch.equal(got, want)

@@ -128,7 +128,8 @@ def continues_past_masked(position_ids: torch.Tensor | None, mask: torch.Tensor 
                           pads: list[int] | None) -> bool:
     """Whether a forward over a cache holding `seen` columns, whose first columns its 2-D `mask` masks (a pad token
     fed mid-prompt, a prefill chunk starting there), goes on at each row's real position `seen - pad` from its
-    first unmasked column: generate counts positions over unmasked tokens only."""
+    first unmasked column (0 for a row still in its left pads at `seen`: there its first real token starts):
+    generate counts positions over unmasked tokens only."""
     if position_ids is None or pads is None or mask is None or mask.dim() != 2 or position_ids.dim() != 2:
         return False
     length = position_ids.shape[-1]
@@ -137,7 +138,8 @@ def continues_past_masked(position_ids: torch.Tensor | None, mask: torch.Tensor 
     new = mask[:, seen:].bool().cpu()
     for row, pad in enumerate(pads):
         unmasked = new[row].nonzero()
-        if len(unmasked) and int(position_ids[min(row, position_ids.shape[0] - 1), int(unmasked[0])]) != seen - pad:
+        want = max(seen - pad, 0)
+        if len(unmasked) and int(position_ids[min(row, position_ids.shape[0] - 1), int(unmasked[0])]) != want:
             return False
     return True
 
