@@ -15,19 +15,20 @@ from prefixlab.cache.store import PrefixStore
 from prefixlab.errors import InvalidInputError
 from prefixlab.fleet import generation_options, serve, siblings
 from prefixlab.fleet.prompts import Prompt
+from prefixlab.fleet.stops import generate_options
 
 PREFIX = 40
 
 
-def _group_over_a_primed_prefix(configure, seed, check) -> None:
-    """`check(model, store, rows)` on a llama (`configure(model)` first) whose store holds a primed PREFIX that two
-    rows of 2 and 9 own tokens share."""
+def _group_over_a_primed_prefix(configure, seed, check, own=(2, 9)) -> None:
+    """`check(model, store, rows)` on a llama (`configure(model)` first) whose store holds a primed PREFIX that rows
+    of `own` own tokens (2 and 9) share."""
     model = build("llama")
     configure(model)
     model.set_attn_implementation("hydragen")
     rng = np.random.default_rng(seed)
     prefix = rng.integers(3, 128, PREFIX)
-    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (2, 9)]
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in own]
     store = PrefixStore(model, capacity="64MB")
     try:
         with torch.inference_mode():
@@ -163,3 +164,26 @@ def test_generation_config_fields_that_break_a_cached_generate_are_overridden(fi
         assert result.outputs == [serve.generate_uncached(model, row, 3) for row in rows]
 
     _group_over_a_primed_prefix(lambda model: setattr(model.generation_config, field, value), 8, check)
+
+
+@pytest.mark.parametrize("field", ["min_new_tokens", "bad_words_ids"])
+def test_options_reading_the_eos_list_keep_rows_with_stop_ids_out_of_a_batch(capsys, field):
+    """A prompt's stop_token_ids join generate's EOS list when it is served alone (fleet/stops.generate_options), which
+    min_new_tokens suppresses for the first tokens and from which bad_words_ids lifts a one-token ban; in a sibling
+    batch they were a stopping criterion only: the rows stopped at their 1st / 2nd token (min_new_tokens=3), or never
+    got their stop id (banned), where alone they get other tokens."""
+    def check(model, store, rows):
+        greedy = [serve.generate_uncached(model, row, 6) for row in rows]
+        stops = [(greedy[0][0],), (greedy[1][1],)]
+        setattr(model.generation_config, field, 3 if field == "min_new_tokens" else [list(ids) for ids in stops])
+        expected = [serve.generate_uncached(model, row, 6, stops=generate_options(model, ids))
+                    for row, ids in zip(rows, stops, strict=True)]
+        with pytest.raises(InvalidInputError, match=field):
+            siblings.generate_group(model, store, rows, PREFIX, [6, 6], 0, stops)
+        prompts = [Prompt(k, k, row, 6, stop_token_ids=stops[k]) for k, row in enumerate(rows)]
+        records = []
+        serve.serve(model, store, prompts, [((0, 1), PREFIX)], records.append)
+        assert [r["output_ids"] for r in sorted(records, key=lambda r: r["id"])] == expected
+        assert "serving prompts one by one" not in capsys.readouterr().err  # (only such rows leave the batch)
+
+    _group_over_a_primed_prefix(lambda model: None, 3, check, own=(5, 9))

@@ -1,5 +1,6 @@
 """The generation options `prefixlab run` decodes with (GREEDY) and those under which a padded sibling batch would
-generate other tokens than each prompt alone (`prompt_reading_options`: such prompts are served one by one)."""
+generate other tokens than each prompt alone (`prompt_reading_options`, and `eos_reading_options` for a prompt's
+stop token ids: such prompts are served one by one)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,20 @@ def prompt_reading_options(model) -> list[str]:
     config = getattr(model, "generation_config", None)
     return [f"{name}={getattr(config, name)!r}" for name, set_ in _PROMPT_READING.items()
             if config is not None and set_(getattr(config, name, None))]
+
+
+def eos_reading_options(model, stop_token_ids) -> list[str]:
+    """The options of `model.generation_config` whose logits processors read generate's EOS list, which a prompt's
+    `stop_token_ids` join when it is served alone (fleet/stops.generate_options) but not in a sibling batch (there
+    each row's are a stopping criterion, fleet/stops.row_stops): min_new_tokens suppresses them in the first tokens,
+    bad_words_ids lifts a one-token ban on them. Empty when the prompt may batch."""
+    from prefixlab.fleet.stops import eos_ids
+
+    config = getattr(model, "generation_config", None)
+    extra = set(stop_token_ids) - set(eos_ids(model))
+    if config is None or not extra:
+        return []
+    unbanned = [word for word in getattr(config, "bad_words_ids", None) or ()
+                if isinstance(word, list | tuple) and len(word) == 1 and word[0] in extra]
+    return [f"{name}={value!r}" for name, value in (("min_new_tokens", getattr(config, "min_new_tokens", None)),
+                                                   ("bad_words_ids", unbanned)) if value]

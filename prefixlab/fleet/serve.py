@@ -193,6 +193,7 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
     as they happen (what a stopped run did is kept)."""
     import torch
 
+    from prefixlab.fleet.generation_options import eos_reading_options
     from prefixlab.fleet.siblings import generate_group, kv_bytes_per_token
     from prefixlab.fleet.stops import ends_on_stop_string, eos_ids, finish_reason, generate_options
 
@@ -233,8 +234,9 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
             if isinstance(index, tuple):  # siblings under a prime of `length` tokens: one Hydragen batch
                 group, result = [prompts[i] for i in index], None
                 # alone: a sampled prompt's draws are its own seed's, not a batch's; stop strings are matched over
-                # the whole sequence, which a padded row's is not
-                alone = [p for p in group if p.sampling or p.stop_strings]
+                # the whole sequence, which a padded row's is not; stop ids some options read as EOS ids
+                alone = [p for p in group if p.sampling or p.stop_strings
+                         or eos_reading_options(model, p.stop_token_ids)]
                 for prompt in alone:
                     serve_one(prompt)
                 group = [p for p in group if p not in alone]

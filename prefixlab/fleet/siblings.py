@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefixlab.fleet.generation_options import GREEDY, prompt_reading_options
+from prefixlab.fleet.generation_options import GREEDY, eos_reading_options, prompt_reading_options
 from prefixlab.fleet.schedule import common_prefix
 
 Step = tuple[int | tuple[int, ...], int]
@@ -176,6 +176,10 @@ def generate_group(model, store, rows: Sequence[np.ndarray], shared_length: int,
     if options := prompt_reading_options(model):
         raise InvalidInputError(f"the model's generation config sets {', '.join(options)}, which read each prompt's "
                                 "tokens or length, and a padded batch would change them: serve prompts one by one")
+    if options := eos_reading_options(model, {t for ids in stop_token_ids or () for t in ids}):
+        raise InvalidInputError(f"the model's generation config sets {', '.join(options)}, which read the stop token "
+                                "ids a prompt served alone adds to its EOS ids, and a batch cannot: serve the rows "
+                                "with stop_token_ids one by one")
     if _moves_rope_frequencies(model, max(len(r) for r in rows) + max(max_new_tokens)):
         return None  # (each row alone may stay under the length where the frequencies change: one by one)
     ragged = len({len(r) for r in rows}) > 1
