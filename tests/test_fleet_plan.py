@@ -156,3 +156,30 @@ def test_the_store_model_resumes_what_a_real_store_resumes(policy):
         store.close()
     modelled = [len(prompt) - schedule.prefill(core, prompt) for prompt in prompts]
     assert modelled == real and sum(real) > 0
+
+
+def test_the_plan_leaves_out_of_batches_the_prompts_a_run_serves_alone(capsys, monkeypatch, files, tmp_path):  # noqa: F811
+    """Prompts with stop_token_ids under a generation config with min_new_tokens are served alone in a run
+    (serve.served_alone: their stop ids would be EOS ids alone, not in a batch); the plan batched them."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen3_5"))
+    model.generation_config.min_new_tokens = 2
+    model.save_pretrained(str(folder))
+    lines = [json.loads(line) for line in (files / "prompts.jsonl").read_text().splitlines()]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({**line, **({"stop_token_ids": [5]} if k % 2 else {})}) + "\n"
+                               for k, line in enumerate(lines)))
+    out = tmp_path / "out.jsonl"
+    planned = plan(capsys, prompts, folder, out, "--hydragen")
+    seen = served_steps(monkeypatch, prompts)  # (ids in step order: a run serves those alone first)
+    assert main(["run", prompts, "--model", folder, "--out", out, "--json", "--hydragen"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    (_, ids, _), = seen
+    assert sorted(map(str, planned["per_process"][0]["ids"])) == sorted(map(str, ids))
+    for key, real in (("batches", "batches"), ("batched_prompts", "batched_requests"),
+                      ("reused_tokens", "reused_tokens"), ("prefill_tokens", "prefilled_tokens")):
+        assert planned[key] == summary[real], key
+    assert 0 < summary["batched_requests"] < 12

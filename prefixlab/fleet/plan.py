@@ -85,9 +85,11 @@ def process_steps(prompts: Sequence[Prompt], assignment: dict[int, int], rank: i
                                                          max_batch=args.max_batch)]
 
 
-def estimate(prompts: Sequence[Prompt], steps: Sequence, store_model, batching: str | None) -> dict:
-    """What one process's steps are expected to do, through a model-free copy of its store (module docstring)."""
+def estimate(prompts: Sequence[Prompt], steps: Sequence, store_model, batching: str | None, model) -> dict:
+    """What one process's steps are expected to do, through a model-free copy of its store (module docstring);
+    `model` (on the meta device) decides which prompts leave their batch, as in a run."""
     from prefixlab.fleet.schedule import prefill
+    from prefixlab.fleet.serve import served_alone
 
     core = store_model.core()
     counts = dict(prompts=0, prompt_tokens=0, reused_tokens=0, prime_tokens=0, prefill_tokens=0, primes=0,
@@ -105,9 +107,9 @@ def estimate(prompts: Sequence[Prompt], steps: Sequence, store_model, batching: 
         done(prompt, len(prompt.tokens) - prefill(core, prompt.tokens))
 
     for index, length in steps:
-        if isinstance(index, tuple):  # as serve.serve: sampled and stop-string prompts alone, the rest one batch
+        if isinstance(index, tuple):  # as serve.serve: some prompts alone (serve.served_alone), the rest one batch
             group = [prompts[i] for i in index]
-            alone = [p for p in group if p.sampling or p.stop_strings]
+            alone = [p for p in group if served_alone(model, p)]
             group = [p for p in group if p not in alone]
             for prompt in alone:
                 one(prompt)
@@ -161,7 +163,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     pending = [p.index for p in prompts if p.id not in done]
     assignment, loads = assign_pending(prompts, pending, processes, args, store_model)
     per_process = [{"process": rank, **estimate(prompts, process_steps(prompts, assignment, rank, args, batching),
-                                                store_model, batching)} for rank in range(processes)]
+                                                store_model, batching, model)} for rank in range(processes)]
     work = np.array([p["prefill_tokens"] for p in per_process], dtype=np.float64)
     totals = {key: sum(p[key] for p in per_process) for key in
               ("prompt_tokens", "reused_tokens", "prime_tokens", "prefill_tokens", "batches", "batched_prompts")}

@@ -146,6 +146,15 @@ def serve_plain(model, prompts: Sequence[Prompt], stats: ProcessStats | None = N
     return outputs
 
 
+def served_alone(model, prompt: Prompt) -> bool:
+    """Whether `prompt` leaves its sibling batch to be served alone: a sampled prompt's draws are its own seed's, not
+    a batch's; stop strings are matched over the whole sequence, which a padded row's is not; stop token ids that
+    options of the generation config read as EOS ids (generation_options.eos_reading_options)."""
+    from prefixlab.fleet.generation_options import eos_reading_options
+
+    return bool(prompt.sampling or prompt.stop_strings or eos_reading_options(model, prompt.stop_token_ids))
+
+
 def prime(model, store, tokens) -> int:
     """Prefill `tokens` alone through the store (so it keeps a checkpoint at their end); returns tokens computed."""
     from prefixlab.cache.hf import HybridPrefixCache
@@ -193,7 +202,6 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
     as they happen (what a stopped run did is kept)."""
     import torch
 
-    from prefixlab.fleet.generation_options import eos_reading_options
     from prefixlab.fleet.siblings import generate_group, kv_bytes_per_token
     from prefixlab.fleet.stops import ends_on_stop_string, eos_ids, finish_reason, generate_options
 
@@ -233,10 +241,7 @@ def serve(model, store, prompts: Sequence[Prompt], steps: Sequence[tuple[int | t
         for index, length in steps:
             if isinstance(index, tuple):  # siblings under a prime of `length` tokens: one Hydragen batch
                 group, result = [prompts[i] for i in index], None
-                # alone: a sampled prompt's draws are its own seed's, not a batch's; stop strings are matched over
-                # the whole sequence, which a padded row's is not; stop ids some options read as EOS ids
-                alone = [p for p in group if p.sampling or p.stop_strings
-                         or eos_reading_options(model, p.stop_token_ids)]
+                alone = [p for p in group if served_alone(model, p)]
                 for prompt in alone:
                     serve_one(prompt)
                 group = [p for p in group if p not in alone]
