@@ -1,6 +1,7 @@
 """A saved store keeps its settled alpha (cache/persist.py `_restore_alphas`): loaded as it was saved, it runs with
 the tuned (or fixed) alpha and does not tune again; loaded otherwise, or saved mid-tuning, it tunes anew."""
 
+import numpy as np
 import pytest
 import torch
 from hf_models import build
@@ -96,4 +97,16 @@ def test_a_load_that_evicts_does_not_tune_on_its_own_entries(model, tmp_path):
     small.flush()  # (a request is admitted at the store's next use)
     assert len(small.core.bootstrap.requests) == 1  # its first request is the window's first
     for one in (store, small):
+        one.close()
+
+
+def test_a_numpy_alpha_is_saved_and_kept(model, tmp_path):
+    """alpha=np.float32(...) is a valid alpha (numpy scalars are taken): save failed with json's 'Object of type
+    float32 is not JSON serializable' once the settled alpha went into the header."""
+    store = PrefixStore(model, **OPTIONS | {"alpha": np.float32(1.5)})
+    served(model, store, stream(2, 2))
+    store.save(tmp_path / "store.safetensors")
+    loaded = PrefixStore.load(tmp_path / "store.safetensors", model)
+    assert loaded.core.alpha == 1.5 and loaded.core.bootstrap is None
+    for one in (store, loaded):
         one.close()

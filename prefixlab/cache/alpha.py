@@ -145,9 +145,10 @@ class AlphaBootstrap:
 
 
 def settled_alpha(core) -> float | None:
-    """The core's alpha once it will not change any more (tuned, or fixed when the core was built); None while it is
-    still to be tuned or for a policy without one."""
-    return core.alpha if core.bootstrap is None else None
+    """The core's alpha once it will not change any more (tuned, or fixed when the core was built), as a Python
+    float (a saved store's JSON header holds it: a numpy alpha, which the core takes, is no JSON number); None while
+    it is still to be tuned or for a policy without one."""
+    return float(core.alpha) if core.bootstrap is None and core.alpha is not None else None
 
 
 def settle_alpha(core, alpha: float) -> None:
