@@ -187,3 +187,26 @@ def test_options_reading_the_eos_list_keep_rows_with_stop_ids_out_of_a_batch(cap
         assert "serving prompts one by one" not in capsys.readouterr().err  # (only such rows leave the batch)
 
     _group_over_a_primed_prefix(lambda model: None, 3, check, own=(5, 9))
+
+
+def test_a_watermark_skipping_rows_shorter_than_its_context_is_not_batched():
+    """transformers' watermark adds no bias while the input is shorter than context_width: a "lefthash" one (which
+    hashes the last token only) did bias a 3-token row in a batch 8 columns wide, where alone it does not (row 0 got
+    [41, 124, 118, 35] where alone it gets [41, 124, 119, 78])."""
+    model = build("llama")
+    model.generation_config.watermarking_config = WatermarkingConfig(context_width=6, seeding_scheme="lefthash",
+                                                                     bias=5.0)
+    model.set_attn_implementation("hydragen")
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(3, 128, 2)
+    rows = [np.concatenate([prefix, rng.integers(3, 128, n)]) for n in (1, 6)]
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.inference_mode():
+            serve.prime(model, store, prefix)
+            with pytest.raises(InvalidInputError, match="watermarking_config"):
+                siblings.generate_group(model, store, rows, 2, [4, 4])
+    finally:
+        store.close()
+    model.generation_config.watermarking_config = WatermarkingConfig(context_width=1, seeding_scheme="lefthash")
+    assert generation_options.prompt_reading_options(model) == []  # (the last token alone: it batches)

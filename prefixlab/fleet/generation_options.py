@@ -24,13 +24,12 @@ _PROMPT_READING = {  # generation options whose logits processors read a row's t
 
 
 def _watermark_reads_before_last(config) -> bool:
-    """Whether a watermark's seed reads a row's tokens before its last (pads in a padded batch): transformers'
-    "lefthash" hashes the last token only, "selfhash" the last context_width - 1 and the candidate, SynthID its last
-    ngram_len - 1 (and a scheme not known here is taken to read them)."""
+    """Whether a watermark reads a row's tokens before its last (pads in a padded batch) or its length: transformers'
+    "lefthash" hashes the last token only, "selfhash" the last context_width - 1 and the candidate, but both add no
+    bias while the input is shorter than context_width (a padded row is as long as the batch); SynthID hashes its
+    last ngram_len - 1 (and a scheme not known here is taken to read them)."""
     scheme = getattr(config, "seeding_scheme", None)
-    if scheme == "lefthash":
-        return False
-    return scheme != "selfhash" or getattr(config, "context_width", 1) > 2
+    return scheme not in ("lefthash", "selfhash") or getattr(config, "context_width", 1) > 1
 
 
 def _several(tokens) -> bool:
