@@ -18,7 +18,7 @@ from prefixlab.cache.alpha import settle_alpha, settled_alpha
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.payload import SizedKV, SizedState
-from prefixlab.cache.persist import _restore_marks
+from prefixlab.cache.persist_entries import restore_marks
 from prefixlab.cache.replay import replay_as_store
 
 SPEC = ModelSpec.from_name(MODEL)
@@ -35,7 +35,7 @@ def reloaded(core: PrefixCacheCore, keep_alpha: bool) -> PrefixCacheCore:
                     restore=True)
         marks = {n.end: (n.branched, n.truncated, n.resumed) for n in path if n.branched or n.truncated or n.resumed}
         entries.append((tokens, None, None, leaf.namespace, marks))
-    _restore_marks(fresh, entries)  # (what load restores besides the entries: strict budgets read them)
+    restore_marks(fresh, entries)  # (what load restores besides the entries: strict budgets read them)
     if keep_alpha and settled_alpha(core) is not None:
         settle_alpha(fresh, settled_alpha(core))
     return fresh

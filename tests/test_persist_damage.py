@@ -89,11 +89,11 @@ def test_a_load_failing_after_the_store_is_built_unhooks_and_unpatches(saved, mo
     untouched = model_state(model)
     assert untouched == (0, 0, False)
 
-    def fail(store, entries):
+    def fail(store, entries, rebuilt):
         assert store.records_in_kernel  # the store patched the model before admitting
         raise KeyError("boom")
 
-    monkeypatch.setattr(persist, "_admit", fail)
+    monkeypatch.setattr(persist, "admit_entries", fail)
     with pytest.raises(CorruptStoreError, match="inconsistent entries"):
         PrefixStore.load(saved[1], model)
     assert model_state(model) == untouched

@@ -109,6 +109,18 @@ def check_policy_state(state: object, count: int) -> None:
         raise ValueError("policy state admission")
 
 
+def check_admission_state(state: dict, policy: str, spec: ModelSpec, block_size: int, node_ids: set[int]) -> None:
+    """ValueError (KeyError, TypeError) unless `state`'s admission part is one that policy `policy` restores (into a
+    scratch core: a state is checked whole whether or not it is restored)."""
+    from prefixlab.cache.core import PrefixCacheCore  # (core.py does not import this module: no cycle, kept local)
+
+    admission = PrefixCacheCore(1, policy, spec, block_size).admission
+    if (state["admission"] is not None) != hasattr(admission, "restore"):
+        raise ValueError(f"an admission state for another policy than {policy}")
+    if state["admission"] is not None:
+        admission.restore(state["admission"], node_ids)
+
+
 def rebuild(core: PrefixCacheCore, nodes: list[SavedNode], state: dict) -> None:
     """Build `nodes` (saved in `preorder`) in the new, empty `core` as they were, with `state` (`policy_state` of
     the saved core, checked by `check_policy_state`). ValueError (KeyError, TypeError, InvalidInputError) on
@@ -120,8 +132,7 @@ def rebuild(core: PrefixCacheCore, nodes: list[SavedNode], state: dict) -> None:
     if len(set(ids + root_ids)) != len(ids + root_ids) or not all(
             _count(i) and i < state["next_id"] for i in ids + root_ids):
         raise ValueError("node ids repeat or reach the saved next id")
-    if (state["admission"] is not None) != hasattr(admission, "restore"):
-        raise ValueError("an admission state for another policy")
+    check_admission_state(state, core.policy, core.spec, core.options.block_size, set(ids))
     # the policies see the tree once it is whole, as saved: built edge by edge, its nodes pass through shapes
     # (a leaf before its children) that would count as stints of the admission's law
     tree.on_change = tree.on_remove = _ignore
