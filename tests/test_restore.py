@@ -11,7 +11,8 @@ from prefixlab.cache.alpha import settle_alpha, settled_alpha
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.replay import replay_as_store
-from prefixlab.cache.restore import check_policy_state, policy_state, preorder, rebuild, sized_nodes
+from prefixlab.cache.restore import check_policy_state, policy_state, preorder, rebuild, restarted, sized_nodes
+from prefixlab.errors import InvalidInputError
 from prefixlab.sim.workloads import agentic_trace, few_shot_trace
 
 SPEC = ModelSpec.from_name("marconi-7b")
@@ -61,7 +62,8 @@ def test_a_rebuilt_core_serves_on_exactly_as_the_saved_one(halfway, policy):
         core = PrefixCacheCore(CAPACITY, policy, SPEC, 32)
         served(core, first)
         assert core.evictions > 0 and core.bootstrap is None
-    twin = rebuilt(core, policy)
+    twin = restarted(core)
+    twin.check_invariants()
     assert shape(twin) == shape(core)
     original = core.fork()  # (the module's core stays at the halfway point)
     assert served(twin, later) == served(original, later)
@@ -80,6 +82,8 @@ def test_no_policy_state_while_alpha_is_still_to_be_tuned():
     core = PrefixCacheCore(100 * CAPACITY, "dp", SPEC, 32)
     served(core, few_shot_trace(num_requests=3))
     assert core.bootstrap is not None and policy_state(core, list(preorder(core.tree))) is None
+    with pytest.raises(InvalidInputError, match="still tuning alpha"):
+        restarted(core)
 
 
 DAMAGES = {

@@ -18,6 +18,7 @@ anew, as before). Counters (`stats()`: requests, evictions) start at zero, as fo
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from prefixlab.cache.alpha import settle_alpha
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState
 from prefixlab.cache.tokens import as_tokens, check_namespace
+from prefixlab.errors import InvalidInputError
 
 if TYPE_CHECKING:
     from prefixlab.cache.core import PrefixCacheCore
@@ -77,6 +80,26 @@ def policy_state(core: PrefixCacheCore, nodes: list[Node]) -> dict | None:
     if hasattr(core.admission, "restore"):
         state["admission"] = core.admission.state(ids)
     return state
+
+
+def restarted(core: PrefixCacheCore) -> PrefixCacheCore:
+    """What a save and a load as saved make of `core`, model-free (size-only payloads): a new core of the same
+    options rebuilt from its nodes and policy state, through JSON as a file holds them, with its settled alpha (the
+    benchmarks' restart: benchmarks/restart_alpha.py). A core still tuning alpha has no policy state: InvalidInputError
+    (a load re-admits it instead)."""
+    from prefixlab.cache.core import PrefixCacheCore  # (core.py does not import this module: no cycle, kept local)
+
+    nodes = list(preorder(core.tree))
+    state = json.loads(json.dumps(policy_state(core, nodes)))
+    if state is None:
+        raise InvalidInputError("restarted(core): the core is still tuning alpha, so it has no policy state to keep")
+    check_policy_state(state, len(nodes))
+    fresh = PrefixCacheCore(core.capacity_bytes, core.policy, core.spec, core.options.block_size,
+                            checkpoint_budget=core.options.checkpoint_budget, overflow=core.overflow)
+    if core.alpha is not None:
+        settle_alpha(fresh, core.alpha)
+    rebuild(fresh, sized_nodes(nodes, core.spec), state)
+    return fresh
 
 
 def sized_nodes(nodes: list[Node], spec: ModelSpec) -> list[SavedNode]:
