@@ -7,14 +7,12 @@ import json
 import pytest
 import torch
 from hf_models import build
-from persist_helpers import FAMILY, generate
-from safetensors.torch import load_file, save_file
-from test_persist_alpha import stream
-from test_persist_damage import assert_refused_untouched, safetensors_header
+from persist_helpers import FAMILY, assert_refused_untouched, generate, safetensors_header, stream, write_store_file
+from safetensors.torch import load_file
 
 from prefixlab import PrefixStore
-from prefixlab.cache import digests
 from prefixlab.cache.restore import preorder
+from prefixlab.errors import CorruptStoreError
 
 OPTIONS = {"capacity": 60_000, "offload_capacity": 120_000, "block_size": 4, "policy": "dp",
            "tuning_lag_requests": 0}
@@ -78,8 +76,8 @@ def rewritten(path, edit) -> tuple:
 def test_a_file_without_policy_states_loads_as_before(model, saved, tmp_path):
     store, path = saved
     tensors, header = rewritten(path, lambda h: h.pop("policy_state"))
-    text, old = json.dumps(header), tmp_path / "old.safetensors"
-    save_file(tensors, old, metadata={"prefixlab": text, "prefixlab.blake2b": digests.digest(text.encode())})
+    old = tmp_path / "old.safetensors"
+    write_store_file(old, tensors, header)
     loaded = PrefixStore.load(old, model, tuning_lag_requests=0)
     assert loaded.core.alpha == store.core.alpha and loaded.core.admission.law.seen == 0  # re-admitted, law fresh
     assert loaded.stats()["used_bytes"] > 0
@@ -121,7 +119,7 @@ DAMAGES = {
 
 
 def child_first(nodes: list) -> None:
-    """Move the first node with a parent to the front (the policy state's records are in the same order)."""
+    """Move the first node with a parent to the front (before its parent: a rebuild finds no parent for it)."""
     at = next(i for i, node in enumerate(nodes) if node["parent"] is not None)
     nodes.insert(0, nodes.pop(at))
 
@@ -136,8 +134,6 @@ def test_a_damaged_policy_state_is_refused_whatever_the_load_options(model, save
     if capacity is None:
         assert_refused_untouched(model, copied, tensors, header)
         return
-    text = json.dumps(header)
-    save_file(tensors, copied, metadata={"prefixlab": text, "prefixlab.blake2b": digests.digest(text.encode())})
-    with pytest.raises(Exception, match=copied.name) as raised:
+    write_store_file(copied, tensors, header)
+    with pytest.raises(CorruptStoreError, match=copied.name):
         PrefixStore.load(copied, model, capacity=capacity)
-    assert type(raised.value).__name__ == "CorruptStoreError"
