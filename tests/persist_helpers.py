@@ -1,12 +1,17 @@
 """Shared by tests/test_persist*.py: a saved store with both tiers, and what compares stores."""
 
+import json
+import struct
+
 import pytest
 import torch
 from hf_models import build
+from safetensors.torch import save_file
 
 from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache import digests
 from prefixlab.cache.tensors import path_kv
+from prefixlab.errors import CorruptStoreError
 
 FAMILY = "qwen3_5"  # attention + GatedDeltaNet: KV and recurrent states in every entry
 PROMPTS = [torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(s)) for s in range(3)]
@@ -71,3 +76,33 @@ def copied(saved, tmp_path):
     path = tmp_path / "store.safetensors"
     path.write_bytes(saved[1].read_bytes())
     return path
+
+
+def safetensors_header(path) -> tuple[int, dict]:
+    """(where the data starts, the JSON header) of a safetensors file: 8 bytes of header length, then the header."""
+    data = path.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    return 8 + length, json.loads(data[8:8 + length])
+
+
+def write_store_file(path, tensors: dict, header: dict) -> None:
+    """Write `tensors` and `header` to `path` as save does, with a matching checksum (a well-formed file)."""
+    text = json.dumps(header)
+    save_file(tensors, path, metadata={"prefixlab": text, "prefixlab.blake2b": digests.digest(text.encode())})
+
+
+def assert_refused_untouched(model, path, tensors: dict, header: dict) -> None:
+    """Write `tensors` and `header` to `path` with a matching checksum: load refuses it, the model untouched."""
+    write_store_file(path, tensors, header)
+    untouched = model_state(model)
+    with pytest.raises(CorruptStoreError, match=path.name):
+        PrefixStore.load(path, model)
+    assert model_state(model) == untouched
+
+
+def stream(seed: int, count: int) -> list[torch.Tensor]:
+    """Prompts sharing heads of three depths, then their own tokens: a 60 kB dp store evicts and tunes in a few."""
+    generator = torch.Generator().manual_seed(seed)
+    head = torch.randint(3, 128, (1, 12), generator=generator)
+    return [torch.cat([head[:, :4 + 4 * (i % 3)], torch.randint(3, 128, (1, 10), generator=generator)], 1)
+            for i in range(count)]

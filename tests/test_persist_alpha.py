@@ -5,19 +5,11 @@ import numpy as np
 import pytest
 import torch
 from hf_models import build
-from persist_helpers import FAMILY, generate
+from persist_helpers import FAMILY, generate, stream
 
 from prefixlab import PrefixStore
 
 OPTIONS = {"capacity": 60_000, "block_size": 4, "policy": "dp", "tuning_lag_requests": 0}
-
-
-def stream(seed: int, count: int) -> list[torch.Tensor]:
-    """Prompts sharing heads of three depths, then their own tokens: a 60 kB dp store evicts and tunes in a few."""
-    generator = torch.Generator().manual_seed(seed)
-    head = torch.randint(3, 128, (1, 12), generator=generator)
-    return [torch.cat([head[:, :4 + 4 * (i % 3)], torch.randint(3, 128, (1, 10), generator=generator)], 1)
-            for i in range(count)]
 
 
 @pytest.fixture(scope="module")

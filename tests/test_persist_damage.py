@@ -3,13 +3,20 @@ and failing saves and loads: the library's error naming the file, the model unto
 
 import json
 import os
-import struct
 
 import persist_helpers
 import pytest
 import torch
 from hf_models import build
-from persist_helpers import FAMILY, PROMPTS, contents, generate, model_state
+from persist_helpers import (
+    FAMILY,
+    PROMPTS,
+    assert_refused_untouched,
+    contents,
+    generate,
+    model_state,
+    safetensors_header,
+)
 from safetensors.torch import load_file, save_file
 
 from prefixlab import PrefixStore
@@ -17,13 +24,6 @@ from prefixlab.cache import digests, persist
 from prefixlab.errors import CorruptStoreError, InvalidInputError
 
 saved, copied = persist_helpers.saved, persist_helpers.copied  # (the fixtures, by name)
-
-
-def safetensors_header(path) -> tuple[int, dict]:
-    """(where the data starts, the JSON header) of a safetensors file: 8 bytes of header length, then the header."""
-    data = path.read_bytes()
-    (length,) = struct.unpack("<Q", data[:8])
-    return 8 + length, json.loads(data[8:8 + length])
 
 
 def tensor_span(path, name: str) -> tuple[int, int]:
@@ -89,11 +89,11 @@ def test_a_load_failing_after_the_store_is_built_unhooks_and_unpatches(saved, mo
     untouched = model_state(model)
     assert untouched == (0, 0, False)
 
-    def fail(store, entries):
+    def fail(store, entries, rebuilt):
         assert store.records_in_kernel  # the store patched the model before admitting
         raise KeyError("boom")
 
-    monkeypatch.setattr(persist, "_admit", fail)
+    monkeypatch.setattr(persist, "admit_entries", fail)
     with pytest.raises(CorruptStoreError, match="inconsistent entries"):
         PrefixStore.load(saved[1], model)
     assert model_state(model) == untouched
@@ -139,16 +139,6 @@ def test_bf16_entries_round_trip_bit_for_bit(tmp_path):
     loaded = PrefixStore.load(tmp_path / "bf16.safetensors", model)
     assert contents(loaded.core) == saved_contents and saved_contents
     loaded.close()
-
-
-def assert_refused_untouched(model, path, tensors: dict, header: dict) -> None:
-    """Write `tensors` and `header` to `path` with a matching checksum: load refuses it, the model untouched."""
-    text = json.dumps(header)
-    save_file(tensors, path, metadata={"prefixlab": text, "prefixlab.blake2b": digests.digest(text.encode())})
-    untouched = model_state(model)
-    with pytest.raises(CorruptStoreError, match=path.name):
-        PrefixStore.load(path, model)
-    assert model_state(model) == untouched
 
 
 @pytest.mark.parametrize("edit", [

@@ -54,6 +54,7 @@ class EntryLaw:
         self._sums: dict[tuple[int, int], float] = {}  # interior_mass's slice sums of the histogram as it is
         self.seen = 0
         self._table: PlacementTable | None | bool = False  # False: not solved yet
+        self._table_hist: np.ndarray | None = None  # what the table was solved for
         self._cumulative: tuple[int, np.ndarray] | None = None
         self._distances: np.ndarray | None = None  # best_from_end's candidate distances (never modified)
         self._epoch = 0
@@ -167,5 +168,71 @@ class EntryLaw:
                 # an overlap in block b resumes at best from a checkpoint at block b's start: the block DP, over
                 # the depths seen so far (an entry reaching past them has nothing more to place)
                 seen = int(np.flatnonzero(self._interior)[-1]) + 1
-                self._table = _solved(self._interior[:seen] / self.entries * self.block)
+                self._table_hist = self._interior[:seen] / self.entries * self.block  # (kept: a saved law's table)
+                self._table = _solved(self._table_hist)
         return self._table
+
+    def state(self) -> dict:
+        """What this law has learned, JSON-able and exact (floats round-trip through JSON): its counts, histogram
+        and the solutions it keeps for the current epoch (the table, best_from_end's masses, the leaf weight),
+        which `restore` puts back so that the law goes on as if it had never been saved."""
+        cumulative = self._cumulative
+        return {
+            "scale": self._scale, "seen": self.seen, "epoch": self._epoch,
+            "totals": [getattr(self, name) for name in TOTALS], "histogram": _sparse(self._interior),
+            "table": self._table if self._table is None or self._table is False else _sparse(self._table_hist),
+            "cumulative": None if cumulative is None else [cumulative[0], _sparse(cumulative[1])],
+            "leaf_weight": list(self._leaf_weight),
+        }
+
+    def restore(self, state: dict) -> None:
+        """Put back what `state` (a `state()` of a law of the same depth bins) recorded; ValueError (or KeyError,
+        TypeError) if it is not one, changing nothing then."""
+        scale, seen, epoch, totals = state["scale"], state["seen"], state["epoch"], state["totals"]
+        if not (_real(scale) and scale >= 1.0 and _whole(seen) and seen >= 0 and _whole(epoch)):
+            raise ValueError(f"law scale={scale!r}, seen={seen!r}, epoch={epoch!r}")
+        if not (isinstance(totals, list) and len(totals) == len(TOTALS) and all(_real(t) and t >= 0 for t in totals)):
+            raise ValueError(f"law totals {totals!r}")
+        histogram, table = _dense(state["histogram"], self.bins, whole=True), state["table"]
+        table_hist = table if table is None or table is False else _dense(table, self.bins)
+        solved = table_hist if table_hist is None or table_hist is False else _solved(table_hist)
+        cumulative = state["cumulative"]
+        if cumulative is not None:
+            if not (isinstance(cumulative, list) and len(cumulative) == 2 and _whole(cumulative[0])):
+                raise ValueError(f"law cumulative {cumulative!r}")
+            cumulative = (cumulative[0], _dense(cumulative[1], self.bins, whole=True))
+        leaf_epoch, leaf_weight = state["leaf_weight"]
+        if not ((leaf_epoch is None or _whole(leaf_epoch)) and _real(leaf_weight) and 0 < leaf_weight <= 1):
+            raise ValueError(f"law leaf weight {state['leaf_weight']!r}")
+        self._scale, self.seen, self._epoch, self._interior, self._sums = float(scale), seen, epoch, histogram, {}
+        for name, total in zip(TOTALS, totals, strict=True):
+            setattr(self, name, float(total))
+        self._table, self._table_hist = solved, None if solved is None or solved is False else table_hist
+        self._cumulative, self._leaf_weight = cumulative, (leaf_epoch, float(leaf_weight))
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sparse(array: np.ndarray) -> list:
+    """[length, nonzero indexes, their values]: a decayed histogram is mostly zeros."""
+    where = np.flatnonzero(array)
+    return [len(array), where.tolist(), array[where].tolist()]
+
+
+def _dense(sparse: object, bins: int, whole: bool = False) -> np.ndarray:
+    """The array `_sparse` wrote, at most `bins` long (`whole`: exactly); ValueError unless its values are finite
+    and >= 0."""
+    length, where, values = sparse
+    if not (_whole(length) and 0 < length <= bins and (length == bins or not whole) and isinstance(where, list)
+            and isinstance(values, list) and len(where) == len(values)
+            and all(_whole(i) and 0 <= i < length for i in where) and all(_real(v) and v >= 0 for v in values)):
+        raise ValueError(f"a law array of {bins} bins: {str(sparse)[:80]}")
+    array = np.zeros(length)
+    array[where] = values
+    return array

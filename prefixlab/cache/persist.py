@@ -5,9 +5,10 @@ What a file holds
             "<tier>.n<node id>.s<position>.conv|recurrent.<layer>.<i>" (its checkpoints), tier "device" or "host"
             (the offload tier). A prefix shared by many entries is written once.
   metadata  "prefixlab": the JSON header: format, model identity (config + dtype, cache/model_info.py), the weights
-            fingerprint, the store's options, each tier's settled alpha (kept when loaded with the same options) and
-            nodes (id, parent, namespace, tokens, checkpoints, marks), and each tensor's dtype, shape and BLAKE2b
-            digest of its bytes as written;
+            fingerprint, the store's options, each tier's settled alpha (kept when loaded with the same options),
+            nodes (id, parent, namespace, tokens, checkpoints, marks; parents first) and policy state (recency,
+            dp's laws...: cache/restore.py; null while alpha is still tuning), and each tensor's dtype, shape and
+            BLAKE2b digest of its bytes as written;
             "prefixlab.blake2b": the digest of the header text.
 
 Integrity. `load` verifies, before it builds anything: the header digest, the identity, the weights fingerprint and
@@ -21,6 +22,11 @@ and hashed once, on up to 8 threads (0.38 GB/s measured on one loaded AMD EPYC c
 a 14 GB model, so a store computes it at its first save and keeps it; every `load` computes it for its model.
 Weights on the meta device (accelerate disk offload) count by name, dtype and shape only. Per-tensor checksums cost
 the same per byte of cached entries, at save and at load.
+
+Restart. A tier loaded as it was saved (policy, block size, its capacity, no `alpha=`) with a policy state is
+rebuilt as it was, node for node, and serves on exactly as the saved store would have (cache/restore.py; the
+`policy_state` of the header). Otherwise (files from before the policy state, other options, a tier saved while
+tuning alpha) every saved leaf's path is re-admitted, which keeps the entries but not how the policy weighs them.
 
 Atomic writes. `save` writes a temporary file beside the target, fsyncs it and renames it over the target, so a
 failure or crash mid-write leaves the previous file intact (a killed process: its `.NAME.*.tmp`, to delete).
@@ -37,27 +43,20 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from prefixlab.cache.alpha import settle_alpha, settled_alpha, settled_alphas_valid
+from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import check_model_argument
 from prefixlab.cache.digests import digest, tensor_digests
 from prefixlab.cache.model_info import model_identity
+from prefixlab.cache.persist_entries import admit_entries, saved_entries, saved_nodes
 from prefixlab.cache.policies import POLICY_NAMES
-from prefixlab.cache.tensors import (
-    TensorKV,
-    check_kv,
-    check_state,
-    kv_from_flat,
-    kv_to_flat,
-    path_kv,
-    state_from_flat,
-    state_to_flat,
-)
-from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError, is_int
+from prefixlab.cache.restore import check_admission_state, check_policy_state, policy_state, preorder
+from prefixlab.cache.tensors import kv_to_flat, state_to_flat
+from prefixlab.errors import CorruptStoreError, InvalidInputError, ModelMismatchError, PrefixlabError
 
 if TYPE_CHECKING:
     from prefixlab.cache.core import PrefixCacheCore
@@ -102,6 +101,8 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
         "policy": store.core.policy, "block_size": store.core.options.block_size, "tiers": tiers,
         "alpha": {tier: settled_alpha(core) for tier, core in (("device", store.core), ("host", store.offload))
                   if core is not None},
+        "policy_state": {tier: policy_state(core, list(preorder(core.tree)))
+                         for tier, core in (("device", store.core), ("host", store.offload)) if core is not None},
         "tensors": {name: [str(tensors[name].dtype), list(tensors[name].shape), hexdigest]
                     for name, hexdigest in tensor_digests(tensors).items()},
     }
@@ -121,9 +122,7 @@ def save_store(store: PrefixStore, path: str | Path) -> None:
 def _tier_to_flat(core: PrefixCacheCore, tier: str, tensors: dict[str, torch.Tensor]) -> list[dict]:
     """Add the tier's tensors (contiguous, on the host) to `tensors`; return its nodes for the header."""
     nodes = []
-    for node in core.tree.nodes():
-        if node.is_root:
-            continue
+    for node in preorder(core.tree):  # (parents first, siblings in order: how a load rebuilds the tree)
         name = f"{tier}.n{node.id}"
         flat = kv_to_flat(node.kv, name) if node.kv is not None else {}
         for position, state in zip(node.ckpt_pos, node.ckpt_state, strict=True):
@@ -171,7 +170,8 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
         header = _read_header(path, file)
         fingerprint = _check_model(path, header, model)
         tensors = _read_tensors(path, header, file)
-    entries = {tier: _entries(path, nodes, tensors, tier) for tier, nodes in header["tiers"].items()}
+    entries = {tier: saved_entries(path, nodes, tensors, tier) for tier, nodes in header["tiers"].items()}
+    _check_admission_states(path, header, model)
     saved = {"capacity": header["capacity_bytes"], "policy": header["policy"], "block_size": header["block_size"]}
     if header["offload_capacity_bytes"] is not None:
         saved["offload_capacity"] = header["offload_capacity_bytes"]
@@ -180,7 +180,9 @@ def load_store(cls: type[PrefixStore], path: str | Path, model: torch.nn.Module,
         _fingerprints[store] = store.weights, fingerprint
         with store.lock:  # the new store may already be the model's default: other threads wait for the entries
             _restore_alphas(store, header, saved)
-            dropped = _admit(store, entries)
+            rebuilt = {tier: (saved_nodes(path, header["tiers"][tier], tensors, tier), state)
+                       for tier, state in _policy_states(store, header, saved).items()}
+            dropped = admit_entries(store, entries, rebuilt)
     except BaseException as err:
         store.close()  # take the hooks and patches off the model: nothing half-built stays behind
         if isinstance(err, Exception) and (isinstance(err, InvalidInputError) or not isinstance(err, PrefixlabError)):
@@ -245,11 +247,43 @@ def _read_header(path: Path, file) -> dict:
 def _restore_alphas(store: PrefixStore, header: dict, saved: dict) -> None:
     """A tier loaded as it was saved (policy, block size, its capacity; no `alpha=`) keeps the alpha it had settled
     (tuned or fixed): a tuning is not run twice. Otherwise it tunes anew."""
-    same = "alpha" not in store.options and all(store.options[key] == saved[key] for key in ("policy", "block_size"))
-    for tier, core, capacity in (("device", store.core, "capacity"), ("host", store.offload, "offload_capacity")):
-        alpha = header.get("alpha", {}).get(tier)
-        if same and core is not None and alpha is not None and store.options[capacity] == saved.get(capacity):
+    for tier, core in _loaded_as_saved(store, saved).items():
+        if (alpha := header.get("alpha", {}).get(tier)) is not None:
             settle_alpha(core, alpha)
+
+
+def _policy_states(store: PrefixStore, header: dict, saved: dict) -> dict[str, dict]:
+    """{tier: its saved policy state} of the tiers to rebuild as saved (cache/restore.py): loaded as saved, with the
+    alpha settled (`_restore_alphas` first), and holding only that tier's entries (a store without the offload tier
+    admits the host entries into the device one: both re-admitted). Files without policy states have none."""
+    loaded = _loaded_as_saved(store, saved)
+    if "host" in header["tiers"] and store.offload is None:
+        loaded.pop("device", None)
+    return {tier: state for tier, core in loaded.items()
+            if (state := header.get("policy_state", {}).get(tier)) is not None and core.bootstrap is None}
+
+
+def _check_admission_states(path: Path, header: dict, model: torch.nn.Module) -> None:
+    """CorruptStoreError unless each saved policy state's admission part is one the saved policy restores (checked
+    whether or not the load restores it: a damaged file is refused whatever the options it is loaded with)."""
+    for tier, state in header.get("policy_state", {}).items():
+        if state is not None:
+            try:
+                check_admission_state(state, header["policy"], ModelSpec.from_config(model.config, dtype=model.dtype),
+                                      header["block_size"], {node["id"] for node in header["tiers"][tier]})
+            except (ValueError, KeyError, TypeError, InvalidInputError) as err:
+                raise CorruptStoreError(f"the {tier} policy state of {path} is malformed ({err!r}); save the store "
+                                        "again") from None
+
+
+def _loaded_as_saved(store: PrefixStore, saved: dict) -> dict[str, PrefixCacheCore]:
+    """{tier: core} of the tiers the store has with the options they were saved with (policy, block size, the
+    tier's capacity; no `alpha=`)."""
+    if "alpha" in store.options or any(store.options[key] != saved[key] for key in ("policy", "block_size")):
+        return {}
+    return {tier: core for tier, core, capacity in (("device", store.core, "capacity"),
+                                                    ("host", store.offload, "offload_capacity"))
+            if core is not None and store.options[capacity] == saved.get(capacity)}
 
 
 def _check_saved_options(header: dict) -> None:
@@ -265,6 +299,12 @@ def _check_saved_options(header: dict) -> None:
                          f"block_size={header['block_size']!r}, offload_capacity_bytes={offload!r}")
     if not settled_alphas_valid(header.get("alpha", {}), TIERS):  # (files saved before alphas were kept have none)
         raise ValueError(f"saved alpha {header['alpha']!r}")
+    states = header.get("policy_state", {})  # (nor policy states, before those were kept)
+    if not isinstance(states, dict) or not set(states) <= set(header["tiers"]):
+        raise ValueError(f"policy states of tiers {list(states) if isinstance(states, dict) else states!r}")
+    for tier, state in states.items():
+        if state is not None:
+            check_policy_state(state, len(header["tiers"][tier]))
 
 
 def _check_model(path: Path, header: dict, model: torch.nn.Module) -> dict[str, str]:
@@ -306,95 +346,3 @@ def _read_tensors(path: Path, header: dict, file) -> dict[str, torch.Tensor]:
                 "was saved): the file is corrupted. Delete it and save the store again"
             )
     return tensors
-
-
-def _entries(path: Path, nodes: list[dict], tensors: dict[str, torch.Tensor], tier: str) -> list[tuple]:
-    """(tokens, kv(a, b), {position: state}, namespace) per saved leaf, tensors on the host."""
-    by_node: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        if name.startswith(f"{tier}."):
-            by_node.setdefault(name.split(".")[1], {})[name] = tensor
-    try:
-        by_id, entries = {node["id"]: node for node in nodes}, []
-        for leaf in (node for node in nodes if node["leaf"]):
-            chain = [leaf]
-            while chain[-1]["parent"] is not None and len(chain) <= len(nodes):
-                chain.append(by_id[chain[-1]["parent"]])
-            if len(chain) > len(nodes):
-                raise ValueError(f"node {leaf['id']} has a cycle of parents")
-            tokens, pieces, states = [], [], {}
-            for node in reversed(chain):
-                name, flat = f"{tier}.n{node['id']}", by_node.get(f"n{node['id']}", {})
-                tokens += node["tokens"]
-                pieces.append(kv_from_flat(flat, name, len(node["tokens"])))
-                states.update({p: state_from_flat(flat, f"{name}.s{p}") for p in node["checkpoints"]})
-            entries.append((tokens, path_kv(pieces), states, chain[-1]["namespace"], _marks(chain)))
-    except (ValueError, KeyError, TypeError, AttributeError) as err:  # InvalidInputError included: shapes disagree
-        raise CorruptStoreError(f"the {tier} tier of {path} is inconsistent ({err}); save the store again") from None
-    return entries
-
-
-def _admit(store: PrefixStore, entries: dict[str, list[tuple]]) -> int:
-    """Admit the saved entries, host tier first (into the offload tier, or the device one when the store has none);
-    returns how many of them neither tier holds whole afterwards (refused or evicted: they did not fit)."""
-    shapes: dict = {}
-    for tier, tier_entries in entries.items():
-        core = store.offload if tier == "host" and store.offload is not None else store.core
-        device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
-        for tokens, kv, states, namespace, _ in tier_entries:
-            for position, state in states.items():  # what PrefixStore.admit checks, and one shape per tensor kind
-                check_state(state, store.layout, f"the state at {position}")
-                _same_shapes(shapes, "conv", state.conv)
-                _same_shapes(shapes, "recurrent", state.recurrent)
-            core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
-                       states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
-        _restore_marks(core, tier_entries)
-    tiers = [core for core in (store.core, store.offload) if core is not None]
-    return sum(not any(core.peek(tokens, namespace)[1] == len(tokens) for core in tiers)
-               for tier_entries in entries.values() for tokens, _, _, namespace, _ in tier_entries)
-
-
-def _marks(chain: list[dict]) -> dict[int, tuple[bool, bool, int]]:
-    """{end position: (branched, truncated, resumed)} of the saved nodes on a leaf's path (files before these marks:
-    none), which strict budgets read (cache/strict.py): a branch point requests resumed from, a leaf cut short."""
-    marks, end = {}, 0
-    for node in reversed(chain):
-        end += len(node["tokens"])
-        saved = (bool(node.get("branched", False)), bool(node.get("truncated", False)), node.get("resumed", 0))
-        if saved != (False, False, 0):
-            if not is_int(saved[2]) or saved[2] < 0:
-                raise ValueError(f"node {node['id']} has resumed={saved[2]!r}")
-            marks[end] = saved
-    return marks
-
-
-def _restore_marks(core: PrefixCacheCore, tier_entries: list[tuple]) -> None:
-    """Put the saved marks back on the nodes that end where the saved ones ended (an entry refused or cut while
-    loading keeps none beyond what it holds)."""
-    for tokens, _, _, namespace, marks in tier_entries:
-        if marks:
-            walk = core.tree.walk(np.asarray(tokens, dtype=np.int64), namespace)
-            for node in walk.path[1:]:
-                if node.end in marks and node.end <= walk.shared_length:
-                    node.branched, node.truncated, node.resumed = marks[node.end]
-
-
-def _moved(kv, device: torch.device | str, pin: bool, store: PrefixStore, shapes: dict):
-    def moved(start: int, stop: int) -> TensorKV:
-        run = check_kv(kv(start, stop), store.layout, store.dtype)
-        _same_shapes(shapes, "keys", run.keys, 1)
-        _same_shapes(shapes, "values", run.values, 1)
-        _same_shapes(shapes, "indexer", run.indexer, 1)
-        return run.to(device, pin)
-
-    return moved
-
-
-def _same_shapes(shapes: dict, kind: str, tensors: dict, tokens_axis: int | None = None) -> None:
-    """InvalidInputError unless each of `tensors` has the shape (less its token axis, where it has one) every tensor
-    of the same kind and key loaded before had: a layer's heads and sizes are the model's, not the entry's."""
-    for key, tensor in tensors.items():
-        shape = tuple(tensor.shape) if tokens_axis is None else (*tensor.shape[:tokens_axis],
-                                                                  *tensor.shape[tokens_axis + 1:])
-        if shapes.setdefault((kind, key), shape) != shape:
-            raise InvalidInputError(f"{kind} of layer {key} have shapes {list(shapes[(kind, key)])} and {list(shape)}")

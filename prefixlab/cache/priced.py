@@ -78,6 +78,37 @@ class PricedAdmission(MarconiAdmission):
         twin.tree = memo.get(id(self.tree), self.tree)
         return twin
 
+    def state(self, node_ids: set[int]) -> dict:
+        """What this admission has learned, JSON-able (see `restore`): its laws and, of the nodes `node_ids` (the
+        saved tree's), the entries' kinds and the stints under way."""
+        def pairs(mapping: dict[int, object]) -> list:
+            return [[node_id, value] for node_id, value in mapping.items() if node_id in node_ids]
+
+        return {"law": self.law.state(), "laws": {kind: law.state() for kind, law in self.laws.items()},
+                "end_laws": {kind: law.state() for kind, law in self.end_laws.items()},
+                "kinds": pairs(self._kinds), "stint_shapes": pairs(self._stint_shapes),
+                "resumed": sorted(self._resumed & node_ids), "resumed_inside": sorted(self._resumed_inside & node_ids)}
+
+    def restore(self, state: dict, node_ids: set[int]) -> None:
+        """Put back a `state()` saved over a tree whose node ids are `node_ids` (rebuilt with the same ids), so that
+        this admission goes on as the saved one would; ValueError (KeyError, TypeError) if `state` is not one."""
+        if set(state["laws"]) != set(ENTRY_KINDS) or set(state["end_laws"]) != set(ENTRY_KINDS):
+            raise ValueError(f"laws of kinds {sorted(state['laws'])}, {sorted(state['end_laws'])}")
+        kinds, shapes = dict(map(tuple, state["kinds"])), dict(map(tuple, state["stint_shapes"]))
+        resumed, inside = set(state["resumed"]), set(state["resumed_inside"])
+        if not set(kinds.values()) <= set(ENTRY_KINDS) or not set(shapes.values()) <= {0, 1, 2, 3}:
+            raise ValueError("entry kinds or stint shapes")
+        if not (kinds.keys() | shapes.keys() | resumed | inside) <= node_ids:
+            raise ValueError("kinds or stints of nodes not in the tree")
+        law, laws, end_laws = (copy.deepcopy(x) for x in (self.law, self.laws, self.end_laws))
+        law.restore(state["law"])  # (into copies: a bad law leaves this admission as it was)
+        for kind in ENTRY_KINDS:
+            laws[kind].restore(state["laws"][kind])
+            end_laws[kind].restore(state["end_laws"][kind])
+        self.law, self.laws, self.end_laws = law, laws, end_laws
+        self._kinds, self._stint_shapes, self._resumed, self._resumed_inside = kinds, shapes, resumed, inside
+        self._leaf_pending = False
+
     def seed(self, other: MarconiAdmission) -> None:
         self.law, self.laws, self.end_laws = (copy.deepcopy(x) for x in (other.law, other.laws, other.end_laws))
 

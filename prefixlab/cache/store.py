@@ -385,8 +385,9 @@ class PrefixStore(ReuseCounts):
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module, **options) -> PrefixStore:
-        """A store for `model` holding what `save` wrote (re-admitted path by path through the policy, host-tier
-        entries into the offload tier, or the device tier if `offload_capacity=None`). `options` override the
-        saved capacity / offload_capacity / policy / block_size. The whole file is verified first:
+        """A store for `model` holding what `save` wrote: each tier loaded with its saved options rebuilt as saved,
+        policy state included, serving on as the saved one would (cache/restore.py); otherwise re-admitted path by
+        path (host-tier entries into the offload tier, or the device tier if `offload_capacity=None`). `options`
+        override the saved capacity / offload_capacity / policy / block_size. The whole file is verified first:
         ModelMismatchError if it is for another config, dtype or weights, CorruptStoreError if it is damaged."""
         return load_store(cls, path, model, options)
