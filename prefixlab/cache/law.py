@@ -8,6 +8,7 @@ import copy
 import numpy as np
 
 from prefixlab.cache.placement import PlacementTable, _check_count, check_decay
+from prefixlab.errors import is_finite_number, is_int
 
 MAX_PLACED = 16  # DP states per entry; the DP is O(blocks * MAX_PLACED)
 _TABLES: dict[bytes, PlacementTable] = {}  # solved histograms, by their bytes (alpha's window replays share many)
@@ -189,34 +190,27 @@ class EntryLaw:
         """Put back what `state` (a `state()` of a law of the same depth bins) recorded; ValueError (or KeyError,
         TypeError) if it is not one, changing nothing then."""
         scale, seen, epoch, totals = state["scale"], state["seen"], state["epoch"], state["totals"]
-        if not (_real(scale) and scale >= 1.0 and _whole(seen) and seen >= 0 and _whole(epoch)):
+        if not (is_finite_number(scale) and scale >= 1.0 and is_int(seen) and seen >= 0 and is_int(epoch)):
             raise ValueError(f"law scale={scale!r}, seen={seen!r}, epoch={epoch!r}")
-        if not (isinstance(totals, list) and len(totals) == len(TOTALS) and all(_real(t) and t >= 0 for t in totals)):
+        if not (isinstance(totals, list) and len(totals) == len(TOTALS)
+                and all(is_finite_number(t) and t >= 0 for t in totals)):
             raise ValueError(f"law totals {totals!r}")
         histogram, table = _dense(state["histogram"], self.bins, whole=True), state["table"]
         table_hist = table if table is None or table is False else _dense(table, self.bins)
         solved = table_hist if table_hist is None or table_hist is False else _solved(table_hist)
         cumulative = state["cumulative"]
         if cumulative is not None:
-            if not (isinstance(cumulative, list) and len(cumulative) == 2 and _whole(cumulative[0])):
+            if not (isinstance(cumulative, list) and len(cumulative) == 2 and is_int(cumulative[0])):
                 raise ValueError(f"law cumulative {cumulative!r}")
             cumulative = (cumulative[0], _dense(cumulative[1], self.bins, whole=True))
         leaf_epoch, leaf_weight = state["leaf_weight"]
-        if not ((leaf_epoch is None or _whole(leaf_epoch)) and _real(leaf_weight) and 0 < leaf_weight <= 1):
+        if not ((leaf_epoch is None or is_int(leaf_epoch)) and is_finite_number(leaf_weight) and 0 < leaf_weight <= 1):
             raise ValueError(f"law leaf weight {state['leaf_weight']!r}")
         self._scale, self.seen, self._epoch, self._interior, self._sums = float(scale), seen, epoch, histogram, {}
         for name, total in zip(TOTALS, totals, strict=True):
             setattr(self, name, float(total))
         self._table, self._table_hist = solved, None if solved is None or solved is False else table_hist
         self._cumulative, self._leaf_weight = cumulative, (leaf_epoch, float(leaf_weight))
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and bool(np.isfinite(value))
-
-
-def _whole(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _sparse(array: np.ndarray) -> list:
@@ -229,9 +223,10 @@ def _dense(sparse: object, bins: int, whole: bool = False) -> np.ndarray:
     """The array `_sparse` wrote, at most `bins` long (`whole`: exactly); ValueError unless its values are finite
     and >= 0."""
     length, where, values = sparse
-    if not (_whole(length) and 0 < length <= bins and (length == bins or not whole) and isinstance(where, list)
+    if not (is_int(length) and 0 < length <= bins and (length == bins or not whole) and isinstance(where, list)
             and isinstance(values, list) and len(where) == len(values)
-            and all(_whole(i) and 0 <= i < length for i in where) and all(_real(v) and v >= 0 for v in values)):
+            and all(is_int(i) and 0 <= i < length for i in where)
+            and all(is_finite_number(v) and v >= 0 for v in values)):
         raise ValueError(f"a law array of {bins} bins: {str(sparse)[:80]}")
     array = np.zeros(length)
     array[where] = values

@@ -22,7 +22,6 @@ anew, as before). Counters (`stats()`: requests, evictions) start at zero, as fo
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +31,7 @@ import numpy as np
 from prefixlab.cache.alpha import settle_alpha
 from prefixlab.cache.payload import KVPayload, Payload, SizedKV, SizedState
 from prefixlab.cache.tokens import as_tokens, check_namespace
-from prefixlab.errors import InvalidInputError
+from prefixlab.errors import InvalidInputError, is_finite_number, is_int
 
 if TYPE_CHECKING:
     from prefixlab.cache.core import PrefixCacheCore
@@ -119,7 +118,7 @@ def check_policy_state(state: object, count: int) -> None:
     if not isinstance(state, dict) or state.get("version") != VERSION:
         raise ValueError(f"policy state version {state.get('version') if isinstance(state, dict) else state!r}")
     clock, next_id, nodes, weight = state["clock"], state["next_id"], state["nodes"], state["leaf_weight"]
-    if not (_count(clock) and _count(next_id) and _real(weight) and 0 < weight <= 1):
+    if not (_count(clock) and _count(next_id) and is_finite_number(weight) and 0 < weight <= 1):
         raise ValueError(f"policy state clock={clock!r}, next_id={next_id!r}, leaf_weight={weight!r}")
     if not isinstance(state["roots"], list) or not all(isinstance(r, list) and len(r) == 2 for r in state["roots"]):
         raise ValueError(f"policy state roots {state['roots']!r}")
@@ -127,9 +126,9 @@ def check_policy_state(state: object, count: int) -> None:
         raise ValueError(f"policy state of {len(nodes) if isinstance(nodes, list) else nodes!r} nodes for {count}")
     for record in nodes:
         last_access, resumes, resumed_at, efficiency = record  # (not a 4-list: ValueError, TypeError)
-        if not (_count(last_access) and last_access <= clock and _real(resumes) and resumes >= 0
+        if not (_count(last_access) and last_access <= clock and is_finite_number(resumes) and resumes >= 0
                 and _count(resumed_at) and resumed_at <= clock
-                and (efficiency is None or (_real(efficiency) and efficiency >= 0))):
+                and (efficiency is None or (is_finite_number(efficiency) and efficiency >= 0))):
             raise ValueError(f"policy state of a node {record!r}")
     if not (state["admission"] is None or isinstance(state["admission"], dict)):
         raise ValueError("policy state admission")
@@ -208,8 +207,4 @@ def _shape(node: Node) -> tuple:
 
 
 def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return is_int(value) and value >= 0
