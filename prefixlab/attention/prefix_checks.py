@@ -28,6 +28,10 @@ def check_prefix(config, attention: list[int], recurrent: list[int], keeps_recur
     if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):
         raise InvalidInputError("every layer's prefix keys and values must have one shape and one length")
     if lengths == {0}:  # nothing to load (a store miss): no states, no shapes to check
+        if conv_states or recurrent_states:  # (they would be dropped: the layers would start fresh, unlike asked)
+            raise InvalidInputError("conv_states / recurrent_states were given with a 0-token prefix, which has no "
+                                    "state after it: give them with the keys/values of the prefix they follow, or "
+                                    "none (the recurrent layers then start from fresh states)")
         return shaped, {}
     kv_shape, state_shapes = expected_shapes(config)
     _check_kv(shaped, kv_shape)
