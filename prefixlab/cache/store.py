@@ -93,7 +93,6 @@ class PrefixStore(ReuseCounts):
         # the cost reader first: where it refuses a model it says why in the family's terms (which config to use)
         self.spec = ModelSpec.from_config(model.config, dtype=model.dtype)
         self.layout = CacheLayout.from_config(model.config)
-        self.entry_shapes = EntryShapes(model.config, model.dtype)  # what admit() takes (cache/entry_shapes.py)
         # why its layers must stay patched, if so (a config of such a family may have no recurrent layer)
         self._patched_only = (STATE_DROPPING_MODEL_TYPES.get(getattr(model.config, "model_type", ""))
                               if self.layout.state_layers else None)
@@ -204,6 +203,7 @@ class PrefixStore(ReuseCounts):
         self.admit_limit = min(float("inf") if self.rope_limit is None else self.rope_limit - 1,
                                selection_limit(self.model.config) or float("inf"))
         self.identity = model_identity(self.model)
+        self.entry_shapes = EntryShapes(self.model.config, self.model.dtype)  # what admit() takes (the config's)
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
         return bool(self.core._live or (self.offload is not None and self.offload._live))
