@@ -4,7 +4,7 @@ other tokens than the model's). Each is refused with what to give instead, and l
 
 import pytest
 import torch
-from hf_models import build, generate, tokens
+from hf_models import FAMILIES, build, generate, tokens
 from test_refusals_unchanged import refused
 
 from prefixlab import HybridPrefixCache, PrefixStore
@@ -78,3 +78,22 @@ def test_the_models_own_kv_and_states_are_still_admitted(served):
     model, store, kv, state = served
     other = (PROMPT[0, :16] + 1).tolist()
     assert store.admit(other, lambda a, b: kv.split(a)[1].split(b - a)[0], {16: state})
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_familys_own_kv_and_states_are_admitted_into_a_new_store(family):
+    """The config's shapes and dtypes, with nothing learned yet, take what each family's model computes (Qwen4-Exp's
+    n-gram context is a state of token ids)."""
+    model = build(family)
+    store = PrefixStore(model, capacity="64MB", block_size=4)
+    generate(model, PROMPT, HybridPrefixCache(store))
+    match = store.match(PROMPT[0, :17].tolist())
+    kv, state, length = match.kv[0], match.state, match.length
+    for piece in match.kv[1:]:
+        kv = kv.concat(piece)
+    store.release(match)
+    store.close()
+    fresh = PrefixStore(model, capacity="64MB", block_size=4)
+    assert fresh.admit((PROMPT[0, :length] + 1).tolist(), lambda a, b: kv.split(a)[1].split(b - a)[0],
+                       {length: state} if state is not None else {})
+    fresh.close()

@@ -113,12 +113,16 @@ class EntryShapes:
         for kind in ("conv", "recurrent"):
             for key, tensor in getattr(state, kind).items():
                 where, shape = f"{name}'s {kind} state {key}", tuple(tensor.shape)
-                if not tensor.is_floating_point() or ((kind, key) not in self.seen
-                                                      and tensor.dtype not in (self.dtype, torch.float32)):
-                    self._refuse(f"{where} has dtype {tensor.dtype}; this model keeps its states in {self.dtype} "
-                                 "or torch.float32")
+                # a layer's first state is the one the config describes; others (Qwen4-Exp's n-gram context of
+                # token ids, its PLE states) are known by what the model computed only
+                first = key[1] == 0
+                kept = sorted({str(self.dtype), str(torch.float32)})
+                if first and (not tensor.is_floating_point() or ((kind, key) not in self.seen
+                                                                 and tensor.dtype not in (self.dtype, torch.float32))):
+                    self._refuse(f"{where} has dtype {tensor.dtype}; this model keeps its states in "
+                                 f"{' or '.join(kept)}")
                 wanted = self.conv if kind == "conv" else self.held
-                if key[1] == 0 and wanted is not None and (shape if kind == "conv" else math.prod(shape)) != wanted:
+                if first and wanted is not None and (shape if kind == "conv" else math.prod(shape)) != wanted:
                     self._refuse(f"{where} has shape {list(shape)}; this model's layers take "
                                  + (f"{list(wanted)}" if kind == "conv" else f"{wanted} values"))
                 self._check_seen((kind, key), where, shape, tensor.dtype)
