@@ -46,8 +46,9 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
     without a version counter (made under torch.inference_mode) and weights accelerate offloads to CPU memory
     (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
     their place in the offload files. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no
-    version there) or by torch.distributed collectives (`broadcast` into parameters), and adapters switched without
-    writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
+    version there) or by torch.distributed collectives (`broadcast` into parameters), in-place writes to part of a
+    sampled tensor that miss its samples (one embedding row of an inference-mode model), and adapters switched
+    without writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
     calls."""
     walk, values = kept.of(model) if kept is not None else (None, None)
     if values is None:  # (no walk kept, accelerate's hooks)
