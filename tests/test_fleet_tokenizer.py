@@ -1,6 +1,7 @@
 """`prefixlab run` with a transformers tokenizer: chat `messages` through its chat template, `text` as the tokenizer
 encodes it, the --model folder's own tokenizer by default; and what it refuses."""
 
+import hashlib
 import json
 
 import pytest
@@ -136,3 +137,48 @@ def test_a_tokenizer_json_the_tokenizers_library_cannot_read(tmp_path, capsys):
         PromptTokenizer(folder)
     assert prompt_tokenizer(None, str(folder)) is None
     assert "the model folder's tokenizer is not used" in capsys.readouterr().err
+
+
+def _written_before_tokenizer_digests(out, model_digest):
+    """OUT's records as a run before the --model folder's tokenizer was used by default wrote them: no tokenizer, so
+    no decoded `text`, and the model's digest alone."""
+    records = [{k: v for k, v in r.items() if k != "text"} | {"model": model_digest} for r in read_out(out)]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return out.read_bytes()
+
+
+def test_records_written_before_the_tokenizer_digests_are_resumed(capsys, tmp_path):
+    """A rerun refused the records of an OUT written before the output digest included the tokenizer ("made from
+    another prompt, max_new_tokens or model (or --tokenizer)"), although they are this run's: a --model folder's
+    tokenizer was then not used (records of input_ids prompts, no text: the same ids), a --tokenizer JSON file was
+    digested by its bytes alone."""
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(tiny_config("qwen3_5")).save_pretrained(str(folder))
+    tokenizer_folder(folder)
+    model_digest = loading.model_digest(loading.load_model(str(folder)))
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k, "input_ids": [5 + k, 6, 7, 8, 9]}) + "\n" for k in range(3)))
+    out = tmp_path / "out.jsonl"
+    command = ["run", prompts, "--model", folder, "--out", out, "--max-new-tokens", "2", "--json"]
+    assert main(command) == 0
+    capsys.readouterr()
+    before = _written_before_tokenizer_digests(out, model_digest)
+    assert main(command) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["resumed"] == 3 and summary["requests"] == 0 and out.read_bytes() == before
+
+    json_file = folder / "tokenizer.json"
+    texts = tmp_path / "text.jsonl"
+    texts.write_text(json.dumps({"id": 0, "text": "the library opens at nine"}) + "\n")
+    command = ["run", texts, "--model", folder, "--tokenizer", json_file, "--out", out, "--max-new-tokens", "2",
+               "--json"]
+    out.unlink()
+    assert main(command) == 0
+    capsys.readouterr()
+    old_digest = hashlib.sha256(model_digest.encode() + json_file.read_bytes()).hexdigest()[:16]
+    out.write_text("".join(json.dumps(r | {"model": old_digest}) + "\n" for r in read_out(out)))
+    assert main(command) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["resumed"] == 1

@@ -163,3 +163,19 @@ def test_the_expected_shapes_are_those_of_every_supported_models_own_cache(model
             conv, held = layer.conv_states.get(0), layer.recurrent_states.get(0)
             assert conv is None or tuple(conv.shape[1:]) == states[0]
             assert held is None or states[1] is None or math.prod(held.shape[1:]) == states[1]
+
+
+def test_states_given_with_an_empty_prefix_are_refused(loaded):
+    """A 0-token prefix has no state after it: states given with one were silently dropped (generate then ran the
+    recurrent layers from fresh states, not from the ones given); refused, the cache left empty and usable."""
+    standard, hydragen, prompt, tensors = loaded
+    if not tensors["conv_states"]:
+        pytest.skip(f"{type(standard).__name__} has no recurrent layer")
+    empty = {kind: {i: t[..., :0, :] for i, t in tensors[kind].items()} for kind in ("keys", "values")}
+    cache = HydragenCache(hydragen.config)
+    with pytest.raises(InvalidInputError, match="0-token prefix"):
+        cache.load_shared_prefix(**tensors | empty, batch_size=2)
+    _assert_empty_then_usable(cache, standard, hydragen, prompt, tensors)
+    cache = HydragenCache(hydragen.config)  # (without states: a miss, as before)
+    cache.load_shared_prefix(**empty, batch_size=2)
+    assert cache.get_seq_length() == 0

@@ -10,35 +10,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from prefixlab.cache.hfspec import spec_from_config
-from prefixlab.errors import InvalidInputError, UnsupportedModelError, is_int
-
-# per sequence, from a cost-model state group's dims: ((conv channels, conv kernel), recurrent state elements or
-# None where the layer keeps no recurrent state); the state kinds a HydragenCache serves (transformers 5.23's shapes)
-_STATE_SHAPES = {
-    "mamba2": lambda d: ((d["heads"] * d["head_dim"] + 2 * d["groups"] * d["state_size"], d["conv_kernel"]),
-                         d["heads"] * d["head_dim"] * d["state_size"]),
-    "mamba": lambda d: ((d["d_inner"], d["conv_kernel"]), d["d_inner"] * d["state_size"]),
-    "gated_deltanet": lambda d: ((2 * d["k_heads"] * d["head_k_dim"] + d["v_heads"] * d["head_v_dim"],
-                                  d["conv_kernel"]), d["v_heads"] * d["head_k_dim"] * d["head_v_dim"]),
-    "short_conv": lambda d: ((d["hidden"], d["conv_kernel"]), None),
-}
-
-
-def expected_shapes(config) -> tuple[tuple[int, int] | None, tuple[tuple[int, int], int | None] | None]:
-    """((kv_heads, head_dim) of the attention layers, ((conv channels, kernel), recurrent elements) of a recurrent
-    layer's states per sequence), read from the config as the cost model reads it; None where the config does not
-    say one shape for all (a model type it does not know, several kinds, a kind not in _STATE_SHAPES)."""
-    try:  # (shapes do not depend on the dtype; a config the cost model cannot read leaves them unchecked)
-        groups = spec_from_config(config, torch.float32).layers
-    except (UnsupportedModelError, InvalidInputError):
-        return None, None
-    attention = {(d["kv_heads"], d["head_dim"]) for d in (dict(g.dims) for g in groups if g.kind == "attention")
-                 if "kv_heads" in d}
-    states = {_STATE_SHAPES[g.kind](dict(g.dims)) for g in groups if g.kind in _STATE_SHAPES}
-    other_states = any(g.state_bytes and g.kind not in _STATE_SHAPES for g in groups)
-    return (attention.pop() if len(attention) == 1 else None,
-            states.pop() if len(states) == 1 and not other_states else None)
+from prefixlab.cache.entry_shapes import expected_shapes
+from prefixlab.errors import InvalidInputError, is_int
 
 
 def check_prefix(config, attention: list[int], recurrent: list[int], keeps_recurrent_state: bool, keys, values,
@@ -55,6 +28,10 @@ def check_prefix(config, attention: list[int], recurrent: list[int], keeps_recur
     if len(lengths) != 1 or any(k.shape != v.shape for k, v in shaped.values()):
         raise InvalidInputError("every layer's prefix keys and values must have one shape and one length")
     if lengths == {0}:  # nothing to load (a store miss): no states, no shapes to check
+        if conv_states or recurrent_states:  # (they would be dropped: the layers would start fresh, unlike asked)
+            raise InvalidInputError("conv_states / recurrent_states were given with a 0-token prefix, which has no "
+                                    "state after it: give them with the keys/values of the prefix they follow, or "
+                                    "none (the recurrent layers then start from fresh states)")
         return shaped, {}
     kv_shape, state_shapes = expected_shapes(config)
     _check_kv(shaped, kv_shape)

@@ -60,7 +60,8 @@ class RequestCommit:
             states = row_states(snapshots, self._row_captured, row, pad, stop)
             check_held_states(states, self.store.layout)
             kv = row_kv(self.layers, self.store.layout, row, pad)
-            self._report.add_admission(self.store.admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace))
+            self._report.add_admission(self.store._admit(tokens[row, pad:stop].numpy(), kv, states, self.namespace,
+                                                          computed=True))
         offered = end - self._committed
         self._committed = end
         return offered

@@ -25,7 +25,8 @@ import torch
 from prefixlab.cache.core import PrefixCacheCore
 from prefixlab.cache.costmodel import ModelSpec
 from prefixlab.cache.defaults import check_store_arguments, default_for, normalize_option, register, unregister
-from prefixlab.cache.devices import execution_device
+from prefixlab.cache.devices import execution_device, layer_devices
+from prefixlab.cache.entry_shapes import EntryShapes
 from prefixlab.cache.explain import why
 from prefixlab.cache.hfspec import selection_limit
 from prefixlab.cache.hooks import attach
@@ -49,9 +50,6 @@ from prefixlab.cache.sharing import serialized
 from prefixlab.cache.tensors import (
     TensorKV,
     TensorState,
-    check_kv,
-    check_state,
-    owning_kv,
     owning_state,
     spill_evictions,
 )
@@ -205,6 +203,7 @@ class PrefixStore(ReuseCounts):
         self.admit_limit = min(float("inf") if self.rope_limit is None else self.rope_limit - 1,
                                selection_limit(self.model.config) or float("inf"))
         self.identity = model_identity(self.model)
+        self.entry_shapes = EntryShapes(self.model.config, self.model.dtype)  # what admit() takes (the config's)
 
     def _requests_running(self) -> bool:  # some request holds a match (a live lookup) in either tier
         return bool(self.core._live or (self.offload is not None and self.offload._live))
@@ -320,7 +319,14 @@ class PrefixStore(ReuseCounts):
               namespace: str = "default"):
         """Offer a sequence, its KV (by token range) and states at some positions to the admission policy.
         Returns the core's Admission (new tokens and states stored), falsy (with a warning: the request ran, its
-        entry is not stored) when the budget cannot hold it."""
+        entry is not stored) when the budget cannot hold it. Tensors of other shapes, dtypes or devices than the
+        model computes are refused (InvalidInputError; cache/entry_shapes.py)."""
+        return self._admit(tokens, kv, states, namespace, computed=False)
+
+    @serialized
+    def _admit(self, tokens, kv, states, namespace: str, computed: bool):
+        """`admit`; `computed`: the model computed these tensors (a HybridPrefixCache's commit): they set the shapes
+        others are checked against."""
         if not callable(kv):
             raise InvalidInputError(f"kv must be a callable (start, end) -> TensorKV, got {kv!r}")
         tokens = as_tokens(tokens)  # (len() of what is no sequence: a raw TypeError)
@@ -329,13 +335,10 @@ class PrefixStore(ReuseCounts):
                                     f"{self.admit_limit} otherwise in forwards of other lengths (store.admit_limit); "
                                     "admit at most that many")
         states = as_states(states)
-        for position, state in states.items():  # (before anything changes; the KV as the core asks for it)
-            check_state(state, self.layout, f"states[{position}]")
-        # each tensor in storage of its own: a view would keep a whole batch or kernel output alive past the budget
-        admitted = self.core.admit(
-            tokens, kv=lambda a, b: owning_kv(check_kv(kv(a, b), self.layout, self.dtype)),
-            states={position: owning_state(state) for position, state in states.items()},
-            namespace=namespace)
+        devices = {} if computed else layer_devices(self.model, self.walk)
+        checked = self.entry_shapes.reader(kv, states, self.layout, devices, self.device, computed)
+        admitted = self.core.admit(tokens, kv=checked, namespace=namespace,
+                                   states={position: owning_state(state) for position, state in states.items()})
         if not admitted:
             warnings.warn(
                 f"PrefixStore: a {len(tokens)}-token entry does not fit in capacity={self.capacity_bytes} bytes "

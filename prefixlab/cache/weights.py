@@ -14,6 +14,9 @@ from prefixlab.cache.devices import accelerate_hooks
 from prefixlab.cache.walk import KeptWalk, at
 
 _VERSION = operator.attrgetter("_version")
+_DICT = operator.attrgetter("__dict__")
+_SERIAL = "_prefixlab_serial"  # (the attribute holding a parameter's own number: _serials)
+_next_serial = itertools.count(1)
 
 # the optimizer step (a process-wide count) after which each parameter, by id, was last stepped: fused optimizers
 # (torch's `fused=True` Adam / AdamW / SGD / Adagrad, HF Trainer's default) write weights without a version count
@@ -38,13 +41,14 @@ def watch_optimizer_steps() -> None:
 def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tuple:
     """Changes whenever a parameter is written in place (an optimizer step, fused or not, load_state_dict), replaced,
     or given new storage (`param.data = ...`, moved to another device): each one's identity, version counter,
-    storage address and last torch optimizer step (watch_optimizer_steps).
+    storage address, last torch optimizer step (watch_optimizer_steps) and own number (_serials).
     Buffers, which models rewrite in place with the same values (longrope's inv_freq at every forward), parameters
     without a version counter (made under torch.inference_mode) and weights accelerate offloads to CPU memory
     (meta tensors in the model between forwards) count by a sample of their values, those it offloads to disk by
     their place in the offload files. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no
-    version there) or by torch.distributed collectives (`broadcast` into parameters), and adapters switched without
-    writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
+    version there) or by torch.distributed collectives (`broadcast` into parameters), in-place writes to part of a
+    sampled tensor that miss its samples (one embedding row of an inference-mode model), and adapters switched
+    without writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
     calls."""
     walk, values = kept.of(model) if kept is not None else (None, None)
     if values is None:  # (no walk kept, accelerate's hooks)
@@ -55,12 +59,13 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
     try:  # (maps: a model's hundreds of parameters are read at each request)
         ids = tuple(map(id, params))
         versioned, sampled = (ids, tuple(map(_VERSION, params)), tuple(map(torch.Tensor.data_ptr, params)),
-                              tuple(map(_STEPPED_AT.get, ids))), list(buffers)
+                              tuple(map(_STEPPED_AT.get, ids)), _serials(params)), list(buffers)
     except RuntimeError:  # an inference tensor, which has no version counter: count it by its values
         versioned, sampled = [], list(buffers)
         for param in params:
             try:
-                versioned.append((id(param), param._version, param.data_ptr(), _STEPPED_AT.get(id(param))))
+                versioned.append((id(param), param._version, param.data_ptr(), _STEPPED_AT.get(id(param)),
+                                  _serials([param])))
             except RuntimeError:
                 sampled.append(param)
     on_disk = tuple(value for value in offloaded if isinstance(value, tuple))
@@ -68,6 +73,21 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
     offloaded = [value for value in offloaded if not isinstance(value, tuple)]
     return (tuple(versioned), tuple(id(tensor) for tensor in sampled), _value_samples(sampled + offloaded),
             on_disk)
+
+
+def _serials(params: list[torch.Tensor]) -> tuple:
+    """Each parameter's own number, given the first time it is read here: a parameter replaced by a new object has
+    none of the old one's even where it reuses the old one's id, storage address and version count (CPython and the
+    allocators hand freed memory to what is made next: `module.weight = None; module.weight = nn.Parameter(...)`;
+    torch.utils.swap_tensors keeps the object and swaps its __dict__). Plain nn.Parameters only: accelerate rebuilds
+    bitsandbytes' parameter classes with their __dict__ as constructor arguments."""
+    found = tuple(map(dict.get, map(_DICT, params), itertools.repeat(_SERIAL)))
+    if None in found:
+        for param, serial in zip(params, found, strict=True):
+            if serial is None and type(param) is torch.nn.Parameter:
+                param.__dict__[_SERIAL] = next(_next_serial)
+        found = tuple(map(dict.get, map(_DICT, params), itertools.repeat(_SERIAL)))
+    return found
 
 
 def rope_types(module: torch.nn.Module) -> list[tuple[str | None, str]]:

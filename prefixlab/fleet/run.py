@@ -48,13 +48,31 @@ def _output_digest(model_digest: str, tokenizer: PromptTokenizer | None) -> str:
     return hashlib.sha256(model_digest.encode() + tokenizer.digest()).hexdigest()[:16]
 
 
-def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str) -> None:
+def _earlier_digests(model_digest: str, tokenizer: PromptTokenizer | None) -> dict[str, bool]:
+    """{digest: whether only records without `text` may carry it} for the records earlier versions wrote as this run
+    writes them: before a tokenizer was digested by its files (and a --model folder's used by default), a run without
+    one wrote the model's digest alone (records of input_ids prompts, no `text`: their ids are what any run of this
+    model makes of them), a run with a tokenizers JSON file the digest of the model and the file's bytes."""
+    earlier = {model_digest: True}
+    if tokenizer is not None and tokenizer.path.is_file():
+        earlier[hashlib.sha256(model_digest.encode() + tokenizer.path.read_bytes()).hexdigest()[:16]] = False
+    return earlier
+
+
+def _check_resumed(out: Path, prompts: list, done: dict, model_digest: str | None,
+                   earlier: dict[str, bool] | None = None) -> None:
     """Records already in OUT must come from this run's prompts, model and tokenizer: a rerun keeps them, so a changed
     prompt, max_new_tokens, model or tokenizer would leave stale outputs behind (records written before fingerprints
-    pass)."""
+    pass; those earlier versions digested otherwise pass by `earlier`, _earlier_digests)."""
+    earlier = earlier or {}
+
+    def other_model(record: dict) -> bool:
+        made = record.get("model", model_digest)
+        return made != model_digest and not (made in earlier and not (earlier[made] and "text" in record))
+
     changed = [p.id for p in prompts if p.id in done and (done[p.id].get("request", p.fingerprint) != p.fingerprint
                                                           or model_digest is not None  # (None: --plan, no weights)
-                                                          and done[p.id].get("model", model_digest) != model_digest)]
+                                                          and other_model(done[p.id]))]
     if changed:
         raise InvalidInputError(
             f"{out}: {len(changed)} finished records were made from another prompt, max_new_tokens or model (or "
@@ -117,7 +135,7 @@ def run_batch(args: argparse.Namespace) -> dict | None:
         try:
             outputs.claim(out)  # held until the merge (run() lets go of it whatever happens)
             done = outputs.finished(out)
-            _check_resumed(out, prompts, done, digest)
+            _check_resumed(out, prompts, done, digest, _earlier_digests(digests[0], tokenizer))
             pending = [p.index for p in prompts if p.id not in done]
             plan = [len(prompts) - len(pending), assign_pending(prompts, pending, processes, args, store_model)[0]]
         except InvalidInputError as err:  # sent as the plan: the others wait for it (else they die of a dead peer)
