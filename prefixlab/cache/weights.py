@@ -48,8 +48,8 @@ def weights_version(model: torch.nn.Module, kept: KeptWalk | None = None) -> tup
     their place in the offload files. Not seen: writes through `.data` (`param.data.copy_(...)`: autograd counts no
     version there) or by torch.distributed collectives (`broadcast` into parameters), in-place writes to part of a
     sampled tensor that miss its samples (one embedding row of an inference-mode model), and adapters switched
-    without writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept between
-    calls."""
+    without writing weights (PEFT's disable_adapter): call store.clear() after those. `kept`: the model's walk kept
+    between calls."""
     walk, values = kept.of(model) if kept is not None else (None, None)
     if values is None:  # (no walk kept, accelerate's hooks)
         params, buffers, offloaded = _tensors(model)
