@@ -96,6 +96,23 @@ def test_a_store_loaded_with_another_budget_re_admits(model, saved):
     loaded.close(), as_saved.close()
 
 
+def test_a_store_saved_over_its_budget_loads_without_overflow(model, tmp_path):
+    """overflow=True kept a store over its budget; loaded without it (the option is not saved) the device tier is
+    re-admitted to fit, as with another budget (it was refused as a corrupt file); with it, rebuilt as saved."""
+    store = PrefixStore(model, **(OPTIONS | {"capacity": 20_000, "offload_capacity": None}), overflow=True)
+    serve(model, store, stream(4, 12))
+    store.flush()
+    assert store.stats()["used_bytes"] > store.capacity_bytes and store.core.bootstrap is None
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    with pytest.warns(RuntimeWarning, match="refused or evicted while loading"):
+        fitted = PrefixStore.load(path, model, tuning_lag_requests=0)
+    assert 0 < fitted.stats()["used_bytes"] <= fitted.capacity_bytes and fitted.core.admission.law.seen == 0
+    as_saved = PrefixStore.load(path, model, tuning_lag_requests=0, overflow=True)
+    assert tier_state(as_saved.core) == tier_state(store.core)
+    store.close(), fitted.close(), as_saved.close()
+
+
 def device(header) -> dict:
     return header["policy_state"]["device"]
 
