@@ -96,6 +96,25 @@ def test_a_store_loaded_with_another_budget_re_admits(model, saved):
     loaded.close(), as_saved.close()
 
 
+def test_a_namespace_one_tier_lacks_loads_node_for_node(model, tmp_path):
+    """The device tier evicted every "default" entry to the host tier: the load's count of the entries it dropped
+    walked the device tier in that namespace, and each walk of a namespace without a root takes a node id (the ids
+    of every node added after the load were 2 above the saved store's)."""
+    store = PrefixStore(model, **OPTIONS)
+    for i, prompt in enumerate(stream(4, 30)):
+        generate(model, prompt, store, ("default", "tenant-a")[i % 2])
+    store.flush()
+    assert "default" not in store.core.tree.roots and "default" in store.offload.tree.roots
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    loaded = PrefixStore.load(path, model, tuning_lag_requests=0)
+    for tier in ("core", "offload"):
+        saved_tree, loaded_tree = getattr(store, tier).tree, getattr(loaded, tier).tree
+        assert tier_state(getattr(loaded, tier)) == tier_state(getattr(store, tier)), tier
+        assert loaded_tree._next_id == saved_tree._next_id, tier
+    store.close(), loaded.close()
+
+
 def test_a_store_saved_over_its_budget_loads_without_overflow(model, tmp_path):
     """overflow=True kept a store over its budget; loaded without it (the option is not saved) the device tier is
     re-admitted to fit, as with another budget (it was refused as a corrupt file); with it, rebuilt as saved."""

@@ -61,8 +61,11 @@ def admit_entries(store: PrefixStore, entries: dict[str, list[tuple]], rebuilt: 
             core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
                        states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
         restore_marks(core, tier_entries)
+    # (a tier without the namespace is not asked: walking a namespace without a root takes a node id, and a tier
+    # rebuilt as saved would then number its next nodes otherwise than the saved one)
     tiers = [core for core in (store.core, store.offload) if core is not None]
-    return sum(not any(core.peek(tokens, namespace)[1] == len(tokens) for core in tiers)
+    return sum(not any(namespace in core.tree.roots and core.peek(tokens, namespace)[1] == len(tokens)
+                       for core in tiers)
                for tier_entries in entries.values() for tokens, _, _, namespace, _ in tier_entries)
 
 
