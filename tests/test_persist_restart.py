@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from hf_models import build
+from hf_models import build, cache_argument
 from persist_helpers import FAMILY, assert_refused_untouched, generate, safetensors_header, stream, write_store_file
 from safetensors.torch import load_file
 
-from prefixlab import PrefixStore
+from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.restore import preorder
 from prefixlab.errors import CorruptStoreError
 
@@ -173,3 +173,37 @@ def test_a_damaged_policy_state_is_refused_whatever_the_load_options(model, save
     write_store_file(copied, tensors, header)
     with pytest.raises(CorruptStoreError, match=copied.name):
         PrefixStore.load(copied, model, capacity=capacity)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "llama", "mamba2"])
+def test_a_store_loaded_as_saved_computes_what_the_model_alone_does(family, tmp_path):
+    """GatedDeltaNet, Mamba2 hybrids, a KV-only tree (single-child nodes merged) and a recurrent-only model: the
+    rebuilt store reuses as the saved one and its outputs are the model's own (greedy tokens, fp32 scores)."""
+    model = build(family)
+    store = PrefixStore(model, **(OPTIONS | {"offload_capacity": None}))
+    prompts = stream(4, 24)
+    for prompt in prompts:
+        scored(model, prompt, store)
+    store.flush()
+    assert store.core.bootstrap is None and store.core.evictions > 0
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    loaded = PrefixStore.load(path, model, tuning_lag_requests=0)
+    assert tier_state(loaded.core) == tier_state(store.core)
+    again = [torch.cat([prompt, prompt[:, :3]], 1) for prompt in prompts[-8:]]  # (held prefixes: hits)
+    served = [scored(model, prompt, loaded) for prompt in again]
+    assert [reused for *_, reused in served] == [scored(model, prompt, store)[2] for prompt in again]
+    assert sum(reused for *_, reused in served) > 0
+    for (tokens, scores, _), prompt in zip(served, again, strict=True):
+        alone, alone_scores, _ = scored(model, prompt)
+        assert torch.equal(tokens, alone)
+        assert max((a - b).abs().max().item() for a, b in zip(scores, alone_scores, strict=True)) <= 1e-5
+    store.close(), loaded.close()
+
+
+def scored(model, prompt, store=None) -> tuple:
+    """(greedy tokens, per-step fp32 scores, reused tokens) of a generate() through `store`, or the model alone."""
+    cache = {} if store is None else {cache_argument(model): HybridPrefixCache(store)}
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True, **cache)
+    return out.sequences, out.scores, next(iter(cache.values())).reused_tokens if cache else 0
