@@ -218,4 +218,6 @@ def _efficiency(value: object) -> bool:
 
 
 def _count(value: object) -> bool:
-    return is_int(value) and value >= 0
+    """A saved clock, id, time or position: an int from 0 to 2**53 (the clock's ages are computed as floats; a
+    larger one fails every request after the load)."""
+    return is_int(value) and 0 <= value <= 2**53
