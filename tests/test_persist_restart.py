@@ -6,11 +6,11 @@ import json
 
 import pytest
 import torch
-from hf_models import build
+from hf_models import build, cache_argument
 from persist_helpers import FAMILY, assert_refused_untouched, generate, safetensors_header, stream, write_store_file
 from safetensors.torch import load_file
 
-from prefixlab import PrefixStore
+from prefixlab import HybridPrefixCache, PrefixStore
 from prefixlab.cache.restore import preorder
 from prefixlab.errors import CorruptStoreError
 
@@ -96,6 +96,42 @@ def test_a_store_loaded_with_another_budget_re_admits(model, saved):
     loaded.close(), as_saved.close()
 
 
+def test_a_namespace_one_tier_lacks_loads_node_for_node(model, tmp_path):
+    """The device tier evicted every "default" entry to the host tier: the load's count of the entries it dropped
+    walked the device tier in that namespace, and each walk of a namespace without a root takes a node id (the ids
+    of every node added after the load were 2 above the saved store's)."""
+    store = PrefixStore(model, **OPTIONS)
+    for i, prompt in enumerate(stream(4, 30)):
+        generate(model, prompt, store, ("default", "tenant-a")[i % 2])
+    store.flush()
+    assert "default" not in store.core.tree.roots and "default" in store.offload.tree.roots
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    loaded = PrefixStore.load(path, model, tuning_lag_requests=0)
+    for tier in ("core", "offload"):
+        saved_tree, loaded_tree = getattr(store, tier).tree, getattr(loaded, tier).tree
+        assert tier_state(getattr(loaded, tier)) == tier_state(getattr(store, tier)), tier
+        assert loaded_tree._next_id == saved_tree._next_id, tier
+    store.close(), loaded.close()
+
+
+def test_a_store_saved_over_its_budget_loads_without_overflow(model, tmp_path):
+    """overflow=True kept a store over its budget; loaded without it (the option is not saved) the device tier is
+    re-admitted to fit, as with another budget (it was refused as a corrupt file); with it, rebuilt as saved."""
+    store = PrefixStore(model, **(OPTIONS | {"capacity": 20_000, "offload_capacity": None}), overflow=True)
+    serve(model, store, stream(4, 12))
+    store.flush()
+    assert store.stats()["used_bytes"] > store.capacity_bytes and store.core.bootstrap is None
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    with pytest.warns(RuntimeWarning, match="refused or evicted while loading"):
+        fitted = PrefixStore.load(path, model, tuning_lag_requests=0)
+    assert 0 < fitted.stats()["used_bytes"] <= fitted.capacity_bytes and fitted.core.admission.law.seen == 0
+    as_saved = PrefixStore.load(path, model, tuning_lag_requests=0, overflow=True)
+    assert tier_state(as_saved.core) == tier_state(store.core)
+    store.close(), fitted.close(), as_saved.close()
+
+
 def device(header) -> dict:
     return header["policy_state"]["device"]
 
@@ -137,3 +173,37 @@ def test_a_damaged_policy_state_is_refused_whatever_the_load_options(model, save
     write_store_file(copied, tensors, header)
     with pytest.raises(CorruptStoreError, match=copied.name):
         PrefixStore.load(copied, model, capacity=capacity)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "llama", "mamba2"])
+def test_a_store_loaded_as_saved_computes_what_the_model_alone_does(family, tmp_path):
+    """GatedDeltaNet, Mamba2 hybrids, a KV-only tree (single-child nodes merged) and a recurrent-only model: the
+    rebuilt store reuses as the saved one and its outputs are the model's own (greedy tokens, fp32 scores)."""
+    model = build(family)
+    store = PrefixStore(model, **(OPTIONS | {"offload_capacity": None}))
+    prompts = stream(4, 24)
+    for prompt in prompts:
+        scored(model, prompt, store)
+    store.flush()
+    assert store.core.bootstrap is None and store.core.evictions > 0
+    path = tmp_path / "store.safetensors"
+    store.save(path)
+    loaded = PrefixStore.load(path, model, tuning_lag_requests=0)
+    assert tier_state(loaded.core) == tier_state(store.core)
+    again = [torch.cat([prompt, prompt[:, :3]], 1) for prompt in prompts[-8:]]  # (held prefixes: hits)
+    served = [scored(model, prompt, loaded) for prompt in again]
+    assert [reused for *_, reused in served] == [scored(model, prompt, store)[2] for prompt in again]
+    assert sum(reused for *_, reused in served) > 0
+    for (tokens, scores, _), prompt in zip(served, again, strict=True):
+        alone, alone_scores, _ = scored(model, prompt)
+        assert torch.equal(tokens, alone)
+        assert max((a - b).abs().max().item() for a, b in zip(scores, alone_scores, strict=True)) <= 1e-5
+    store.close(), loaded.close()
+
+
+def scored(model, prompt, store=None) -> tuple:
+    """(greedy tokens, per-step fp32 scores, reused tokens) of a generate() through `store`, or the model alone."""
+    cache = {} if store is None else {cache_argument(model): HybridPrefixCache(store)}
+    out = model.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True,
+                         return_dict_in_generate=True, **cache)
+    return out.sequences, out.scores, next(iter(cache.values())).reused_tokens if cache else 0

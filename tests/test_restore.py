@@ -89,9 +89,11 @@ def test_no_policy_state_while_alpha_is_still_to_be_tuned():
 DAMAGES = {
     "version": lambda s: s.update(version=2),
     "clock": lambda s: s.update(clock=-1),
+    "a clock past any float": lambda s: s.update(clock=10**400),  # (accepted, then every request: OverflowError)
     "a last access after the clock": lambda s: s["nodes"][0].__setitem__(0, s["clock"] + 1),
     "a node too few": lambda s: s["nodes"].pop(),
     "a NaN efficiency": lambda s: s["nodes"][0].__setitem__(3, math.nan),
+    "a cached efficiency's shape without its leaf flag": lambda s: s["nodes"][0].__setitem__(3, [0, 4, 1, 4, 0.5]),
     "negative resumes": lambda s: s["nodes"][0].__setitem__(1, -1.0),
     "leaf weight": lambda s: s.update(leaf_weight=1.5),
     "next id": lambda s: s.update(next_id=0),

@@ -26,7 +26,8 @@ the same per byte of cached entries, at save and at load.
 Restart. A tier loaded as it was saved (policy, block size, its capacity, no `alpha=`) with a policy state is
 rebuilt as it was, node for node, and serves on exactly as the saved store would have (cache/restore.py; the
 `policy_state` of the header). Otherwise (files from before the policy state, other options, a tier saved while
-tuning alpha) every saved leaf's path is re-admitted, which keeps the entries but not how the policy weighs them.
+tuning alpha, or holding more than the loaded budget: saved with overflow=True, loaded without) every saved leaf's
+path is re-admitted, which keeps the entries but not how the policy weighs them.
 
 Atomic writes. `save` writes a temporary file beside the target, fsyncs it and renames it over the target, so a
 failure or crash mid-write leaves the previous file intact (a killed process: its `.NAME.*.tmp`, to delete).

@@ -52,7 +52,7 @@ def admit_entries(store: PrefixStore, entries: dict[str, list[tuple]], rebuilt: 
     for tier, tier_entries in entries.items():
         core = store.offload if tier == "host" and store.offload is not None else store.core
         device, pin = (store.device, False) if core is store.core else ("cpu", torch.cuda.is_available())
-        if tier in rebuilt:
+        if tier in rebuilt and _fits(core, rebuilt[tier][0]):
             _rebuild(store, core, *rebuilt[tier], (device, pin, shapes))
             continue
         for tokens, kv, states, namespace, _ in tier_entries:
@@ -61,8 +61,11 @@ def admit_entries(store: PrefixStore, entries: dict[str, list[tuple]], rebuilt: 
             core.admit(tokens, kv=_moved(kv, device, pin, store, shapes),
                        states={p: s.to(device, pin) for p, s in states.items()}, namespace=namespace, restore=True)
         restore_marks(core, tier_entries)
+    # (a tier without the namespace is not asked: walking a namespace without a root takes a node id, and a tier
+    # rebuilt as saved would then number its next nodes otherwise than the saved one)
     tiers = [core for core in (store.core, store.offload) if core is not None]
-    return sum(not any(core.peek(tokens, namespace)[1] == len(tokens) for core in tiers)
+    return sum(not any(namespace in core.tree.roots and core.peek(tokens, namespace)[1] == len(tokens)
+                       for core in tiers)
                for tier_entries in entries.values() for tokens, _, _, namespace, _ in tier_entries)
 
 
@@ -80,6 +83,13 @@ def saved_nodes(path: Path, nodes: list[dict], tensors: dict[str, torch.Tensor],
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptStoreError(f"the {tier} tier of {path} is inconsistent ({err}); save the store again") from None
     return found
+
+
+def _fits(core: PrefixCacheCore, nodes: list[SavedNode]) -> bool:
+    """Whether the saved nodes fit the core's budget as it is loaded: a store saved with overflow=True (not saved
+    with the file) can hold more, and is then re-admitted to fit, as under another budget."""
+    held = sum(node.kv.nbytes + sum(state.nbytes for _, state in node.checkpoints) for node in nodes)
+    return core.overflow or held <= core.capacity_bytes
 
 
 def _rebuild(store: PrefixStore, core: PrefixCacheCore, nodes: list[SavedNode], state: dict, placed: tuple) -> None:

@@ -9,7 +9,8 @@ points of token hit rate that way. What the policy weighs, all of it saved here:
   branch's eviction left apart, and turn their end states into in-edge states that thinning values otherwise;
 - each node's last access and the core's clock (recency), its recent resumes (dp's boost of a branch point in use)
   and the efficiency its eviction index holds (dp values in-edge states with the law as it was when they were
-  indexed, not as it is now);
+  indexed, not as it is now), with the shape it was computed for where the node has another now (a node out of the
+  index keeps it, and takes it back if it returns to that shape);
 - dp's admission: its overlap laws (histograms, counts, the solutions kept for the current epoch), the entries'
   kinds and the stints under way (the leaf weight), and the eviction's current leaf weight.
 Measured (the same benchmark, the load re-admitting, then rebuilt with parts of this state left out): the tree's
@@ -71,9 +72,12 @@ def policy_state(core: PrefixCacheCore, nodes: list[Node]) -> dict | None:
     eviction, ids = core.eviction, {node.id for node in nodes}
     shapes = getattr(eviction, "_shapes", {})
 
-    def efficiency(node: Node) -> float | None:  # the index's, where it holds one for the node's shape as it is
+    def efficiency(node: Node) -> float | list | None:  # the index's: for the node's shape as it is, or with the
+        # shape it was computed for (a node out of the index keeps it, and takes it back if it returns to that shape)
         cached = shapes.get(node.id)
-        return cached[1] if cached is not None and cached[0] == _shape(node) else None
+        if cached is None:
+            return None
+        return cached[1] if cached[0] == _shape(node) else [*cached[0], cached[1]]
 
     state = {"version": VERSION, "clock": core.clock, "next_id": core.tree._next_id,
              "roots": [[namespace, root.id] for namespace, root in core.tree.roots.items()],
@@ -128,7 +132,9 @@ def check_policy_state(state: object, count: int) -> None:
         last_access, resumes, resumed_at, efficiency = record  # (not a 4-list: ValueError, TypeError)
         if not (_count(last_access) and last_access <= clock and is_finite_number(resumes) and resumes >= 0
                 and _count(resumed_at) and resumed_at <= clock
-                and (efficiency is None or (is_finite_number(efficiency) and efficiency >= 0))):
+                and (efficiency is None or _efficiency(efficiency) or (
+                    isinstance(efficiency, list) and len(efficiency) == 6 and all(map(_count, efficiency[:4]))
+                    and isinstance(efficiency[4], bool) and _efficiency(efficiency[5])))):
             raise ValueError(f"policy state of a node {record!r}")
     if not (state["admission"] is None or isinstance(state["admission"], dict)):
         raise ValueError("policy state admission")
@@ -191,8 +197,9 @@ def rebuild(core: PrefixCacheCore, nodes: list[SavedNode], state: dict) -> None:
         eviction.leaf_weight = state["leaf_weight"]
     shapes = getattr(eviction, "_shapes", None)
     for node, (*_, efficiency) in zip(built.values(), state["nodes"], strict=True):
-        if shapes is not None and efficiency is not None:
-            shapes[node.id] = (_shape(node), efficiency)  # (update takes the cached efficiency of this shape)
+        if shapes is not None and efficiency is not None:  # (update takes the cached efficiency of this shape)
+            shapes[node.id] = (tuple(efficiency[:5]), efficiency[5]) if isinstance(efficiency, list) else (
+                _shape(node), efficiency)
         eviction.update(node)
 
 
@@ -206,5 +213,11 @@ def _shape(node: Node) -> tuple:
     return node.start, len(node.tokens), len(positions), positions[-1] if positions else 0, not node.children
 
 
+def _efficiency(value: object) -> bool:
+    return is_finite_number(value) and value >= 0
+
+
 def _count(value: object) -> bool:
-    return is_int(value) and value >= 0
+    """A saved clock, id, time or position: an int from 0 to 2**53 (the clock's ages are computed as floats; a
+    larger one fails every request after the load)."""
+    return is_int(value) and 0 <= value <= 2**53
