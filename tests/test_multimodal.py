@@ -374,3 +374,20 @@ def test_an_image_fed_as_a_one_token_forward_is_never_reused_for_another_image(m
     assert match.length <= column  # the placeholder id itself was never admitted
     store.release(match)
     store.close()
+
+
+def test_a_new_prompt_with_text_where_a_used_cache_holds_an_image_is_refused(model):
+    """generate() over a used cache checks that the input starts with the tokens it holds; a held image's content
+    keys matched any token, so a new prompt spelling text in the image's columns passed, and generate ran its tail on
+    the old image's KV. A key now stands only for a placeholder id in the input."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    cache = HybridPrefixCache(store)
+    first = model.generate(**image_inputs(prompt, 1), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           past_key_values=cache)
+    other = first.clone()
+    other[0, prompt.index(IMAGE): prompt.index(END)] = torch.tensor([40, 41, 42, 43])  # text in the image's columns
+    other = torch.cat([other, torch.tensor([[50, 51]])], dim=1)
+    with pytest.raises(InvalidInputError, match="per request"):
+        model.generate(input_ids=other, max_new_tokens=3, do_sample=False, pad_token_id=0, past_key_values=cache)
+    store.close()
