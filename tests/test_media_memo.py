@@ -118,3 +118,24 @@ def test_a_model_in_training_mode_encodes_every_image_again(model):
         model.eval()
         hook.remove()
         store.close()
+
+
+def test_an_image_encoded_under_autocast_is_not_served_to_a_forward_without_it(model):
+    """Before: the memo's key held the pixels and weights but not the precision the vision tower ran in, so an image
+    encoded under torch.autocast (a forward the patched layers then refused: the encoder runs first) was kept as bf16
+    features and handed to the next forward in float32, whose logits moved by bf16 rounding. Now a call under
+    autocast is not memoized, and the matmul precision settings are part of the key."""
+    from prefixlab.errors import InvalidInputError
+
+    clean = build_model()
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    try:
+        with torch.no_grad():
+            with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(InvalidInputError, match="autocast"):
+                model(**image_inputs(prompt, 5))
+            served = model(**image_inputs(prompt, 5)).logits
+            reference = clean(**image_inputs(prompt, 5)).logits
+        torch.testing.assert_close(served, reference, atol=1e-5, rtol=0)
+    finally:
+        store.close()

@@ -345,3 +345,49 @@ def test_caller_positions_that_move_the_text_after_an_image_are_not_reused_past_
             assert cache.reused_tokens <= most and (most == 0 or cache.reused_tokens > 0)
             store.flush()
     store.close()
+
+
+@torch.no_grad()
+def test_an_image_fed_as_a_one_token_forward_is_never_reused_for_another_image(model):
+    """Direct forwards feeding a prompt in pieces, its one-token image (with its pixels) alone: the hooks key or limit
+    only forwards of several tokens, so the raw placeholder id was recorded and admitted with the first image's KV,
+    and the same pieces with another image reused it past the placeholder (20 tokens; last logits off by 0.03). Now
+    a one-token forward with media inputs limits what is admitted to the columns before its placeholder."""
+    prompt = TEXT + [START, IMAGE, END] + list(range(20, 30))
+    ids, column = torch.tensor([prompt]), prompt.index(IMAGE)
+
+    def pieces(image, cache):
+        logits = []
+        for start, stop in ((0, column), (column, column + 1), (column + 1, len(prompt))):
+            extra = {"pixel_values": pixels(image), "image_grid_thw": GRID} if start == column else {}
+            logits.append(model(input_ids=ids[:, start:stop], mm_token_type_ids=(ids[:, start:stop] == IMAGE).int(),
+                                past_key_values=cache, **extra).logits[:, -1])
+        return logits[-1]
+
+    store = PrefixStore(model, capacity="64MB")
+    for image in (1, 1, 2):
+        reference = model(input_ids=ids, pixel_values=pixels(image), image_grid_thw=GRID,
+                          mm_token_type_ids=(ids == IMAGE).int()).logits[:, -1]
+        cache = HybridPrefixCache(store)
+        torch.testing.assert_close(pieces(image, cache), reference, atol=1e-5, rtol=0)
+    match = store.match(prompt)
+    assert match.length <= column  # the placeholder id itself was never admitted
+    store.release(match)
+    store.close()
+
+
+def test_a_new_prompt_with_text_where_a_used_cache_holds_an_image_is_refused(model):
+    """generate() over a used cache checks that the input starts with the tokens it holds; a held image's content
+    keys matched any token, so a new prompt spelling text in the image's columns passed, and generate ran its tail on
+    the old image's KV. A key now stands only for a placeholder id in the input."""
+    prompt = TEXT + [START] + [IMAGE] * 4 + [END] + list(range(20, 30))
+    store = PrefixStore(model, capacity="64MB")
+    cache = HybridPrefixCache(store)
+    first = model.generate(**image_inputs(prompt, 1), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                           past_key_values=cache)
+    other = first.clone()
+    other[0, prompt.index(IMAGE): prompt.index(END)] = torch.tensor([40, 41, 42, 43])  # text in the image's columns
+    other = torch.cat([other, torch.tensor([[50, 51]])], dim=1)
+    with pytest.raises(InvalidInputError, match="per request"):
+        model.generate(input_ids=other, max_new_tokens=3, do_sample=False, pad_token_id=0, past_key_values=cache)
+    store.close()

@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from prefixlab.cache.multimodal import KEY_BASE
+from prefixlab.cache.multimodal import KEY_BASE, placeholder_token_ids
 from prefixlab.errors import InvalidInputError
 
 
@@ -84,7 +84,7 @@ def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch
     generate takes the input for the held tokens followed by new ones only where it is longer than them and a mask,
     if any, is as long as the input (else the hooks check its positions). Without `cut` (Mamba2's cache_params, no
     positions to check) every input must continue the held tokens so. Multimodal content keys stand for any
-    placeholder."""
+    placeholder id (not for text)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         return
     seen, held = cache.get_seq_length(), cache.held_tokens()
@@ -94,8 +94,7 @@ def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch
         masked_apart = isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != input_ids.shape[1]
         if cut and masked_apart:
             return  # only the new tokens were passed (the mask spans the held ones too): generate does not cut
-        if input_ids.shape[1] > seen and held.shape[1] == seen and bool(
-                ((input_ids[:, :seen].cpu() == held) | (held >= KEY_BASE)).all()):
+        if input_ids.shape[1] > seen and held.shape[1] == seen and _same_tokens(cache, input_ids[:, :seen].cpu(), held):
             return
     cache.reset()
     raise InvalidInputError(
@@ -104,6 +103,17 @@ def check_continues(cache, input_ids: torch.Tensor | None, attention_mask: torch
         "states; use a new HybridPrefixCache(store) per request. This cache is reset now (the request it held was "
         "admitted)"
     )
+
+
+def _same_tokens(cache, fed: torch.Tensor, held: torch.Tensor) -> bool:
+    """Whether `fed` [batch, seen] are the `held` tokens, a held content key standing for a placeholder id of the
+    model (the pixels behind it are not compared; text in its column is another prompt)."""
+    same = fed == held
+    keyed = held >= KEY_BASE
+    if bool(keyed.any()):
+        placeholders = torch.tensor(placeholder_token_ids(cache.store.model.config), dtype=fed.dtype)
+        same |= keyed & torch.isin(fed, placeholders)
+    return bool(same.all())
 
 
 def shadow(model: torch.nn.Module, name: str, wrapper) -> weakref.ref:

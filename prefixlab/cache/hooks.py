@@ -41,6 +41,7 @@ from prefixlab.cache.multimodal import (
     TOKEN_KEYS,
     MediaTokens,
     computes_positions,
+    has_multimodal_inputs,
     text_only,
     with_model_positions,
 )
@@ -272,7 +273,9 @@ def _continuing(module, cache: ModelDrivenCache, kwargs: dict, media: MediaToken
     elif not continues_plainly(kwargs, seen, cache.row_pads, mrope, getattr(cache, "row_ends", None)):
         cache.admit_nothing()  # other positions past its first column, or pads among its tokens: run as given
         resume = False
-    if resume and length > 1:  # more of a prompt (chunked prefill, a later turn): the store may hold it already
+    # more of a prompt (chunked prefill, a later turn): the store may hold it already. A one-token forward with media
+    # inputs too (an image's placeholder fed alone): keyed, or else what is admitted stops before its placeholder
+    if resume and (length > 1 or has_multimodal_inputs(kwargs)):
         kwargs = media.keyed(module, kwargs, first=False)
         skip = cache.resume_further(kwargs.get(TOKEN_KEYS, kwargs["input_ids"]), _logits_tokens(kwargs),
                                     media.reusable(kwargs), kwargs.get("attention_mask"), kwargs.get("position_ids"))

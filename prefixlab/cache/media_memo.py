@@ -6,7 +6,8 @@ most of what such a request still computes. Models whose images the hooks key (`
 a digest of the pixels, the grid, the dtype, shape and device, and the model's weights version; the encoder's output
 for the same key is the same computation on the same inputs. Least recently used outputs go past `capacity_bytes`
 (per model: the largest any open store on it asks for, `PrefixStore(media_cache=...)`); calls with other options
-(attentions, hidden states), with autograd on (a training step: its vision tower needs its own graph) or in
+(attentions, hidden states), with autograd on (a training step: its vision tower needs its own graph), under
+torch.autocast (another precision than the weights'; the matmul precision settings are part of the key) or in
 training mode (dropout draws a sample per call) are not memoized, and a request's namespace is part of the key (one
 tenant never skips the vision tower on another's image). Each call gets its own copy of the output object
 (generate() rewrites its fields when it expands a batch), sharing the tensors. The digest reads every pixel byte on
@@ -26,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from prefixlab.cache.model_info import numeric_context
 from prefixlab.cache.weights import weights_version
 
 MEDIA_CACHE_BYTES = 256 * 2**20  # the default PrefixStore(media_cache=...)
@@ -79,8 +81,9 @@ class FeatureMemo:
         return memoized
 
     def _key(self, signature: inspect.Signature, var_keyword: str | None, args: tuple, kwargs: dict) -> bytes | None:
-        """A digest of the call's arguments (tensors by dtype, shape, device and bytes); None: not memoized (options
-        other than return_dict, arguments that are not tensors or plain values, or no budget)."""
+        """A digest of the call's arguments (tensors by dtype, shape, device and bytes) and of the matmul precision
+        settings; None: not memoized (options other than return_dict, arguments that are not tensors or plain values,
+        torch.autocast on for their device, or no budget)."""
         try:
             arguments = dict(signature.bind(*args, **kwargs).arguments)
         except TypeError:
@@ -89,8 +92,11 @@ class FeatureMemo:
         if self.capacity_bytes <= 0 or set(extra) - {"return_dict"}:
             return None
         digest = hashlib.blake2b(digest_size=16)
+        digest.update(repr(numeric_context()).encode())  # (TF32 / bf16 matmul passes change the output too)
         for name, value in sorted({**arguments, **extra}.items()):
             if isinstance(value, torch.Tensor):
+                if torch.is_autocast_enabled(value.device.type):  # computed in another precision than the weights'
+                    return None
                 digest.update(str((name, value.dtype, tuple(value.shape), str(value.device))).encode())
                 digest.update(memoryview(value.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))
             elif value is None or isinstance(value, bool | int | float | str):
