@@ -234,7 +234,9 @@ def plot(served: list[Served], path: str) -> None:
     hits.legend()
     fig.suptitle("prefixlab demo: tiny Qwen3.5-architecture hybrid on CPU")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from prefixlab.sim.report import save_plot
+
+    save_plot(fig, path, dpi=120)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,3 +48,33 @@ def test_out_through_a_symlink_updates_its_target_and_a_pipe_is_refused(capsys, 
 def test_an_out_that_cannot_be_written_is_a_clear_error(capsys, files):  # noqa: F811
     assert main(["run", files / "prompts.jsonl", "--model", files / "config.json", "--out", "/proc/out.jsonl"]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.name != "posix", reason="OUT.lock is an flock (POSIX)")
+def test_a_claim_racing_the_end_of_another_run_still_excludes_a_third(tmp_path, monkeypatch):
+    """A run ends by unlinking OUT.lock, then closing it: a run that opened the file just before (the old inode) and
+    locked it just after held a lock on a file no longer at OUT.lock, so a third run created a new OUT.lock, locked it
+    too, and two runs appended to the same part files."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    path = tmp_path / "out.jsonl.lock"
+    ending = open(path, "a")  # noqa: SIM115 (an earlier run, holding OUT)
+    fcntl.flock(ending, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    real_flock = fcntl.flock
+
+    def flock_after_the_earlier_run_ends(handle, operation):
+        if not ending.closed:  # the earlier run's release() lands between this claim's open and its flock
+            path.unlink()
+            ending.close()
+        return real_flock(handle, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_the_earlier_run_ends)
+    try:
+        outputs.claim(out)
+        monkeypatch.setattr(fcntl, "flock", real_flock)
+        with open(path, "a") as third, pytest.raises(OSError):  # a third run's claim must find OUT taken
+            fcntl.flock(third, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        outputs.release(out)
+    assert not path.exists()

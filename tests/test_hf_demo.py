@@ -85,3 +85,16 @@ def test_demo_checks_the_plot_path_before_serving(monkeypatch, tmp_path, capsys)
     for path, message in ((tmp_path / "demo.txt", ".png, .pdf or .svg"), (tmp_path / "no" / "d.png", "does not exist")):
         assert main(["demo", "--requests", "2", "--plot", str(path)]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="needs Linux's /proc, where no file is created")
+def test_a_plot_that_cannot_be_written_is_a_one_line_error(tmp_path):
+    """--plot passed check_plot_path (a .png in an existing folder), then the demo and the Hydragen sweep ended in
+    matplotlib's OSError traceback after the whole run, where simulate's plots say they cannot write."""
+    from prefixlab.bench.hydragen import plot_sweep
+    from prefixlab.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="cannot write"):
+        demo.plot([], "/proc/demo.png")
+    with pytest.raises(InvalidInputError, match="cannot write"):
+        plot_sweep([], "/proc/sweep.png")

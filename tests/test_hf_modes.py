@@ -75,3 +75,25 @@ def test_submodules_in_training_mode_are_refused_in_an_eval_model(tmp_path):
     store.save(tmp_path / "store.safetensors")  # a checkpoint inside a training script: saving computes nothing
     model.eval()
     assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))
+
+
+def test_moe_jitter_noise_in_training_mode_is_refused_like_dropout():
+    """MiniMax / Mixtral / PhiMoE routers multiply their input by random noise in training mode (router_jitter_noise):
+    only dropout was checked, so a training-mode request stored random KV and states that later eval requests reused
+    (no dropout module, no attention_dropout: accepted)."""
+    model = build("minimax")
+    store = PrefixStore(model, capacity="64MB")
+    prompt = tokens(1, 16, seed=12)
+    blocks = [m for m in model.modules() if hasattr(m, "jitter_noise")]
+    assert blocks
+    model.train()
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))  # jitter 0
+    before = store.stats()
+    for block in blocks:
+        block.jitter_noise = 0.5
+    with pytest.raises(InvalidInputError, match=r"jitter_noise.*call model.eval\(\)"):
+        generate(model, tokens(1, 16, seed=13), HybridPrefixCache(store))
+    after = store.stats()
+    assert all(after[key] == before[key] for key in ("hit_sequences", "used_bytes", "checkpoints", "nodes"))
+    model.eval()  # eval mode: no noise whatever its rate
+    assert torch.equal(generate(model, prompt, HybridPrefixCache(store)), generate(model, prompt))

@@ -173,6 +173,8 @@ def _bad(**overrides):
         (dict(suffix_mask=torch.ones(3, 2, 3, dtype=torch.bool)), "suffix_mask has shape"),
         (dict(method="fast"), "method='fast'"),
         (dict(suffix_lengths=[2.5, 3, 4]), "must be integers"),
+        (dict(suffix_lengths=[3, "4", 4]), "must be integers"),  # (was torch's TypeError from as_tensor)
+        (dict(suffix_lengths="344"), "must be integers"),
         (dict(scale=float("nan")), "finite number"),
         (dict(scale="0.3"), "finite number"),
         (dict(scale=True), "finite number"),

@@ -85,6 +85,18 @@ def test_trace_build_agentic_few_shot_and_mix(capsys, tmp_path):
     assert agent.read_bytes() == before
 
 
+def test_trace_build_mix_names_never_collide(capsys, tmp_path):
+    # a file whose stem is another's second name (shots#2) and the same stem twice: every trace still gets its own
+    (tmp_path / "b").mkdir()
+    shots, shots2, other, mixed = (tmp_path / "shots.jsonl", tmp_path / "shots#2.jsonl", tmp_path / "b" / "shots.jsonl",
+                                   tmp_path / "mix.jsonl")
+    for path, seed in ((shots, "0"), (shots2, "1"), (other, "2")):
+        assert run(capsys, "trace", "build", "few-shot", "--num-requests", "3", "--seed", seed, "-o", path)[0] == 0
+    assert run(capsys, "trace", "build", "mix", shots, shots2, other, "-o", mixed)[0] == 0
+    names = {r.session_id.split("/")[0] for r in read_trace(mixed)}
+    assert len(names) == 3 and {"shots", "shots#2"} <= names
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs Linux's /proc, where no file can be created")
 def test_trace_build_to_a_place_that_cannot_be_written(capsys):
     assert_one_line_error(capsys, "trace", "build", "builtin", "-o", "/proc/trace.jsonl", match="cannot write")

@@ -193,7 +193,10 @@ def plan_tree(
     if suffix_lengths is not None:
         if suffix_mask is not None:
             raise InvalidInputError("give suffix_mask or suffix_lengths, not both")
-        lengths_t = torch.as_tensor(suffix_lengths).reshape(-1)
+        try:
+            lengths_t = torch.as_tensor(suffix_lengths).reshape(-1)
+        except (TypeError, ValueError, RuntimeError):  # (strings, ragged lists: torch's own message)
+            raise InvalidInputError(f"suffix_lengths must be integers, got {suffix_lengths!r}") from None
         if lengths_t.is_floating_point() or lengths_t.is_complex() or lengths_t.dtype == torch.bool:
             raise InvalidInputError(f"suffix_lengths must be integers, got {lengths_t.tolist()} ({lengths_t.dtype})")
         if lengths_t.numel() != batch:

@@ -159,7 +159,7 @@ def plot_sweep(results: list[dict], path: str) -> None:
     in a CUDA graph dashed where measured); written with the Agg canvas."""
     from matplotlib.figure import Figure
 
-    from prefixlab.sim.report import check_plot_path
+    from prefixlab.sim.report import check_plot_path, save_plot
 
     path = check_plot_path(path)
     figure = Figure(figsize=(6, 4), layout="constrained")
@@ -178,7 +178,7 @@ def plot_sweep(results: list[dict], path: str) -> None:
     axes.set_xticks(batches, [str(b) for b in batches])
     axes.minorticks_off()
     axes.legend()
-    figure.savefig(path)
+    save_plot(figure, path)
 
 
 def _run(args: argparse.Namespace) -> int:

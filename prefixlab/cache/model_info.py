@@ -276,11 +276,11 @@ def numeric_context() -> tuple:
 
 def check_deterministic(model: torch.nn.Module, modules: list[torch.nn.Module] | None = None) -> None:
     """InvalidInputError under torch.autocast (the model then computes in another precision than its dtype: entries
-    would be exact for neither), or if `model` is in training mode with dropout active (its outputs are random then,
-    so what it computes can neither be stored as the prefix's KV and states nor stand in for them) or gradient
-    checkpointing on (its layers then ignore the cache). `modules` (all of the model's, e.g. a kept walk's): a model
-    in eval mode is checked for submodules in training mode too (Monte-Carlo dropout: `model.eval()`, then some
-    modules `.train()`)."""
+    would be exact for neither), or if `model` is in training mode with dropout or MoE router jitter noise active
+    (its outputs are random then, so what it computes can neither be stored as the prefix's KV and states nor stand
+    in for them) or gradient checkpointing on (its layers then ignore the cache). `modules` (all of the model's,
+    e.g. a kept walk's): a model in eval mode is checked for submodules in training mode too (Monte-Carlo dropout:
+    `model.eval()`, then some modules `.train()`)."""
     device_type = execution_device(model).type
     if torch.is_autocast_enabled(device_type):
         raise InvalidInputError(
@@ -298,12 +298,24 @@ def check_deterministic(model: torch.nn.Module, modules: list[torch.nn.Module] |
             "(transformers runs them with use_cache=False), so a reused prefix would be silently ignored; call "
             "model.eval() (or model.gradient_checkpointing_disable()) before running it with a HybridPrefixCache"
         )
-    active = [name for name, module in model.named_modules() if module.training and (
-        (isinstance(module, _DROPOUTS) and module.p > 0)
-        or (isinstance(getattr(module, "attention_dropout", None), float) and module.attention_dropout > 0))]
+    active = [f"{name}.{attribute}" if attribute else name for name, module in model.named_modules()
+              if module.training for attribute in _random_in_training(module)]
     if active:
         raise InvalidInputError(
-            f"the model (or some of its modules) is in training mode with dropout active ({', '.join(active[:3])}"
-            f"{', ...' if len(active) > 3 else ''}): its outputs are random, so prefixes cannot be reused or stored "
-            "exactly; call model.eval() before running it with a HybridPrefixCache"
+            f"the model (or some of its modules) is in training mode with dropout active or MoE jitter noise "
+            f"({', '.join(active[:3])}{', ...' if len(active) > 3 else ''}): its outputs are random, so prefixes "
+            "cannot be reused or stored exactly; call model.eval() before running it with a HybridPrefixCache"
         )
+
+
+# rates transformers' modules apply only in training mode, by attribute: attention dropout, and the noise MoE routers
+# multiply their input by (MiniMax, Mixtral, PhiMoE: router_jitter_noise / input_jitter_noise)
+_RANDOM_RATES = ("attention_dropout", "jitter_noise", "router_jitter_noise", "input_jitter_noise")
+
+
+def _random_in_training(module: torch.nn.Module) -> list[str]:
+    """What makes `module` random in training mode: "" for a dropout module with p > 0, else its rate attributes > 0."""
+    if isinstance(module, _DROPOUTS):
+        return [""] if module.p > 0 else []
+    return [name for name in _RANDOM_RATES
+            if isinstance(rate := getattr(module, name, None), float) and rate > 0]

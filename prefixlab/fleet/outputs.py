@@ -98,17 +98,28 @@ def claim(out: Path) -> None:
         import fcntl
     except ImportError:
         return
-    try:
-        handle = open(out.with_name(out.name + ".lock"), "a")  # noqa: SIM115 (held across the run)
-    except OSError as err:
-        raise InvalidInputError(f"cannot write next to {out} ({err.strerror}); pass an --out in a folder you can "
-                                "write to") from None
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    path = out.with_name(out.name + ".lock")
+    while True:
+        try:
+            handle = open(path, "a")  # noqa: SIM115 (held across the run)
+        except OSError as err:
+            raise InvalidInputError(f"cannot write next to {out} ({err.strerror}); pass an --out in a folder you "
+                                    "can write to") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise InvalidInputError(f"{out} is being written by another prefixlab run ({out.name}.lock is held); "
+                                    "wait for it to finish or pass another --out") from None
+        # a run ending unlinks the file before it lets go: a lock on that unlinked file would not exclude the next
+        # run, which creates a new OUT.lock; the lock counts only while the file is still the one at OUT.lock
+        try:
+            now, held = os.stat(path), os.fstat(handle.fileno())
+            if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+                break
+        except FileNotFoundError:
+            pass
         handle.close()
-        raise InvalidInputError(f"{out} is being written by another prefixlab run ({out.name}.lock is held); wait "
-                                "for it to finish or pass another --out") from None
     _CLAIMS[out] = handle
 
 

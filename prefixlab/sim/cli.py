@@ -280,6 +280,19 @@ def run_trace_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _unique_names(stems: list[str]) -> list[str]:
+    """Each trace's session-id prefix: its file's stem, a stem taken already gets #2, #3, ... (the first free one: a
+    file may itself be named shots#2)."""
+    names: list[str] = []
+    for stem in stems:
+        name, k = stem, 1
+        while name in names:
+            k += 1
+            name = f"{stem}#{k}"
+        names.append(name)
+    return names
+
+
 def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
     """`trace build agentic|few-shot|mix` (prefixlab.sim.workloads)."""
     from prefixlab.sim import workloads
@@ -287,9 +300,7 @@ def _synthetic_trace(args: argparse.Namespace) -> list[Request]:
     if args.kind == "mix":
         traces = [formats.read_trace(path, check_on_error(args.on_error), salt=k)  # (Mooncake ids are per file)
                   for k, path in enumerate(args.traces)]
-        stems = [Path(path).stem for path in args.traces]  # a file named twice gets #2, #3, ...
-        names = [f"{stem}#{stems[:k].count(stem) + 1}" if stem in stems[:k] else stem for k, stem in enumerate(stems)]
-        return workloads.mix_traces(traces, names)
+        return workloads.mix_traces(traces, _unique_names([Path(path).stem for path in args.traces]))
     seed = parse_number(args.seed, "--seed", integer=True, strict=False)
     if args.kind == "agentic":
         return workloads.agentic_trace(seed, parse_number(args.sessions, "--sessions", integer=True))

@@ -134,10 +134,10 @@ def check_plot_path(path: str | Path) -> Path:
     return path
 
 
-def _save(figure, path: Path) -> None:
-    """`figure.savefig(path)`; a path that cannot be written is InvalidInputError."""
+def save_plot(figure, path: str | Path, **options) -> None:
+    """`figure.savefig(path, **options)`; a path that cannot be written is InvalidInputError (every --plot)."""
     try:
-        figure.savefig(path)
+        figure.savefig(path, **options)
     except OSError as err:
         raise InvalidInputError(f"--plot {str(path)!r}: cannot write it ({err.strerror}); pass a path you can write "
                                 "to") from None
@@ -157,7 +157,7 @@ def plot_hit_rates(rows: list[dict[str, Any]], path: str | Path) -> None:
         axes.axhline(rows[0]["ceiling_token_hit_rate"], color="gray", linestyle="--", label="infinite cache")
     axes.set(xlabel="cache capacity (GB)", ylabel="token hit rate (%)", ylim=(0, 100))
     axes.legend()
-    _save(figure, path)
+    save_plot(figure, path)
 
 
 ROUTING_COLORS = {"random": "tab:red", "round-robin": "tab:orange", "affinity": "tab:blue", "one cache": "tab:gray"}
@@ -196,4 +196,4 @@ def plot_fleet(rows: list[dict[str, Any]], path: str | Path) -> None:
     axes.set_xticks(replicas, [str(n) for n in replicas])
     axes.minorticks_off()
     figure.legend(loc="outside right upper", fontsize="small")
-    _save(figure, path)
+    save_plot(figure, path)
